@@ -1,0 +1,83 @@
+"""The policy interface the engine calls every step, and the simplest policy (fixed γ)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What a policy may know about one running request when it decides.
+
+    `recent_accepted` holds the accepted draft-token counts (bonus excluded) of the request's
+    last verification steps, newest last, each with the γ it was drafted at in `recent_gammas`.
+    `lag` is how many tokens the draft model has not yet seen target features for: the catch-up
+    work (Nightjar's switching cost) a γ > 0 decision pays this step.
+    """
+
+    request_id: str
+    recent_gammas: tuple[int, ...] = ()
+    recent_accepted: tuple[int, ...] = ()
+    last_gamma: int = 0
+    lag: int = 0
+    context_len: int = 0
+    drafter: str = "none"
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """The running batch the engine is about to draft and verify."""
+
+    batch_size: int
+    requests: tuple[RequestView, ...]
+    step: int = 0
+    max_gamma: int = 8
+
+
+@dataclass(frozen=True)
+class StepFeedback:
+    """What happened in the step a decision was made for; times in milliseconds."""
+
+    batch_size: int
+    gammas: tuple[int, ...]
+    accepted: tuple[int, ...]
+    step_ms: float
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+
+    @property
+    def emitted_tokens(self) -> int:
+        return sum(a + 1 for a in self.accepted)
+
+
+@runtime_checkable
+class GammaPolicy(Protocol):
+    """Chooses γ per request for a step and learns from the step's outcome."""
+
+    name: str
+
+    def decide(self, ctx: StepContext) -> list[int]:
+        """Return one γ ≥ 0 per request in `ctx.requests`, in order (each ≤ ctx.max_gamma)."""
+        ...
+
+    def observe(self, feedback: StepFeedback) -> None:
+        """Called after every step with what the decided γs produced."""
+        ...
+
+
+class FixedGamma:
+    """Static γ for every request and batch size; γ = 0 is plain decoding."""
+
+    def __init__(self, gamma: int) -> None:
+        if gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {gamma}")
+        self.gamma = gamma
+        self.name = f"static-{gamma}"
+
+    def decide(self, ctx: StepContext) -> list[int]:
+        g = min(self.gamma, ctx.max_gamma)
+        return [g] * len(ctx.requests)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        return None
