@@ -1,0 +1,124 @@
+from tide.proto.tide.v1 import common_pb2 as _common_pb2
+from tide.proto.tide.v1 import inference_pb2 as _inference_pb2
+from tide.proto.tide.v1 import trainer_pb2 as _trainer_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetControllerStateRequest(_message.Message):
+    __slots__ = ("target_model", "max_decisions")
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    target_model: str
+    max_decisions: int
+    def __init__(self, target_model: _Optional[str] = ..., max_decisions: _Optional[int] = ...) -> None: ...
+
+class DraftStats(_message.Message):
+    __slots__ = ("draft_version", "accept_length_ema_short", "accept_length_ema_long", "verify_steps", "tokens", "last_update_unix_s")
+    DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_LENGTH_EMA_SHORT_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_LENGTH_EMA_LONG_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_UPDATE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    draft_version: str
+    accept_length_ema_short: float
+    accept_length_ema_long: float
+    verify_steps: int
+    tokens: int
+    last_update_unix_s: float
+    def __init__(self, draft_version: _Optional[str] = ..., accept_length_ema_short: _Optional[float] = ..., accept_length_ema_long: _Optional[float] = ..., verify_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., last_update_unix_s: _Optional[float] = ...) -> None: ...
+
+class CollectionState(_message.Message):
+    __slots__ = ("enabled", "reason", "tokens_collected", "tokens_needed", "since_unix_s")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COLLECTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    reason: str
+    tokens_collected: int
+    tokens_needed: int
+    since_unix_s: float
+    def __init__(self, enabled: _Optional[bool] = ..., reason: _Optional[str] = ..., tokens_collected: _Optional[int] = ..., tokens_needed: _Optional[int] = ..., since_unix_s: _Optional[float] = ...) -> None: ...
+
+class TargetState(_message.Message):
+    __slots__ = ("target_model", "draft_version", "drafts", "collection", "speculation", "gamma_policy", "last_training")
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTION_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_POLICY_FIELD_NUMBER: _ClassVar[int]
+    LAST_TRAINING_FIELD_NUMBER: _ClassVar[int]
+    target_model: str
+    draft_version: str
+    drafts: _containers.RepeatedCompositeFieldContainer[DraftStats]
+    collection: CollectionState
+    speculation: _inference_pb2.SpeculationSchedule
+    gamma_policy: _inference_pb2.GammaPolicy
+    last_training: _trainer_pb2.TrainingOutcome
+    def __init__(self, target_model: _Optional[str] = ..., draft_version: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftStats, _Mapping]]] = ..., collection: _Optional[_Union[CollectionState, _Mapping]] = ..., speculation: _Optional[_Union[_inference_pb2.SpeculationSchedule, _Mapping]] = ..., gamma_policy: _Optional[_Union[_inference_pb2.GammaPolicy, _Mapping]] = ..., last_training: _Optional[_Union[_trainer_pb2.TrainingOutcome, _Mapping]] = ...) -> None: ...
+
+class DecisionRecord(_message.Message):
+    __slots__ = ("decision", "applied_to", "failed")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_TO_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    decision: _inference_pb2.Decision
+    applied_to: _containers.RepeatedScalarFieldContainer[str]
+    failed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, decision: _Optional[_Union[_inference_pb2.Decision, _Mapping]] = ..., applied_to: _Optional[_Iterable[str]] = ..., failed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "address", "target_model", "registered_unix_s", "last_seen_unix_s", "last_decision_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    target_model: str
+    registered_unix_s: float
+    last_seen_unix_s: float
+    last_decision_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., target_model: _Optional[str] = ..., registered_unix_s: _Optional[float] = ..., last_seen_unix_s: _Optional[float] = ..., last_decision_id: _Optional[str] = ...) -> None: ...
+
+class ControllerState(_message.Message):
+    __slots__ = ("targets", "recent_decisions", "workers")
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedCompositeFieldContainer[TargetState]
+    recent_decisions: _containers.RepeatedCompositeFieldContainer[DecisionRecord]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, targets: _Optional[_Iterable[_Union[TargetState, _Mapping]]] = ..., recent_decisions: _Optional[_Iterable[_Union[DecisionRecord, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class ReportTrainingOutcomeResponse(_message.Message):
+    __slots__ = ("recorded",)
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
+    recorded: bool
+    def __init__(self, recorded: _Optional[bool] = ...) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "address", "target_model")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    target_model: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., target_model: _Optional[str] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("current",)
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    current: _inference_pb2.Decision
+    def __init__(self, current: _Optional[_Union[_inference_pb2.Decision, _Mapping]] = ...) -> None: ...
