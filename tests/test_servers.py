@@ -1,0 +1,87 @@
+"""tide.servers: real local Redis / SeaweedFS processes, and the shared fixtures built on them."""
+
+from __future__ import annotations
+
+import io
+import socket
+
+import pytest
+import redis
+from minio import Minio
+from minio.error import S3Error
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tide.servers import BinaryNotFound, RedisServer, S3Server, ServerError, find_redis_server
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_redis_server_lifecycle_without_persistence(tmp_path):
+    with RedisServer(workdir=tmp_path) as server:
+        assert server.running and server.startup_s is not None
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        assert client.config_get("save")["save"] == ""
+        assert client.config_get("appendonly")["appendonly"] == "no"
+        assert client.config_get("bind")["bind"] == "127.0.0.1"
+        client.xadd("s", {"k": "v"})
+        assert client.xlen("s") == 1
+        client.close()
+        port = server.port
+    assert not server.running
+    assert not _port_open(port)
+    assert server.log_path.exists()  # workdir was ours to keep
+
+
+def test_redis_server_with_password(tmp_path):
+    with RedisServer(workdir=tmp_path, password="s3cret") as server:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=server.port, retry=Retry(NoBackoff(), 0)).ping()
+        assert redis.Redis.from_url(server.url).ping()
+
+
+def test_startup_failure_names_the_log(tmp_path):
+    with RedisServer(workdir=tmp_path / "a") as first:
+        clash = RedisServer(port=first.port, workdir=tmp_path / "b", startup_timeout_s=5)
+        with pytest.raises(ServerError) as err:
+            clash.start()
+        assert str(clash.log_path) in str(err.value)
+        assert "in use" in str(err.value).lower()
+        assert not clash.running
+
+
+def test_missing_binary_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TIDE_REDIS_SERVER_BIN", "/nonexistent/redis-server")
+    with pytest.raises(BinaryNotFound, match="/nonexistent/redis-server"):
+        find_redis_server()
+    with pytest.raises(BinaryNotFound, match="weed"):
+        S3Server(binary="/nonexistent/weed")
+
+
+def test_s3_server_authenticates_and_stops(tmp_path):
+    server = S3Server(workdir=tmp_path, access_key="tideaccess", secret_key="tidesecret123")
+    with server:
+        assert server.startup_s is not None and server.startup_s < 30
+        client = server.endpoint.client()
+        client.make_bucket("b-lifecycle")
+        client.put_object("b-lifecycle", "k", io.BytesIO(b"x" * 1000), 1000)
+        assert client.stat_object("b-lifecycle", "k").size == 1000
+        wrong = Minio(server.endpoint.endpoint, access_key="tideaccess", secret_key="wrong", secure=False)
+        with pytest.raises(S3Error):
+            wrong.list_buckets()
+        port = server.port
+    assert not server.running
+    assert not _port_open(port)
+
+
+def test_shared_fixtures(redis_client, s3_client, s3_bucket, unique_prefix):
+    assert unique_prefix.startswith("t-test-shared-fixtures-")
+    redis_client.set(f"{unique_prefix}:k", b"v")
+    assert redis_client.get(f"{unique_prefix}:k") == b"v"
+    s3_client.put_object(s3_bucket, "a/b", io.BytesIO(b"hello"), 5)
+    assert [o.object_name for o in s3_client.list_objects(s3_bucket, recursive=True)] == ["a/b"]

