@@ -1,0 +1,214 @@
+"""Llama-family target forward (Llama 2/3, SmolLM2, Qwen2-style qkv bias) over a slot KV cache.
+
+Weights are plain tensors with fused projections (q|k|v and gate|up, one matmul each) to keep
+per-step operator count low: at batch 1 a decode step is bound by per-op overhead, not FLOPs.
+The forward also hands out, with no extra pass, the EAGLE-3 auxiliary states (outputs of layers
+`aux_layers`, concatenated) and the final post-norm state of every token it processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from tide.layers import Linear, apply_rope, grouped_attention, rms_norm, rope_inv_freq, rope_table
+from tide.target import TargetFiles
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> LlamaConfig:
+        # transformers 5 nests RoPE settings in `rope_parameters`; 4.x uses rope_theta/rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        heads = int(cfg["num_attention_heads"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 has biases on q/k/v only; Llama's `attention_bias` adds them there too.
+            attention_bias=bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def aux_layers(self) -> tuple[int, int, int]:
+        """Layers whose outputs EAGLE-3 drafts consume: SGLang's and vLLM's default choice."""
+        n = self.num_layers
+        return (1, n // 2 - 1, n - 4)
+
+
+@dataclass
+class ForwardBatch:
+    """One padded forward over B sequences with up to q new tokens each.
+
+    positions[b, j] = start_b + j. Rows j >= new_tokens[b] are padding: computed, written into
+    the cache beyond the sequence's length (harmless), and ignored by the caller.
+    `kv_len` = max over b of (start_b + q): how much of each cache row attention reads.
+    """
+
+    input_ids: torch.Tensor  # [B, q] long
+    positions: torch.Tensor  # [B, q] long
+    slots: torch.Tensor  # [B] long, KV-cache rows
+    kv_len: int
+    mask: torch.Tensor | None  # [B, 1, q, kv_len] bool (True = attend) or None (batch 1 decode)
+    slot_range: tuple[int, int] | None = None  # set when slots == range(a, b): cache read is a view
+    logits_rows: torch.Tensor | None = None  # rows of the flattened [B*q] to compute logits for
+    capture: bool = False  # also return aux + final states for every token
+
+
+class KVCache:
+    """Per-layer K/V tensors [slots, kv_heads, max_len, head_dim]; a sequence owns one slot.
+
+    Rolling back rejected tokens is free: the owner just shortens the sequence's length, and
+    later writes overwrite the stale positions.
+    """
+
+    def __init__(self, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype, device) -> None:
+        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.max_len = max_len
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class LlamaModel:
+    """The target model: weights + a forward over the slot cache."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
+                             w[p + "self_attn.v_proj.weight"]])
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([w[p + "self_attn.q_proj.bias"], w[p + "self_attn.k_proj.bias"],
+                                  w[p + "self_attn.v_proj.bias"]])
+            self.layers.append((
+                w[p + "input_layernorm.weight"],
+                Linear(qkv, bias),
+                Linear(w[p + "self_attn.o_proj.weight"]),
+                w[p + "post_attention_layernorm.weight"],
+                Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+                Linear(w[p + "mlp.down_proj.weight"]),
+            ))
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_table(inv_freq, cfg.max_position_embeddings + 64)
+        self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        self._aux = set(cfg.aux_layers)
+
+    @classmethod
+    def load(cls, target: TargetFiles, dtype: torch.dtype = torch.bfloat16, device="cpu") -> LlamaModel:
+        cfg = LlamaConfig.from_hf(target.config)
+        weights: dict[str, torch.Tensor] = {}
+        for file in target.safetensors_files():
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    weights[name] = f.get_tensor(name)
+        return cls(cfg, weights, dtype, device)
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
+
+    # Up to this many query tokens per sequence use `grouped_attention` (decode and verify);
+    # longer forwards (prefill) use SDPA's flash kernel.
+    SMALL_Q = 16
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, cache: KVCache):
+        """Return (logits [R, V] for `fb.logits_rows` (all rows if None), final [B, q, H] post-norm
+        states or None, aux [B, q, 3H] or None)."""
+        cfg = self.cfg
+        B, q = fb.input_ids.shape
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = F.embedding(fb.input_ids, self.embed)
+        cos = self.cos[fb.positions].unsqueeze(1)  # [B, 1, q, hd]
+        sin = self.sin[fb.positions].unsqueeze(1)
+        small = q <= self.SMALL_Q
+        bias = None
+        if small and fb.mask is not None:
+            bias = torch.zeros(fb.mask.shape, dtype=torch.float32, device=x.device)
+            bias = bias.masked_fill_(~fb.mask, float("-inf")).unsqueeze(2)  # [B, 1, 1, q, L]
+        single = B == 1 and fb.slot_range is not None
+        if single:
+            s0, p0 = fb.slot_range[0], int(fb.positions[0, 0])
+        a, b = fb.slot_range if fb.slot_range is not None else (0, 0)
+        aux = []
+        for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
+            h = rms_norm(x, ln1, cfg.rms_norm_eps)
+            qkv = qkv_proj(h)
+            # RoPE on q and k heads together: one rotation for both.
+            qk = apply_rope(qkv[..., :(nh + nkv) * hd].view(B, q, nh + nkv, hd).transpose(1, 2), cos, sin)
+            qh, kh = qk[:, :nh], qk[:, nh:]
+            vh = qkv[..., (nh + nkv) * hd:].view(B, q, nkv, hd).transpose(1, 2)
+            kc, vc = cache.k[i], cache.v[i]
+            if single:
+                kc[s0, :, p0:p0 + q] = kh[0]
+                vc[s0, :, p0:p0 + q] = vh[0]
+            else:
+                kc[fb.slots[:, None], :, fb.positions] = kh.transpose(1, 2)
+                vc[fb.slots[:, None], :, fb.positions] = vh.transpose(1, 2)
+            if fb.slot_range is not None:
+                keys, values = kc[a:b, :, :fb.kv_len], vc[a:b, :, :fb.kv_len]
+            else:
+                keys, values = kc[fb.slots, :, :fb.kv_len], vc[fb.slots, :, :fb.kv_len]
+            if small:
+                attn = grouped_attention(qh, keys, values, bias)
+            else:
+                attn = F.scaled_dot_product_attention(qh, keys, values, attn_mask=fb.mask, enable_gqa=nkv != nh)
+            x = x + o_proj(attn.transpose(1, 2).reshape(B, q, nh * hd))
+            h = rms_norm(x, ln2, cfg.rms_norm_eps)
+            gate, up = gate_up_proj(h).chunk(2, dim=-1)
+            x = x + down_proj(F.silu(gate) * up)
+            if fb.capture and i in self._aux:
+                aux.append(x)
+        final = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        flat = final.view(B * q, -1)
+        rows = flat if fb.logits_rows is None else flat.index_select(0, fb.logits_rows)
+        logits = F.linear(rows, self.lm_head)
+        if not fb.capture:
+            return logits, None, None
+        return logits, final, torch.cat(aux, dim=-1)

