@@ -45,6 +45,10 @@ class StepFeedback:
     step_ms: float
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    # Optional, per request: how many of its accepted draft tokens were already in its token
+    # cache (prompt + earlier output) before this step; () when the engine does not track it.
+    # Used by the cache-FSM policy (seed 004 §4.2, Method 3).
+    cache_hits: tuple[int, ...] = ()
 
     @property
     def emitted_tokens(self) -> int:
