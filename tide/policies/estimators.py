@@ -93,7 +93,9 @@ class RequestStates(Generic[S]):
 
     `begin(ctx, factory)` is called from `decide`: it keeps the states of the requests in the
     batch (creating new ones), drops finished requests, and remembers the order so `observe`
-    can zip `StepFeedback` fields back to requests with `items()`.
+    can zip `StepFeedback` fields back to requests with `take(n)`. `take` hands the order out
+    once and only when its length matches the feedback's, so an `observe` without a matching
+    `decide` (e.g. an engine step that decoded without asking the policy) updates nobody.
     """
 
     def __init__(self) -> None:
@@ -106,8 +108,14 @@ class RequestStates(Generic[S]):
         self._order = [r.request_id for r in ctx.requests]
         return [self._states[i] for i in self._order]
 
-    def items(self) -> list[S]:
-        return [self._states[i] for i in self._order if i in self._states]
+    def take(self, n: int) -> list[S]:
+        order, self._order = self._order, []
+        if len(order) != n:
+            return []
+        return [self._states[i] for i in order]
+
+    def __len__(self) -> int:
+        return len(self._states)
 
 
 class History:
@@ -152,4 +160,3 @@ class OffProbe:
 
     def record(self, gammas: Sequence[int]) -> None:
         self.off_steps = 0 if any(g > 0 for g in gammas) else self.off_steps + 1
-

@@ -1,0 +1,207 @@
+"""Ours: TIDE's latency model as a prior, corrected online per batch bucket, per-request α, probing.
+
+Arms are the uniform draft depths m ∈ {0..Γ} of a step, per batch bucket B (largest power of two
+≤ b). Each arm's reward — goodput, tokens per ms — is *predicted* from a model whose prior is the
+profile (seed 000 Eq. 3–5 terms) and whose parameters are corrected from every step's feedback:
+
+    G(m) = Σ_i E_i(m) / (κ(B, m+1)·T(b, m+1) + m·κ_d(B)·D(b) + c(L, b)/H)
+    E_i(m) = 1 + Σ_{j=1..m} Π_{l≤j} min(α̂_i · r_l, 0.98)
+
+The step plays argmax_m G(m) and then trims each request to the deepest token whose acceptance
+probability still pays for its verify cost (Π_{l≤k} α̂_i r_l ≥ G(m)·δ, δ = marginal verify ms per
+token of one request): hopeless requests in a batch stop drafting while good ones continue.
+
+Online corrections (all exponentially forgetting, so they follow drift):
+* κ(B, n): measured / profiled verify ms per bucket and tokens-per-sequence (falls back to the
+  bucket's mean ratio, then 1); κ_d(B) likewise for draft ms — a stale or wrong profile heals.
+* r_j: the depth-j acceptance relative to the geometric model — accepted tokens at depth j over
+  Σ α̂_i of the requests that reached depth j (prior r_j = 1 with 20 pseudo-attempts). EAGLE
+  drafts decay with depth; every step informs all depths it reached, so deep levels are learnt
+  from any γ ≥ j, not only from playing arm m = j.
+* α̂_i: seed 004 Eq. 2 counts of the request's last `history` speculation steps shrunk toward
+  the global estimate α̂_g with `prior_weight` pseudo-observations (new requests start at α̂_g).
+* c(L, b): Nightjar's switching cost (catch-up of the largest lag L), amortised over
+  `switch_horizon` = 16 steps since one catch-up enables many speculative steps.
+
+Exploration: with probability `explore` (2 %) the step plays a neighbour of the best arm so
+untried depths/latencies get measured. No deadlock: after `probe_interval` steps with speculation
+off everywhere, `probe_requests` requests (rotating) draft γ = 1 for one step to refresh α̂_g —
+and α̂_i of every request leans on α̂_g, so a recovered draft turns speculation back on.
+"""
+
+from __future__ import annotations
+
+import random
+
+from tide.policies.base import StepContext, StepFeedback
+from tide.policies.estimators import (
+    ALPHA_CAP,
+    AcceptanceEMA,
+    History,
+    OffProbe,
+    RequestStates,
+    batch_bucket,
+)
+from tide.policies.profile import LatencyProfile
+
+_DEPTH_PRIOR = 20.0  # pseudo-attempts behind r_j = 1: a few steps' evidence before trusting r_j
+
+
+class AdaptivePolicy:
+    """Model-prior goodput maximiser with online corrections, per-request trimming and probing."""
+
+    def __init__(
+        self,
+        profile: LatencyProfile,
+        max_gamma: int = 8,
+        history: int = 8,
+        prior_weight: float = 4.0,
+        alpha_decay: float = 0.95,
+        alpha_prior: float = 0.5,
+        correction_decay: float = 0.95,
+        depth_decay: float = 0.995,
+        switch_horizon: float = 16.0,
+        explore: float = 0.02,
+        probe_interval: int = 24,
+        probe_requests: int = 2,
+        seed: int = 0,
+    ) -> None:
+        self.name = "adaptive"
+        self.profile = profile
+        self.max_gamma = max_gamma
+        self.history = history
+        self.prior_weight = prior_weight
+        self.alpha = AcceptanceEMA(decay=alpha_decay, prior=(alpha_prior, 2.0))
+        self.decay = correction_decay
+        self.depth_decay = depth_decay
+        self.switch_horizon = switch_horizon
+        self.explore = explore
+        self.probe = OffProbe(probe_interval)
+        self.probe_requests = probe_requests
+        self.rng = random.Random(seed)
+        self.requests: RequestStates[History] = RequestStates()
+        self.kv: dict[tuple[int, int], float] = {}
+        self.kd: dict[int, float] = {}
+        # depth j → [accepted tokens, Σ α̂ of attempts] (index 0 unused)
+        self.depth = [[_DEPTH_PRIOR, _DEPTH_PRIOR] for _ in range(max_gamma + 1)]
+        self._pending: dict | None = None
+        self._probes = 0
+
+    # ------------------------------------------------------------------ estimates
+    def request_alpha(self, hist: History, alpha_g: float) -> float:
+        s, f = hist.counts()
+        w = self.prior_weight
+        return min((s + w * alpha_g) / (s + f + w), ALPHA_CAP)
+
+    def depth_ratio(self, j: int) -> float:
+        acc, expected = self.depth[j]
+        return acc / expected if expected > 0 else 1.0
+
+    def accept_chain(self, alpha: float, m: int) -> list[float]:
+        """P(depth 1..k all accepted) for k = 0..m (index 0 = 1.0, the bonus token)."""
+        out, p = [1.0], 1.0
+        for j in range(1, m + 1):
+            p *= min(alpha * self.depth_ratio(j), ALPHA_CAP)
+            out.append(p)
+        return out
+
+    def verify_ratio(self, bucket: int, n: int) -> float:
+        got = self.kv.get((bucket, n))
+        if got is not None:
+            return got
+        same = [v for (bb, _), v in self.kv.items() if bb == bucket]
+        return sum(same) / len(same) if same else 1.0
+
+    def _ema(self, table: dict, key, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
+
+    # ------------------------------------------------------------------ decide
+    def decide(self, ctx: StepContext) -> list[int]:
+        hists = self.requests.begin(ctx, lambda r: History(self.history))
+        n, b = len(hists), ctx.batch_size
+        gmax = min(self.max_gamma, ctx.max_gamma)
+        self._pending = None
+        if n == 0 or gmax <= 0:
+            return [0] * n
+        alpha_g = self.alpha.value
+        alphas = [self.request_alpha(h, alpha_g) for h in hists]
+        chains = {a: self.accept_chain(a, gmax) for a in set(alphas)}
+        cum = {a: [sum(ch[: k + 1]) for k in range(gmax + 1)] for a, ch in chains.items()}  # E(m)
+        bucket = batch_bucket(b)
+        t = [self.verify_ratio(bucket, m + 1) * self.profile.target_ms(b, m + 1) for m in range(gmax + 1)]
+        d = self.kd.get(bucket, 1.0) * self.profile.draft_ms(b)
+        lag = max((r.lag for r in ctx.requests), default=0)
+        switch = self.profile.catchup_ms(lag, b) / self.switch_horizon if lag > 0 else 0.0
+
+        goodput = [sum(cum[a][m] for a in alphas) / (t[m] + m * d + (switch if m else 0.0)) for m in range(gmax + 1)]
+        m = max(range(gmax + 1), key=goodput.__getitem__)
+        if self.explore > 0 and self.rng.random() < self.explore:
+            m = min(max(m + self.rng.choice((-1, 1)), 0), gmax)
+
+        if m == 0:
+            gammas = [0] * n
+            if self.probe.due():
+                self._probes += 1
+                k = min(self.probe_requests, n)
+                for i in range(k):
+                    gammas[(self._probes * k + i) % n] = 1
+        else:
+            delta = max(t[m] - t[m - 1], 0.0) / b  # ms per extra verified token of one request
+            bar = goodput[m] * delta
+            gammas = []
+            for a in alphas:
+                ch, k = chains[a], m
+                while k > 1 and ch[k] < bar:
+                    k -= 1
+                gammas.append(k)
+        self._remember(ctx, gammas, alphas)
+        return gammas
+
+    def _remember(self, ctx: StepContext, gammas: list[int], alphas: list[float]) -> None:
+        """Raw (uncorrected) profile predictions of this step, to learn κ from the feedback."""
+        b = ctx.batch_size
+        spec = [r.lag for r, g in zip(ctx.requests, gammas, strict=True) if g > 0]
+        draft = max(gammas) * self.profile.draft_ms(b)
+        if spec and max(spec) > 0:
+            draft += self.profile.catchup_ms(max(spec), len(spec))
+        n_bar = 1 + sum(gammas) / b
+        self._pending = {
+            "bucket": batch_bucket(b),
+            "n": round(n_bar),
+            "verify": self.profile.target_ms(b, n_bar),
+            "draft": draft,
+            "alphas": alphas,
+        }
+
+    # ------------------------------------------------------------------ observe
+    def observe(self, feedback: StepFeedback) -> None:
+        for hist, g, v in zip(
+            self.requests.take(len(feedback.gammas)), feedback.gammas, feedback.accepted, strict=False
+        ):
+            hist.add(g, v)
+        self.alpha.update(feedback.gammas, feedback.accepted)
+        self.probe.record(feedback.gammas)
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        if feedback.verify_ms > 0 and p["verify"] > 0:
+            self._ema(self.kv, (p["bucket"], p["n"]), feedback.verify_ms / p["verify"])
+        if feedback.draft_ms > 0 and p["draft"] > 0:
+            self._ema(self.kd, p["bucket"], feedback.draft_ms / p["draft"])
+        self._learn_depths(p["alphas"], feedback)
+
+    def _learn_depths(self, alphas: list[float], fb: StepFeedback) -> None:
+        touched = False
+        for a, g, v in zip(alphas, fb.gammas, fb.accepted, strict=False):
+            if g <= 0:
+                continue
+            if not touched:
+                for row in self.depth:
+                    row[0] *= self.depth_decay
+                    row[1] *= self.depth_decay
+                touched = True
+            for j in range(1, min(v + 1, g) + 1):  # depths reached: accepted ones + the rejected one
+                if j < len(self.depth):
+                    self.depth[j][0] += 1.0 if j <= v else 0.0
+                    self.depth[j][1] += a
