@@ -64,7 +64,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
             cfg = c.get_config()
             yield S3Endpoint(cfg["endpoint"], cfg["access_key"], cfg["secret_key"])
         return
-    with S3Server(workdir=tmp_path_factory.mktemp("s3")) as server:
+    # The data is thrown away: do not wait for a graceful shutdown.
+    with S3Server(workdir=tmp_path_factory.mktemp("s3"), stop_timeout_s=1.0) as server:
         yield server.endpoint
 
 

@@ -76,9 +76,7 @@ class S3Endpoint:
     def client(self):  # -> minio.Minio
         from minio import Minio
 
-        return Minio(
-            self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=self.secure
-        )
+        return Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=self.secure)
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -117,9 +115,7 @@ def find_weed() -> Path:
 def _first_executable(candidates: list, what: str, hint: str) -> Path:
     """First executable candidate; an explicit override (the first: env or argument) must be valid."""
     if candidates[0] and not (os.path.isfile(candidates[0]) and os.access(candidates[0], os.X_OK)):
-        raise BinaryNotFound(
-            f"{what} binary {candidates[0]!r} (explicitly configured) is not an executable file"
-        )
+        raise BinaryNotFound(f"{what} binary {candidates[0]!r} (explicitly configured) is not an executable file")
     for c in candidates:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return Path(c)
@@ -165,15 +161,21 @@ class _ManagedProcess:
 
     name = "server"
 
-    def __init__(self, *, workdir: str | Path | None, startup_timeout_s: float, die_with_parent: bool):
+    def __init__(
+        self,
+        *,
+        workdir: str | Path | None,
+        startup_timeout_s: float,
+        die_with_parent: bool,
+        stop_timeout_s: float = 10.0,
+    ):
         self._own_workdir = workdir is None
-        self.workdir = (
-            Path(tempfile.mkdtemp(prefix=f"tide-{self.name}-")) if workdir is None else Path(workdir)
-        )
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"tide-{self.name}-")) if workdir is None else Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / f"{self.name}.log"
         self.startup_timeout_s = startup_timeout_s
         self.die_with_parent = die_with_parent
+        self.stop_timeout_s = stop_timeout_s
         self.startup_s: float | None = None  # measured wall time from spawn to ready
         self._proc: subprocess.Popen | None = None
 
@@ -252,9 +254,10 @@ class _ManagedProcess:
                 )
             time.sleep(0.05)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`; removes the work dir if we created it."""
-        self._kill(timeout_s)
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s` (default `stop_timeout_s`); removes the work
+        dir if we created it."""
+        self._kill(self.stop_timeout_s if timeout_s is None else timeout_s)
         atexit.unregister(self.stop)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -300,10 +303,14 @@ class RedisServer(_ManagedProcess):
         binary: str | Path | None = None,
         workdir: str | Path | None = None,
         startup_timeout_s: float = 10.0,
+        stop_timeout_s: float = 10.0,
         die_with_parent: bool = True,
     ):
         super().__init__(
-            workdir=workdir, startup_timeout_s=startup_timeout_s, die_with_parent=die_with_parent
+            workdir=workdir,
+            startup_timeout_s=startup_timeout_s,
+            stop_timeout_s=stop_timeout_s,
+            die_with_parent=die_with_parent,
         )
         self.binary = _checked(binary, "redis-server") if binary else find_redis_server()
         self._fixed_port = port is not None
@@ -358,6 +365,8 @@ class S3Server(_ManagedProcess):
     """SeaweedFS (`weed mini`) serving the S3 API on 127.0.0.1 with one admin identity.
 
     Credentials default to random ones per server; pass `access_key`/`secret_key` to fix them.
+    SeaweedFS's graceful shutdown can hang on its volume server; after `stop_timeout_s` it is
+    killed (only what was written in the last second or so may be lost).
     `with S3Server() as s3: s3.endpoint.client().make_bucket("x")`.
     """
 
@@ -386,10 +395,14 @@ class S3Server(_ManagedProcess):
         binary: str | Path | None = None,
         workdir: str | Path | None = None,
         startup_timeout_s: float = 30.0,
+        stop_timeout_s: float = 5.0,
         die_with_parent: bool = True,
     ):
         super().__init__(
-            workdir=workdir, startup_timeout_s=startup_timeout_s, die_with_parent=die_with_parent
+            workdir=workdir,
+            startup_timeout_s=startup_timeout_s,
+            stop_timeout_s=stop_timeout_s,
+            die_with_parent=die_with_parent,
         )
         self.binary = _checked(binary, "weed") if binary else find_weed()
         self._fixed_port = port is not None
