@@ -64,9 +64,7 @@ def service_descriptor(service: ServiceDescriptor | str) -> ServiceDescriptor:
 def admin_methods(service: ServiceDescriptor | str) -> frozenset[str]:
     """Full method paths ("/tide.v1.RegistryService/Promote") marked `(tide.v1.admin) = true`."""
     desc = service_descriptor(service)
-    return frozenset(
-        f"/{desc.full_name}/{m.name}" for m in desc.methods if m.GetOptions().Extensions[common_pb2.admin]
-    )
+    return frozenset(f"/{desc.full_name}/{m.name}" for m in desc.methods if m.GetOptions().Extensions[common_pb2.admin])
 
 
 def check_bearer(metadata: Iterable[tuple[str, Any]] | None, token: str | None, method: str) -> str | None:
@@ -98,9 +96,7 @@ def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMe
     def deny(request_or_iterator, context: grpc.ServicerContext):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    kwargs = dict(
-        request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
     if handler.request_streaming:
@@ -201,9 +197,7 @@ class GrpcServer:
 
     def set_serving(self, service: str, serving: bool) -> None:
         """Report a service (or "" for the whole server) as (not) serving, e.g. while draining."""
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         self.health.set(service, status)
 
     def stop(self, grace_s: float | None = 2.0) -> None:
