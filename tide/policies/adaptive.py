@@ -19,19 +19,23 @@ Online corrections (all exponentially forgetting, so they follow drift):
   drafts decay with depth; every step informs all depths it reached, so deep levels are learnt
   from any γ ≥ j, not only from playing arm m = j.
 * α̂_i: seed 004 Eq. 2 counts of the request's last `history` speculation steps shrunk toward
-  the global estimate α̂_g with `prior_weight` pseudo-observations (new requests start at α̂_g).
+  the global estimate α̂_g with `prior_weight` pseudo-observations (new requests start at α̂_g);
+  the request's own counts fade by `stale_decay` per step it does not speculate, so after an off
+  period every request follows α̂_g, which itself ages toward its prior (`AcceptanceEMA`).
 * c(L, b): Nightjar's switching cost (catch-up of the largest lag L), amortised over
   `switch_horizon` = 16 steps since one catch-up enables many speculative steps.
 
 Exploration: with probability `explore` (2 %) the step plays a neighbour of the best arm so
 untried depths/latencies get measured. No deadlock: after `probe_interval` steps with speculation
-off everywhere, `probe_requests` requests (rotating) draft γ = 1 for one step to refresh α̂_g —
-and α̂_i of every request leans on α̂_g, so a recovered draft turns speculation back on.
+off everywhere, a quarter of the batch (rotating, `OffProbe`) drafts γ = 1 for one step to refresh
+α̂_g — and α̂_i of every request leans on α̂_g, so a recovered draft turns speculation back on.
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
+from itertools import accumulate
 
 from tide.policies.base import StepContext, StepFeedback
 from tide.policies.estimators import (
@@ -47,6 +51,14 @@ from tide.policies.profile import LatencyProfile
 _DEPTH_PRIOR = 20.0  # pseudo-attempts behind r_j = 1: a few steps' evidence before trusting r_j
 
 
+class _ReqState:
+    __slots__ = ("hist", "off")
+
+    def __init__(self, h: int) -> None:
+        self.hist = History(h)
+        self.off = 0  # consecutive steps without speculating
+
+
 class AdaptivePolicy:
     """Model-prior goodput maximiser with online corrections, per-request trimming and probing."""
 
@@ -58,12 +70,13 @@ class AdaptivePolicy:
         prior_weight: float = 4.0,
         alpha_decay: float = 0.95,
         alpha_prior: float = 0.5,
+        stale_decay: float = 0.95,
         correction_decay: float = 0.95,
         depth_decay: float = 0.995,
         switch_horizon: float = 16.0,
         explore: float = 0.02,
         probe_interval: int = 24,
-        probe_requests: int = 2,
+        probe_fraction: float = 0.25,
         seed: int = 0,
     ) -> None:
         self.name = "adaptive"
@@ -71,46 +84,45 @@ class AdaptivePolicy:
         self.max_gamma = max_gamma
         self.history = history
         self.prior_weight = prior_weight
-        self.alpha = AcceptanceEMA(decay=alpha_decay, prior=(alpha_prior, 2.0))
+        self.alpha = AcceptanceEMA(decay=alpha_decay, prior=alpha_prior)
+        self.stale_decay = stale_decay
         self.decay = correction_decay
         self.depth_decay = depth_decay
         self.switch_horizon = switch_horizon
         self.explore = explore
-        self.probe = OffProbe(probe_interval)
-        self.probe_requests = probe_requests
+        self.probe = OffProbe(probe_interval, fraction=probe_fraction)
         self.rng = random.Random(seed)
-        self.requests: RequestStates[History] = RequestStates()
+        self.requests: RequestStates[_ReqState] = RequestStates()
         self.kv: dict[tuple[int, int], float] = {}
+        self.kv_bucket: dict[int, float] = {}  # fallback for n not measured yet in the bucket
         self.kd: dict[int, float] = {}
         # depth j → [accepted tokens, Σ α̂ of attempts] (index 0 unused)
         self.depth = [[_DEPTH_PRIOR, _DEPTH_PRIOR] for _ in range(max_gamma + 1)]
         self._pending: dict | None = None
-        self._probes = 0
 
     # ------------------------------------------------------------------ estimates
-    def request_alpha(self, hist: History, alpha_g: float) -> float:
-        s, f = hist.counts()
+    def request_alpha(self, st: _ReqState, alpha_g: float) -> float:
+        s, f = st.hist.counts()
+        fade = self.stale_decay**st.off
         w = self.prior_weight
-        return min((s + w * alpha_g) / (s + f + w), ALPHA_CAP)
+        return min((fade * s + w * alpha_g) / (fade * (s + f) + w), ALPHA_CAP)
 
     def depth_ratio(self, j: int) -> float:
         acc, expected = self.depth[j]
         return acc / expected if expected > 0 else 1.0
 
-    def accept_chain(self, alpha: float, m: int) -> list[float]:
+    def accept_chain(self, alpha: float, m: int, ratios: list[float] | None = None) -> list[float]:
         """P(depth 1..k all accepted) for k = 0..m (index 0 = 1.0, the bonus token)."""
+        ratios = ratios or [self.depth_ratio(j) for j in range(1, m + 1)]
         out, p = [1.0], 1.0
-        for j in range(1, m + 1):
-            p *= min(alpha * self.depth_ratio(j), ALPHA_CAP)
+        for r in ratios[:m]:
+            p *= min(alpha * r, ALPHA_CAP)
             out.append(p)
         return out
 
     def verify_ratio(self, bucket: int, n: int) -> float:
         got = self.kv.get((bucket, n))
-        if got is not None:
-            return got
-        same = [v for (bb, _), v in self.kv.items() if bb == bucket]
-        return sum(same) / len(same) if same else 1.0
+        return got if got is not None else self.kv_bucket.get(bucket, 1.0)
 
     def _ema(self, table: dict, key, value: float) -> None:
         old = table.get(key)
@@ -118,23 +130,29 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ decide
     def decide(self, ctx: StepContext) -> list[int]:
-        hists = self.requests.begin(ctx, lambda r: History(self.history))
+        hists = self.requests.begin(ctx, lambda r: _ReqState(self.history))
         n, b = len(hists), ctx.batch_size
         gmax = min(self.max_gamma, ctx.max_gamma)
         self._pending = None
         if n == 0 or gmax <= 0:
             return [0] * n
         alpha_g = self.alpha.value
-        alphas = [self.request_alpha(h, alpha_g) for h in hists]
-        chains = {a: self.accept_chain(a, gmax) for a in set(alphas)}
-        cum = {a: [sum(ch[: k + 1]) for k in range(gmax + 1)] for a, ch in chains.items()}  # E(m)
+        # α̂_i on a 0.005 grid: requests share chains, keeping decide O(#distinct α · Γ)
+        alphas = [round(self.request_alpha(h, alpha_g) * 200.0) / 200.0 for h in hists]
+        groups = Counter(alphas)
+        ratios = [self.depth_ratio(j) for j in range(1, gmax + 1)]
+        chains = {a: self.accept_chain(a, gmax, ratios) for a in groups}
+        cum = {a: list(accumulate(ch)) for a, ch in chains.items()}  # E_i(m), tokens
         bucket = batch_bucket(b)
         t = [self.verify_ratio(bucket, m + 1) * self.profile.target_ms(b, m + 1) for m in range(gmax + 1)]
         d = self.kd.get(bucket, 1.0) * self.profile.draft_ms(b)
         lag = max((r.lag for r in ctx.requests), default=0)
         switch = self.profile.catchup_ms(lag, b) / self.switch_horizon if lag > 0 else 0.0
 
-        goodput = [sum(cum[a][m] for a in alphas) / (t[m] + m * d + (switch if m else 0.0)) for m in range(gmax + 1)]
+        goodput = [
+            sum(c * cum[a][m] for a, c in groups.items()) / (t[m] + m * d + (switch if m else 0.0))
+            for m in range(gmax + 1)
+        ]
         m = max(range(gmax + 1), key=goodput.__getitem__)
         if self.explore > 0 and self.rng.random() < self.explore:
             m = min(max(m + self.rng.choice((-1, 1)), 0), gmax)
@@ -142,10 +160,8 @@ class AdaptivePolicy:
         if m == 0:
             gammas = [0] * n
             if self.probe.due():
-                self._probes += 1
-                k = min(self.probe_requests, n)
-                for i in range(k):
-                    gammas[(self._probes * k + i) % n] = 1
+                for i in self.probe.pick(n):
+                    gammas[i] = 1
         else:
             delta = max(t[m] - t[m - 1], 0.0) / b  # ms per extra verified token of one request
             bar = goodput[m] * delta
@@ -176,17 +192,19 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ observe
     def observe(self, feedback: StepFeedback) -> None:
-        for hist, g, v in zip(
-            self.requests.take(len(feedback.gammas)), feedback.gammas, feedback.accepted, strict=False
-        ):
-            hist.add(g, v)
+        states = self.requests.take(len(feedback.gammas))
+        for st, g, v in zip(states, feedback.gammas, feedback.accepted, strict=False):
+            st.hist.add(g, v)
+            st.off = 0 if g > 0 else st.off + 1
         self.alpha.update(feedback.gammas, feedback.accepted)
         self.probe.record(feedback.gammas)
         p, self._pending = self._pending, None
         if p is None:
             return
         if feedback.verify_ms > 0 and p["verify"] > 0:
-            self._ema(self.kv, (p["bucket"], p["n"]), feedback.verify_ms / p["verify"])
+            ratio = feedback.verify_ms / p["verify"]
+            self._ema(self.kv, (p["bucket"], p["n"]), ratio)
+            self._ema(self.kv_bucket, p["bucket"], ratio)
         if feedback.draft_ms > 0 and p["draft"] > 0:
             self._ema(self.kd, p["bucket"], feedback.draft_ms / p["draft"])
         self._learn_depths(p["alphas"], feedback)

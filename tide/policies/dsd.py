@@ -47,13 +47,18 @@ class DecayedLeastSquares:
         self.count = self.decay * self.count + weight
         self.theta = None
 
-    def predict(self, x: list[float]) -> float | None:
+    def coef(self) -> list[float] | None:
+        """θ as plain floats (None until there are at least dim samples' worth of weight)."""
         if self.count < len(self.xty):
             return None
         if self.theta is None:
             a = self.xtx + self.ridge * np.eye(len(self.xty))
             self.theta = np.linalg.lstsq(a, self.xty, rcond=None)[0]
-        return float(self.theta @ np.asarray(x, dtype=float))
+        return [float(c) for c in self.theta]
+
+    def predict(self, x: list[float]) -> float | None:
+        theta = self.coef()
+        return None if theta is None else sum(c * v for c, v in zip(theta, x, strict=True))
 
 
 class DSDPolicy:
@@ -84,9 +89,13 @@ class DSDPolicy:
                 self.verify_fit.add([1.0, b, b * n], profile.target_ms(b, n), weight=0.5)
 
     def goodput(self, alpha: float, k: int, b: int) -> float | None:
-        t = self.verify_fit.predict([1.0, b, b * (k + 1)])
-        d = self.draft_fit.predict([1.0, b]) if k > 0 else 0.0
-        if t is None or d is None or t + k * d <= 0:
+        """Predicted tokens per ms at uniform k (None while the latency fits lack data)."""
+        tv, td = self.verify_fit.coef(), self.draft_fit.coef()
+        if tv is None or td is None:
+            return None
+        t = tv[0] + tv[1] * b + tv[2] * b * (k + 1)
+        d = td[0] + td[1] * b if k > 0 else 0.0
+        if t + k * d <= 0:
             return None
         return b * expected_accept_len(alpha, k) / (k * d + t)
 

@@ -24,7 +24,7 @@ consecutive γ = 0 steps the request drafts one token (γ = 1) to refresh it.
 from __future__ import annotations
 
 from tide.policies.base import StepContext, StepFeedback
-from tide.policies.estimators import ALPHA_CAP, History, RequestStates, expected_accept_len, mle_alpha
+from tide.policies.estimators import ALPHA_CAP, History, RequestStates, expected_accept_len
 from tide.policies.profile import LatencyProfile
 
 
@@ -107,14 +107,24 @@ class OnTheFlyPolicy:
         self.requests: RequestStates[_ReqState] = RequestStates()
         self.probe_interval = probe_interval
 
-    def alpha_for(self, hist: History) -> float | None:
-        """Eq. 2 over the request's last h speculation steps, topped up from the pooled window."""
+    def alpha_for(self, hist: History, pooled_suffix: list[tuple[int, int]] | None = None) -> float | None:
+        """Eq. 2 over the request's last h speculation steps, topped up from the pooled window.
+
+        `pooled_suffix[k]` = (successes, failures) of the newest k pooled steps (see decide)."""
         missing = self.h - len(hist.gammas)
-        gs, vs = list(hist.gammas), list(hist.accepted)
-        if missing > 0 and self.pooled.gammas:
-            gs += list(self.pooled.gammas)[-missing:]
-            vs += list(self.pooled.accepted)[-missing:]
-        return mle_alpha(gs, vs, cap=self.alpha_cap, default=None)
+        s, f = hist.succ, hist.fail
+        if missing > 0:
+            suffix = pooled_suffix if pooled_suffix is not None else self._pooled_suffix()
+            ps, pf = suffix[min(missing, len(suffix) - 1)]
+            s, f = s + ps, f + pf
+        return None if s + f == 0 else min(s / (s + f), self.alpha_cap)
+
+    def _pooled_suffix(self) -> list[tuple[int, int]]:
+        out, s, f = [(0, 0)], 0, 0
+        for g, v in zip(reversed(self.pooled.gammas), reversed(self.pooled.accepted), strict=True):
+            s, f = s + v, f + (1 if v < g else 0)
+            out.append((s, f))
+        return out
 
     def decide(self, ctx: StepContext) -> list[int]:
         states = self.requests.begin(ctx, lambda r: _ReqState(self.h))
@@ -130,9 +140,10 @@ class OnTheFlyPolicy:
                 verify_cache[g] = self.times.verify_ms(b, g + 1)
             return verify_cache[g]
 
+        suffix = self._pooled_suffix()
         out = []
         for st in states:
-            alpha = self.alpha_for(st.hist)
+            alpha = self.alpha_for(st.hist, suffix)
             if alpha is None:
                 g = min(self.init_gamma, gmax)
             else:

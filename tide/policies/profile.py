@@ -32,33 +32,52 @@ __all__ = ["LatencyProfile", "interp1", "synthetic_profile"]
 
 def interp1(points: list[tuple[float, float]], x: float) -> float:
     """Piecewise-linear y(x) through sorted `points`; linear extrapolation, slopes clamped ≥ 0."""
-    if not points:
-        raise ValueError("no points to interpolate")
-    if len(points) == 1:
-        return points[0][1]
-    xs = [p[0] for p in points]
-    i = bisect.bisect_right(xs, x)
-    if i <= 0:
-        (x0, y0), (x1, y1) = points[0], points[1]
-    elif i >= len(points):
-        (x0, y0), (x1, y1) = points[-2], points[-1]
-    else:
-        (x0, y0), (x1, y1) = points[i - 1], points[i]
-    slope = (y1 - y0) / (x1 - x0)
-    if x < x0 or x > x1:  # extrapolating: never let latency fall with more work
-        slope = max(slope, 0.0)
-        anchor_x, anchor_y = (x0, y0) if x < x0 else (x1, y1)
-        return max(anchor_y + slope * (x - anchor_x), 0.0)
-    return y0 + slope * (x - x0)
+    return _Curve(points)(x)
 
 
-def _table2(table: Mapping[int, Mapping[int, float]]) -> list[tuple[int, list[tuple[float, float]]]]:
-    return [(b, sorted((float(n), float(v)) for n, v in row.items())) for b, row in sorted(table.items())]
+class _Curve:
+    """A sorted piecewise-linear curve with its x's precomputed (lookups are on the step path)."""
+
+    __slots__ = ("xs", "ys")
+
+    def __init__(self, points: list[tuple[float, float]]) -> None:
+        if not points:
+            raise ValueError("no points to interpolate")
+        self.xs = [float(p[0]) for p in points]
+        self.ys = [float(p[1]) for p in points]
+
+    def segment(self, x: float) -> int:
+        """Index i of the segment (i, i+1) used for x (first/last one when outside the range)."""
+        i = bisect.bisect_right(self.xs, x)
+        return min(max(i - 1, 0), len(self.xs) - 2)
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if len(xs) == 1:
+            return ys[0]
+        i = self.segment(x)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        slope = (y1 - y0) / (x1 - x0)
+        if x < x0 or x > x1:  # extrapolating: never let latency fall with more work
+            anchor_x, anchor_y = (x0, y0) if x < x0 else (x1, y1)
+            return max(anchor_y + max(slope, 0.0) * (x - anchor_x), 0.0)
+        return y0 + slope * (x - x0)
 
 
-def _interp2(rows: list[tuple[int, list[tuple[float, float]]]], b: float, n: float) -> float:
-    """Bilinear on a ragged grid: interpolate each measured batch row in n, then across b."""
-    return interp1([(float(bb), interp1(row, n)) for bb, row in rows], b)
+class _Grid:
+    """f(b, n) on a ragged grid: interpolate the two bracketing batch rows in n, then in b."""
+
+    def __init__(self, table: Mapping[int, Mapping[int, float]]) -> None:
+        rows = sorted(table.items())
+        self.bs = _Curve([(float(b), 0.0) for b, _ in rows]) if len(rows) > 1 else None
+        self.rows = [(float(b), _Curve(sorted((float(n), float(v)) for n, v in row.items()))) for b, row in rows]
+
+    def __call__(self, b: float, n: float) -> float:
+        if self.bs is None:
+            return self.rows[0][1](n)
+        i = self.bs.segment(b)
+        (b0, r0), (b1, r1) = self.rows[i], self.rows[i + 1]
+        return _Curve([(b0, r0(n)), (b1, r1(n))])(b)
 
 
 def _int_keys(d: Mapping[Any, Any]) -> dict[int, Any]:
@@ -87,28 +106,34 @@ class LatencyProfile:
     def __post_init__(self) -> None:
         if not self.T_ms and not self.T_total_ms:
             raise ValueError("a LatencyProfile needs T_ms or T_total_ms")
-        self._t_rows = _table2(self.T_ms) if self.T_ms else []
-        self._t_total = sorted((float(n), float(v)) for n, v in self.T_total_ms.items())
-        self._d_points = sorted((float(b), float(v)) for b, v in self.D_ms.items())
-        self._c_rows = _table2(self.C_ms) if self.C_ms else []
+        self._t = _Grid(self.T_ms) if self.T_ms else None
+        self._t_total = _Curve(sorted(self.T_total_ms.items())) if self.T_total_ms else None
+        self._d = _Curve(sorted(self.D_ms.items())) if self.D_ms else None
+        self._c = _Grid(self.C_ms) if self.C_ms else None
+        self._t_cache: dict[tuple[float, float], float] = {}
 
     # ---------------------------------------------------------------- lookups (ms)
     def target_ms(self, b: float, n: float) -> float:
         """T(b, n): one target forward over b sequences × n tokens each (n may be fractional)."""
-        if self._t_rows:
-            return _interp2(self._t_rows, b, n)
-        return interp1(self._t_total, b * n)
+        key = (b, n)
+        got = self._t_cache.get(key)
+        if got is None:
+            got = self._t(b, n) if self._t is not None else self._t_total(b * n)
+            if len(self._t_cache) > 65536:  # fractional n from mixed γ: keep the memo bounded
+                self._t_cache.clear()
+            self._t_cache[key] = got
+        return got
 
     def draft_ms(self, b: float) -> float:
         """D(b): one draft step (one token for each of b sequences)."""
-        return interp1(self._d_points, b) if self._d_points else self.D0_ms
+        return self._d(b) if self._d is not None else self.D0_ms
 
     def catchup_ms(self, lag: float, b: float) -> float:
         """c(lag, b): feed b sequences' `lag` missed tokens to the draft when speculation resumes."""
         if lag <= 0 or b <= 0:
             return 0.0
-        if self._c_rows:
-            return _interp2(self._c_rows, b, lag)
+        if self._c is not None:
+            return self._c(b, lag)
         return self.draft_ms(b) + self.catchup_ms_per_token * b * lag
 
     def step_ms(self, b: float, gamma: float, lag: float = 0.0) -> float:

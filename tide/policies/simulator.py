@@ -8,9 +8,10 @@ each admitted request's first token); then one draft+verify step runs over the r
     draft_ms = max_i γ_i · D(b) + c(L, b_s)   (catch-up: L = max lag, b_s = #requests with γ_i > 0)
     time += verify_ms + draft_ms;  each request emits min(V_i + 1, remaining) tokens;  observe(...)
 
-V_i comes from the request's pre-drawn acceptance trace (see `workload`), so every policy sees
-the same tokens. A request that decodes with γ = 0 falls one token further behind its draft
-(lag + 1); a step with γ > 0 pays the catch-up and resets lag to 0. Times are ms inside,
+V_i comes from the request's pre-drawn acceptance trace (see `workload`) scaled by the phase's
+`alpha_scale` at the step's start, so every policy sees the same tokens. A request that decodes
+with γ = 0 falls one token further behind its draft (lag + 1); a step with γ > 0 pays the
+catch-up and resets lag to 0. Times are ms inside,
 seconds in the reported stats. Nothing is random here beyond the workload's seeded traces and
 the policy's own seeded RNG, so a (policy, workload, profile) triple always gives one result.
 """
@@ -224,11 +225,12 @@ def simulate(
             draft += profile.catchup_ms(max(spec_lags), len(spec_lags))
         t += verify + draft
 
+        scale = phases[phase_of(t - verify - draft)].alpha_scale if t - verify - draft < end else 1.0
         acc = acc_at(t)
         accepted, hits, emitted_total, still = [], [], 0, []
         for r, g in zip(running, gammas, strict=True):
             pos, remaining = r.generated, r.spec.output_len - r.generated
-            v = r.spec.accepted(pos, g, decay) if g > 0 else 0
+            v = r.spec.accepted(pos, g, decay, scale) if g > 0 else 0
             v = min(v, remaining - 1)
             emitted = v + 1
             accepted.append(v)

@@ -52,14 +52,14 @@ def threshold_table(profile: LatencyProfile, gamma: int, batches: list[int]) -> 
 class TideLatencyPolicy:
     """Seed 000 Eq. 5 per step: γ (default 3, TIDE's fixed choice) if predicted speedup > margin.
 
-    α̂ is an online estimate (exponentially weighted Eq.-2-style counts over recent speculation
-    steps, `alpha_decay` per step, i.e. ≈ 10 steps of memory at 0.9); the per-batch-size
+    α̂ is an online estimate (`AcceptanceEMA`: exponentially weighted Eq.-2 counts, `alpha_decay`
+    per step, i.e. ≈ 10 steps of memory at 0.9, shrunk toward `alpha_prior`); the per-batch-size
     minimum acceptance `min_alpha(γ, b)` is cached, so a decision is one dict lookup and one
     comparison. `optimize_gamma=True` instead picks argmax_γ of Eq. 5 (an extension; TIDE fixes γ).
 
     Not in the paper: how α is measured while speculation is off. Without new data α̂ would stay
     frozen (Nightjar's decision deadlock), so after `probe_interval` off steps one step speculates
-    at γ = 1 for `probe_requests` requests to refresh α̂.
+    at γ = 1 for a quarter of the batch (`probe_fraction`) to refresh α̂.
     """
 
     def __init__(
@@ -71,7 +71,7 @@ class TideLatencyPolicy:
         alpha_decay: float = 0.9,
         alpha_prior: float = 0.5,
         probe_interval: int = 32,
-        probe_requests: int = 2,
+        probe_fraction: float = 0.25,
     ) -> None:
         if gamma < 1:
             raise ValueError("gamma must be >= 1")
@@ -80,11 +80,9 @@ class TideLatencyPolicy:
         self.gamma = gamma
         self.optimize_gamma = optimize_gamma
         self.margin = margin
-        self.alpha = AcceptanceEMA(decay=alpha_decay, prior=(alpha_prior, 1.0))
-        self.probe = OffProbe(probe_interval)
-        self.probe_requests = probe_requests
+        self.alpha = AcceptanceEMA(decay=alpha_decay, prior=alpha_prior)
+        self.probe = OffProbe(probe_interval, fraction=probe_fraction)
         self._min_alpha: dict[tuple[int, int], float | None] = {}
-        self._probes = 0
 
     def threshold(self, b: int, gamma: int | None = None) -> float | None:
         """Cached minimum α for speedup > 1 at batch b (None: never pays)."""
@@ -112,10 +110,7 @@ class TideLatencyPolicy:
         if g > 0:
             return [g] * n
         if self.probe.due():
-            self._probes += 1
-            k = min(self.probe_requests, n)
-            start = (self._probes * k) % n
-            chosen = {(start + i) % n for i in range(k)}
+            chosen = self.probe.pick(n)
             return [1 if i in chosen else 0 for i in range(n)]
         return [0] * n
 

@@ -14,8 +14,10 @@ policy differences are not sampling noise. Requests are drawn from an RNG keyed 
 (seed, phase, index), independent of when a policy gets to them.
 
 α per request: drawn from Beta around its domain's α (concentration `spread` = 20, so the
-per-request standard deviation is ≈ 0.1 at α = 0.6), times the phase's `alpha_scale` (a draft
-that got worse, or was replaced, during that phase).
+per-request standard deviation is ≈ 0.1 at α = 0.6) when the request arrives. A phase's
+`alpha_scale` multiplies the acceptance of every token *generated* during that phase, by every
+running request: it models the draft itself getting worse or better (a bad or a retrained draft
+version being served), while `mix` changes which requests arrive (a workload shift).
 """
 
 from __future__ import annotations
@@ -64,10 +66,11 @@ class RequestSpec:
     u: list[float]
     in_cache: list[bool] = field(default_factory=list)
 
-    def accepted(self, pos: int, gamma: int, depth_decay: float) -> int:
-        """Accepted draft tokens when drafting `gamma` tokens starting at output position `pos`."""
+    def accepted(self, pos: int, gamma: int, depth_decay: float, scale: float = 1.0) -> int:
+        """Accepted draft tokens when drafting `gamma` tokens starting at output position `pos`,
+        with the draft's acceptance scaled by `scale` (the current phase's `alpha_scale`)."""
         last = min(pos + gamma, self.output_len)
-        k, factor = pos, 1.0
+        k, factor = pos, scale
         while k < last and self.u[k] < self.accept_p[k] * factor:
             k += 1
             factor *= depth_decay
@@ -107,7 +110,7 @@ class Workload:
         lo, hi = self.output_range
         out_len = int(min(max(rng.expovariate(1.0 / self.output_mean), lo), hi))
         a = min(max(dom.alpha, 1e-3), 1 - 1e-3)
-        alpha = rng.betavariate(dom.spread * a, dom.spread * (1 - a)) * phase.alpha_scale
+        alpha = rng.betavariate(dom.spread * a, dom.spread * (1 - a))
         return RequestSpec(
             rid=f"p{phase_idx}-r{k}",
             domain=dom.name,
