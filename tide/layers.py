@@ -103,20 +103,33 @@ def _can_pack() -> bool:
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Attention for few query tokens (decode / verify) with grouped KV heads, no KV repeat.
+    """Batch-invariant attention for few query tokens (decode / verify) with grouped KV heads.
 
-    q: [B, Hq, t, D]; k, v: [B, Hkv, L, D]; bias: additive [B, 1, 1, t, L] (0 or -inf) or None.
+    q: [B, Hq, t, D]; k, v: [B, Hkv, L, D]; bias: additive [B, t, L] (0 or -inf) or None.
     Query head h uses KV head h // (Hq / Hkv), as in HF's repeat_kv. Computed in float32.
-    At t <= 16 this is ~5x cheaper than SDPA's CPU flash kernel, which is tuned for prefill.
+
+    Why this shape of computation: greedy speculative decoding must emit exactly the tokens plain
+    decoding emits, so a token's logits may not depend on how many other tokens share its forward.
+    On CPU (MKL), a GEMM's result for one row changes with the number of rows, but
+    `K[L, D] @ Q_j[D, g]` with a fixed g (the query heads of one KV head at one position) and
+    zero-padded `P_j[g, L] @ V[L, D]` give the same bits for any L >= 8 and any batch. So we loop
+    over the t query positions (t <= γ + 1) instead of folding them into one GEMM; L is padded
+    to at least MIN_KEYS by the caller (tiny L takes a different MKL path).
     """
     B, hq, t, d = q.shape
-    hkv, L = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     g = hq // hkv
-    # float32 throughout: bf16 scores lose ~2 decimal digits and visibly shorten how long bf16
-    # greedy decoding tracks float32; at few query tokens the conversions cost about nothing.
-    scores = torch.matmul(q.reshape(B, hkv, g * t, d).float(), k.float().transpose(-1, -2))
-    scores = scores * (d ** -0.5)
-    if bias is not None:
-        scores = (scores.view(B, hkv, g, t, L) + bias).view(B, hkv, g * t, L)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v.float()).to(q.dtype).view(B, hq, t, d)
+    qf = (q.float() * (d ** -0.5)).view(B, hkv, g, t, d)
+    kf, vf = k.float(), v.float()
+    outs = []
+    for j in range(t):
+        scores = torch.matmul(kf, qf[:, :, :, j].transpose(-1, -2))  # [B, Hkv, L, g]
+        if bias is not None:
+            scores = scores + bias[:, None, j, :, None]
+        probs = torch.softmax(scores, dim=-2)
+        outs.append(torch.matmul(probs.transpose(-1, -2), vf))  # [B, Hkv, g, D]
+    out = outs[0].unsqueeze(3) if t == 1 else torch.stack(outs, dim=3)  # [B, Hkv, g, t, D]
+    return out.to(q.dtype).view(B, hq, t, d)
+
+
+GROUPED_MIN_KEYS = 8  # grouped_attention needs L >= this for batch invariance (see its docstring)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from tide.layers import Linear, apply_rope, grouped_attention, rms_norm, rope_inv_freq, rope_table
+from tide.layers import GROUPED_MIN_KEYS, Linear, apply_rope, grouped_attention, rms_norm, rope_inv_freq, rope_table
 from tide.target import TargetFiles
 
 
@@ -135,10 +135,16 @@ class LlamaModel:
                 Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
                 Linear(w[p + "mlp.down_proj.weight"]),
             ))
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_table(inv_freq, cfg.max_position_embeddings + 64)
-        self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.ensure_positions(cfg.max_position_embeddings)
         self._aux = set(cfg.aux_layers)
+
+    def ensure_positions(self, n: int) -> None:
+        """Make the RoPE tables cover positions [0, n) (the cache may hold slack rows past the context)."""
+        if getattr(self, "cos", None) is not None and self.cos.shape[0] >= n:
+            return
+        cos, sin = rope_table(self._inv_freq, n)
+        self.cos, self.sin = cos.to(device=self.device, dtype=self.dtype), sin.to(device=self.device, dtype=self.dtype)
 
     @classmethod
     def load(cls, target: TargetFiles, dtype: torch.dtype = torch.bfloat16, device="cpu") -> LlamaModel:
@@ -169,9 +175,14 @@ class LlamaModel:
         sin = self.sin[fb.positions].unsqueeze(1)
         small = q <= self.SMALL_Q
         bias = None
-        if small and fb.mask is not None:
-            bias = torch.zeros(fb.mask.shape, dtype=torch.float32, device=x.device)
-            bias = bias.masked_fill_(~fb.mask, float("-inf")).unsqueeze(2)  # [B, 1, 1, q, L]
+        kv_len = fb.kv_len
+        if small:
+            kv_len = max(kv_len, GROUPED_MIN_KEYS)
+            if fb.mask is not None or kv_len != fb.kv_len:
+                visible = fb.mask[:, 0] if fb.mask is not None else torch.ones((B, q, fb.kv_len), dtype=torch.bool)
+                visible = F.pad(visible, (0, kv_len - fb.kv_len), value=False)
+                bias = torch.zeros(visible.shape, dtype=torch.float32, device=x.device)
+                bias = bias.masked_fill_(~visible.to(x.device), float("-inf"))  # [B, q, L]
         single = B == 1 and fb.slot_range is not None
         if single:
             s0, p0 = fb.slot_range[0], int(fb.positions[0, 0])
@@ -192,9 +203,9 @@ class LlamaModel:
                 kc[fb.slots[:, None], :, fb.positions] = kh.transpose(1, 2)
                 vc[fb.slots[:, None], :, fb.positions] = vh.transpose(1, 2)
             if fb.slot_range is not None:
-                keys, values = kc[a:b, :, :fb.kv_len], vc[a:b, :, :fb.kv_len]
+                keys, values = kc[a:b, :, :kv_len], vc[a:b, :, :kv_len]
             else:
-                keys, values = kc[fb.slots, :, :fb.kv_len], vc[fb.slots, :, :fb.kv_len]
+                keys, values = kc[fb.slots, :, :kv_len], vc[fb.slots, :, :kv_len]
             if small:
                 attn = grouped_attention(qh, keys, values, bias)
             else:

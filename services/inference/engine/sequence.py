@@ -1,0 +1,110 @@
+"""Request and sequence bookkeeping: torch-free, so the scheduler can be reasoned about alone."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. temperature == 0 means greedy (argmax) decoding."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, no KV slot yet
+    PREFILLING = "prefilling"  # has a slot, prompt partly in the cache
+    RUNNING = "running"  # decoding / verifying
+    FINISHED = "finished"
+
+    def is_finished(self) -> bool:
+        return self is SequenceStatus.FINISHED
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class Sequence:
+    """One request's tokens and progress.
+
+    Invariant while RUNNING: the target's KV cache holds `num_cached = len(token_ids) - 1`
+    tokens; the last token has been sampled but not yet fed to the target (it is the first
+    input of the next verification step).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt: int
+    params: SamplingParams
+    speculative: bool = True
+    workload: str = ""
+    arrival_s: float = 0.0
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int = -1
+    num_cached: int = 0
+    finish_reason: FinishReason | None = None
+    # Speculation accounting, for the per-response `speculation` stats.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    # Recent per-step history for the γ policy: (gamma, accepted) pairs, newest last.
+    recent: list[tuple[int, int]] = field(default_factory=list)
+    last_gamma: int = 0
+
+    RECENT_STEPS = 16  # how many steps of history a policy sees per request
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def remaining_prefill(self) -> int:
+        return self.num_prompt - self.num_cached
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens emitted per verification step, bonus included (1.0 for plain decode)."""
+        if self.verify_steps == 0:
+            return 0.0
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps
+
+    def record_step(self, gamma: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.draft_tokens += gamma
+        self.accepted_tokens += accepted
+        self.last_gamma = gamma
+        self.recent.append((gamma, accepted))
+        if len(self.recent) > self.RECENT_STEPS:
+            del self.recent[0]
