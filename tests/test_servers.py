@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import redis
@@ -85,3 +88,30 @@ def test_shared_fixtures(redis_client, s3_client, s3_bucket, unique_prefix):
     assert redis_client.get(f"{unique_prefix}:k") == b"v"
     s3_client.put_object(s3_bucket, "a/b", io.BytesIO(b"hello"), 5)
     assert [o.object_name for o in s3_client.list_objects(s3_bucket, recursive=True)] == ["a/b"]
+
+
+ORPHANING_PARENT = """
+import os
+from tide.servers import RedisServer
+server = RedisServer().start()
+print(server.pid, flush=True)
+os._exit(0)  # no stop(), no atexit: only PR_SET_PDEATHSIG can take the server down
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie is dead, only not reaped yet
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux-only")
+def test_server_dies_with_its_parent():
+    out = subprocess.run([sys.executable, "-c", ORPHANING_PARENT], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
