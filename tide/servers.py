@@ -173,6 +173,8 @@ class _ManagedProcess:
     """Common start/stop/readiness plumbing; subclasses give the command line and a probe."""
 
     name = "server"
+    port: int  # the client-facing port, checked to be ours before probing
+    _fixed_port: bool  # the caller chose `port`: never replace it on retry
 
     def __init__(
         self,
@@ -195,9 +197,6 @@ class _ManagedProcess:
     # -- subclass hooks
     def _command(self) -> list[str]:
         raise NotImplementedError
-
-    port: int  # the client-facing port, checked to be ours before probing
-    _fixed_port: bool  # the caller chose `port`: never replace it on retry
 
     def _probe(self) -> bool:
         """True once the server serves; may raise (treated as not ready yet)."""
@@ -236,6 +235,7 @@ class _ManagedProcess:
         raise last
 
     def _spawn_and_wait(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)  # stop() may have removed it
         cmd = self._command()
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
