@@ -12,9 +12,13 @@ draft must win enough acceptance to pay for its latency). Here:
   updated online from each finished request's Eq.-2 acceptance estimate, i.e. recursive least
   squares; before any data every prompt gets the prior.
 * choice: argmax_d max_γ E[ℓ](α̂_d(u), γ) / (γ·cost_d + 1) — seed 004 Eq. 1 with the target's
-  verify time as the unit and cost_d = draft step / target step (Eq. 3's a_q / b_p); plus a
-  small optimism bonus `explore`·σ_d(u) (σ from the ridge posterior) so a drafter that looks
-  worse but is unexplored on this kind of prompt still gets tried.
+  verify time as the unit and cost_d = draft step / target step (Eq. 3's a_q / b_p) — with α̂
+  raised by an optimism bonus `explore`·σ·√(uᵀA⁻¹u) (LinUCB: the ridge posterior's standard
+  deviation for this prompt, σ = `noise_sd` the spread of per-request α around the linear model),
+  so a drafter that looks worse but is unexplored on this kind of prompt still gets tried (2σ:
+  a ≈ 95 % upper confidence bound; at 1σ a single bad try on other prompts could rule a drafter
+  out for good); the bonus vanishes as observations accumulate. The default prior strength 0.25 = (σ / 0.3)²
+  puts a ±0.3 prior standard deviation on each coefficient.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class DrafterSpec:
 
 
 class _Ridge:
+    """Ridge / recursive least squares: A = λI + Σuuᵀ, b = λz₀ + Σuy, Z = A⁻¹b (noise units)."""
+
     def __init__(self, dim: int, prior_alpha: float, strength: float) -> None:
         self.a = strength * np.eye(dim)
         z0 = np.zeros(dim)
@@ -92,8 +98,15 @@ class _Ridge:
 class DrafterSelector:
     """Chooses a drafter per request and learns each drafter's acceptance model online."""
 
-    def __init__(self, drafters: Iterable[DrafterSpec | str], prior_strength: float = 2.0, explore: float = 0.1):
+    def __init__(
+        self,
+        drafters: Iterable[DrafterSpec | str],
+        prior_strength: float = 0.25,
+        noise_sd: float = 0.15,
+        explore: float = 2.0,
+    ) -> None:
         self.prior_strength = prior_strength
+        self.noise_sd = noise_sd
         self.explore = explore
         self.specs: dict[str, DrafterSpec] = {}
         self.models: dict[str, _Ridge] = {}
@@ -118,7 +131,7 @@ class DrafterSelector:
     def score(self, name: str, features: Sequence[float], max_gamma: int = 8) -> float:
         """Expected tokens per target-step time at the drafter's best γ (Eq. 1 with b_p = 1)."""
         mean, sd = self.models[name].predict(np.asarray(features, dtype=float))
-        alpha = min(max(mean + self.explore * sd, 0.0), ALPHA_CAP)
+        alpha = min(max(mean + self.explore * self.noise_sd * sd, 0.0), ALPHA_CAP)
         cost = self.specs[name].cost_ratio
         return max(expected_accept_len(alpha, g) / (g * cost + 1.0) for g in range(max_gamma + 1))
 

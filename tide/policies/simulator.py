@@ -4,7 +4,8 @@ Per loop iteration: arrivals join the queue; queued requests are admitted up to 
 (their prompts are prefilled in one forward, `profile.prefill_ms(Σ prompt)` ms, which emits
 each admitted request's first token); then one draft+verify step runs over the running batch:
 
-    decide(StepContext) → γ_i;  verify_ms = T(b, 1 + Σγ_i / b);
+    decide(StepContext) → γ_i (capped, as the engine does, at remaining output − 1);
+    verify_ms = T(b, 1 + Σγ_i / b);
     draft_ms = max_i γ_i · D(b) + c(L, b_s)   (catch-up: L = max lag, b_s = #requests with γ_i > 0)
     time += verify_ms + draft_ms;  each request emits min(V_i + 1, remaining) tokens;  observe(...)
 
@@ -217,6 +218,8 @@ def simulate(
         gammas = [int(g) for g in policy.decide(ctx)]
         if len(gammas) != b or any(g < 0 or g > max_gamma for g in gammas):
             raise ValueError(f"{policy.name}: decide returned {gammas!r} for {b} requests (max γ {max_gamma})")
+        # like the engine: never draft past the output (≤ remaining − 1 drafts + the bonus token)
+        gammas = [min(g, r.spec.output_len - r.generated - 1) for r, g in zip(running, gammas, strict=True)]
 
         verify = profile.target_ms(b, 1 + sum(gammas) / b)
         spec_lags = [r.lag for r, g in zip(running, gammas, strict=True) if g > 0]
