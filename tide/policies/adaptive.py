@@ -175,20 +175,15 @@ class AdaptivePolicy:
         return gammas
 
     def _remember(self, ctx: StepContext, gammas: list[int], alphas: list[float]) -> None:
-        """Raw (uncorrected) profile predictions of this step, to learn κ from the feedback."""
-        b = ctx.batch_size
-        spec = [r.lag for r, g in zip(ctx.requests, gammas, strict=True) if g > 0]
-        draft = max(gammas) * self.profile.draft_ms(b)
+        self._pending = {"lags": [r.lag for r in ctx.requests], "alphas": alphas}
+
+    def raw_times(self, b: int, gammas: tuple[int, ...], lags: list[int]) -> tuple[float, float]:
+        """Uncorrected profile (verify ms, draft ms) for the γs the engine actually ran."""
+        spec = [lag for lag, g in zip(lags, gammas, strict=False) if g > 0]
+        draft = max(gammas, default=0) * self.profile.draft_ms(b)
         if spec and max(spec) > 0:
             draft += self.profile.catchup_ms(max(spec), len(spec))
-        n_bar = 1 + sum(gammas) / b
-        self._pending = {
-            "bucket": batch_bucket(b),
-            "n": round(n_bar),
-            "verify": self.profile.target_ms(b, n_bar),
-            "draft": draft,
-            "alphas": alphas,
-        }
+        return self.profile.target_ms(b, 1 + sum(gammas) / b), draft
 
     # ------------------------------------------------------------------ observe
     def observe(self, feedback: StepFeedback) -> None:
@@ -199,14 +194,17 @@ class AdaptivePolicy:
         self.alpha.update(feedback.gammas, feedback.accepted)
         self.probe.record(feedback.gammas)
         p, self._pending = self._pending, None
-        if p is None:
+        b = feedback.batch_size
+        if p is None or not states or b <= 0:
             return
-        if feedback.verify_ms > 0 and p["verify"] > 0:
-            ratio = feedback.verify_ms / p["verify"]
-            self._ema(self.kv, (p["bucket"], p["n"]), ratio)
-            self._ema(self.kv_bucket, p["bucket"], ratio)
-        if feedback.draft_ms > 0 and p["draft"] > 0:
-            self._ema(self.kd, p["bucket"], feedback.draft_ms / p["draft"])
+        bucket = batch_bucket(b)
+        verify, draft = self.raw_times(b, feedback.gammas, p["lags"])
+        if feedback.verify_ms > 0 and verify > 0:
+            ratio = feedback.verify_ms / verify
+            self._ema(self.kv, (bucket, round(1 + sum(feedback.gammas) / b)), ratio)
+            self._ema(self.kv_bucket, bucket, ratio)
+        if feedback.draft_ms > 0 and draft > 0:
+            self._ema(self.kd, bucket, feedback.draft_ms / draft)
         self._learn_depths(p["alphas"], feedback)
 
     def _learn_depths(self, alphas: list[float], fb: StepFeedback) -> None:

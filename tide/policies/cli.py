@@ -35,6 +35,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-gamma", type=int, default=8)
+    p.add_argument("--detail", action="store_true", help="also print every policy's per-phase metrics")
     p.add_argument("--json", type=Path, default=Path("policy-sim.json"), help="report path ('-' to skip)")
     return p
 
@@ -79,7 +80,7 @@ def simulate_main(argv: list[str] | None = None) -> int:
         f"workload {workload.name}: {len(workload.phases)} phases, {workload.duration_s:.0f} s simulated, "
         f"max batch {args.max_batch}, max γ {args.max_gamma}  ({report['wall_s']:.1f} s wall)"
     )
-    print(format_table(report))
+    print(format_table(report, detail=args.detail))
     if str(args.json) != "-":
         args.json.write_text(json.dumps(_finite(report), indent=1))
         print(f"wrote {args.json}")

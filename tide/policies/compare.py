@@ -68,8 +68,9 @@ def compare(
     }
 
 
-def format_table(report: Mapping[str, Any]) -> str:
-    """Two plain-text tables: per-phase tokens/s (+ oracle), and overall latency/γ metrics."""
+def format_table(report: Mapping[str, Any], detail: bool = False) -> str:
+    """Plain-text tables: per-phase tokens/s (+ oracle), overall latency/γ metrics, and with
+    `detail` every policy's per-phase latency, TPOT, mean γ and accept length."""
     phases = report["phases"]
     res = report["results"]
     w = max(10, *(len(p) + 2 for p in phases))
@@ -91,4 +92,17 @@ def format_table(report: Mapping[str, Any]) -> str:
             f"{name:<12}{o['mean_latency_s']:>11.2f}{o['p99_latency_s']:>11.2f}{o['mean_tpot_ms']:>9.1f}"
             f"{o['mean_gamma']:>8.2f}{o['accept_len']:>9.2f}"
         )
+    if detail:
+        lines.append("")
+        lines.append(
+            f"{'policy':<12}{'phase':<12}{'tok/s':>8}{'lat mean s':>11}{'lat p99 s':>11}{'TPOT ms':>9}"
+            f"{'mean γ':>8}{'acc len':>9}{'batch':>7}"
+        )
+        for name, r in res.items():
+            for ph in r["phases"]:
+                lines.append(
+                    f"{name:<12}{ph['name']:<12}{ph['tokens_per_s']:>8.1f}{ph['mean_latency_s']:>11.2f}"
+                    f"{ph['p99_latency_s']:>11.2f}{ph['mean_tpot_ms']:>9.1f}{ph['mean_gamma']:>8.2f}"
+                    f"{ph['accept_len']:>9.2f}{ph['mean_batch']:>7.1f}"
+                )
     return "\n".join(lines)
