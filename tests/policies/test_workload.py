@@ -8,6 +8,7 @@ from tide.policies.workload import (
     Phase,
     RequestSpec,
     Workload,
+    fixed_workload,
     low_high,
     replay_workload,
     requests_from_step_records,
@@ -73,3 +74,19 @@ def test_replay_rebuilds_acceptance_from_step_records():
     assert a.accepted(0, 3, depth_decay=1.0) == 3
     wl = replay_workload(recs)
     assert len(wl.replay) == 2 and wl.phases[0].rate_rps == 0.0
+
+
+def test_explicit_per_token_traces_run_in_the_simulator():
+    from tide.policies.base import FixedGamma
+    from tide.policies.profile import synthetic_profile
+    from tide.policies.simulator import simulate
+
+    easy = RequestSpec.from_probs("easy", [1.0] * 41)
+    hard = RequestSpec.from_probs("hard", [0.0] * 41)
+    wl = fixed_workload([(0.0, easy), (0.5, hard)])
+    res = simulate(FixedGamma(4), wl, synthetic_profile())
+    assert res.tokens_emitted == 82 and res.requests == 2
+    # easy: the 40 tokens after the first in 8 steps of 5; hard: 39 speculating steps of 1, and
+    # its last token decoded with γ capped to 0 (not a speculation step)
+    assert res.overall.steps == 8 + 40
+    assert res.overall.accept_len == (8 * 5 + 39) / (8 + 39)

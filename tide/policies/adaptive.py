@@ -9,7 +9,9 @@ profile (seed 000 Eq. 3–5 terms) and whose parameters are corrected from every
 
 The step plays argmax_m G(m) and then trims each request to the deepest token whose acceptance
 probability still pays for its verify cost (Π_{l≤k} α̂_i r_l ≥ G(m)·δ, δ = marginal verify ms per
-token of one request): hopeless requests in a batch stop drafting while good ones continue.
+token of one request): weak requests in a batch draft shallower while good ones go deep. Trimming
+stops at depth 1 — a request that stopped drafting would build lag, and catch-up is paid padded
+to the largest lag of the batch (c(L_max, b), Nightjar Table 1) when it resumes.
 
 Online corrections (all exponentially forgetting, so they follow drift):
 * κ(B, n): measured / profiled verify ms per bucket and tokens-per-sequence (falls back to the
@@ -171,11 +173,8 @@ class AdaptivePolicy:
                 while k > 1 and ch[k] < bar:
                     k -= 1
                 gammas.append(k)
-        self._remember(ctx, gammas, alphas)
-        return gammas
-
-    def _remember(self, ctx: StepContext, gammas: list[int], alphas: list[float]) -> None:
         self._pending = {"lags": [r.lag for r in ctx.requests], "alphas": alphas}
+        return gammas
 
     def raw_times(self, b: int, gammas: tuple[int, ...], lags: list[int]) -> tuple[float, float]:
         """Uncorrected profile (verify ms, draft ms) for the γs the engine actually ran."""

@@ -66,6 +66,17 @@ class RequestSpec:
     u: list[float]
     in_cache: list[bool] = field(default_factory=list)
 
+    @classmethod
+    def from_probs(
+        cls, rid: str, accept_p: Sequence[float], seed: int | str = 0, prompt_len: int = 0, domain: str = "trace"
+    ) -> RequestSpec:
+        """A request from an explicit per-output-position acceptance trace (uniforms seeded by `seed`)."""
+        rng = random.Random(f"{seed}:{rid}")
+        n = len(accept_p)
+        return cls(
+            rid, domain, prompt_len, n, [float(p) for p in accept_p], [rng.random() for _ in range(n)], [False] * n
+        )
+
     def accepted(self, pos: int, gamma: int, depth_decay: float, scale: float = 1.0) -> int:
         """Accepted draft tokens when drafting `gamma` tokens starting at output position `pos`,
         with the draft's acceptance scaled by `scale` (the current phase's `alpha_scale`)."""
@@ -250,14 +261,21 @@ def requests_from_step_records(records: Iterable[StepRecord]) -> list[tuple[floa
     return out
 
 
-def replay_workload(records: Iterable[StepRecord], tail_s: float = 1.0) -> Workload:
-    """A one-phase open-loop workload replaying recorded requests at their recorded arrival times."""
-    reqs = tuple(requests_from_step_records(records))
+def fixed_workload(
+    requests: Iterable[tuple[float, RequestSpec]], tail_s: float = 1.0, depth_decay: float = 1.0, name: str = "fixed"
+) -> Workload:
+    """A one-phase open-loop workload of given (arrival s, request) pairs — explicit traces."""
+    reqs = tuple(sorted(requests, key=lambda x: x[0]))
     duration = (reqs[-1][0] if reqs else 0.0) + tail_s
     return Workload(
-        phases=(Phase("replay", duration, rate_rps=0.0),),
-        domains={"replay": Domain("replay", 0.0)},
-        depth_decay=1.0,
-        name="replay",
+        phases=(Phase(name, duration, rate_rps=0.0),),
+        domains={name: Domain(name, 0.0)},
+        depth_decay=depth_decay,
+        name=name,
         replay=reqs,
     )
+
+
+def replay_workload(records: Iterable[StepRecord], tail_s: float = 1.0) -> Workload:
+    """Recorded engine telemetry replayed at its recorded arrival times (see requests_from_step_records)."""
+    return fixed_workload(requests_from_step_records(records), tail_s, name="replay")
