@@ -140,6 +140,8 @@ def simulate(
     record_trace: bool = False,
 ) -> SimResult:
     """Run `workload` to completion (all arrived requests drained) under `policy`."""
+    if max_batch < 1 or max_gamma < 0:
+        raise ValueError("need max_batch >= 1 and max_gamma >= 0")
     phases = workload.phases
     starts = [s * 1000.0 for s in workload.phase_starts_s()]
     end = workload.duration_s * 1000.0
