@@ -33,6 +33,7 @@ class EngineConfig:
     max_seq_len: int = 2048  # prompt + output tokens per sequence
     max_tokens_per_step: int = 512  # prefill budget per step (decode rows count against it)
     max_gamma: int = 8  # hard cap on draft tokens per request per step
+    prefill_chunk: int = 256  # prompts are prefilled in chunks cut at multiples of this
     seed: int = 0  # RNG for sampled requests without their own seed
     worker_id: str = "local"
     target_model: str = ""
@@ -89,9 +90,10 @@ class LLMEngine:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config.max_batch, config.max_tokens_per_step, config.max_seq_len)
-        self.runner = ModelRunner(model, config.max_batch, config.max_seq_len, max(config.max_tokens_per_step,
-                                                                                    config.max_gamma + 1))
+        self.scheduler = Scheduler(config.max_batch, config.max_tokens_per_step, config.max_seq_len,
+                                   config.prefill_chunk)
+        self.runner = ModelRunner(model, config.max_batch, config.max_seq_len,
+                                  max(config.prefill_chunk, config.max_gamma + 1))
         self.drafter: Drafter | None = None
         self.features: FeatureStore | None = None
         self.policy: GammaPolicy = policy or FixedGamma(0)
@@ -204,26 +206,23 @@ class LLMEngine:
         return self.features is not None or bool(self.capture_listeners)
 
     def _prefill(self, items: list[tuple[Sequence, int]], outputs: dict[str, RequestOutput]) -> int:
-        seqs = [s for s, _ in items]
-        for seq in seqs:
+        """One forward per prompt chunk: padding prompts of different lengths into one batch would
+        make a prompt's states depend on its batch mates (SDPA's blocking follows the shape)."""
+        capture = self._capture()
+        for seq, n in items:
             if seq.num_cached == 0 and self.drafter is not None:
                 self.drafter.add_sequence(seq)
-        chunks = [seq.token_ids[seq.num_cached:seq.num_cached + n] for seq, n in items]
-        starts = [seq.num_cached for seq in seqs]
-        completes = [seq.num_cached + n == seq.num_prompt for seq, n in items]
-        logits_from = [len(c) - 1 if done else len(c) for c, done in zip(chunks, completes, strict=True)]
-        capture = self._capture()
-        out = self.runner.run(seqs, chunks, starts, logits_from, capture)
-        self._hand_off(seqs, starts, [len(c) for c in chunks], chunks, out)
-        for i, (seq, n) in enumerate(items):
+            chunk = seq.token_ids[seq.num_cached:seq.num_cached + n]
+            completes = seq.num_cached + n == seq.num_prompt
+            out = self.runner.run([seq], [chunk], [seq.num_cached], [n - 1 if completes else n], capture)
+            self._hand_off([seq], [seq.num_cached], [n], [chunk], out)
             seq.num_cached += n
-            if not completes[i]:
+            if not completes:
                 continue
-            row = out.logits[out.row_offsets[i]:out.row_offsets[i + 1]]
             if seq.params.greedy:
-                token = int(row[-1].argmax())
+                token = int(out.logits[-1].argmax())
             else:
-                token = sample(target_probs(row[-1:], seq.params)[0], self._generators[seq.request_id])
+                token = sample(target_probs(out.logits[-1:], seq.params)[0], self._generators[seq.request_id])
             seq.status = SequenceStatus.RUNNING
             self._emit(seq, [token], outputs)
         return sum(n for _, n in items)

@@ -25,11 +25,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, max_tokens_per_step: int, max_seq_len: int) -> None:
-        if max_batch < 1 or max_tokens_per_step < 1:
-            raise ValueError("max_batch and max_tokens_per_step must be >= 1")
+    def __init__(self, max_batch: int, max_tokens_per_step: int, max_seq_len: int, prefill_chunk: int = 256) -> None:
+        if max_batch < 1 or max_tokens_per_step < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch, max_tokens_per_step and prefill_chunk must be >= 1")
         self.max_batch = max_batch
         self.max_tokens_per_step = max_tokens_per_step
+        # Prompts are cut at fixed multiples of prefill_chunk whatever the load, so a prompt's
+        # KV cache (and so its output) never depends on which other requests shared the step.
+        self.prefill_chunk = prefill_chunk
         self.max_seq_len = max_seq_len
         self.waiting: deque[Sequence] = deque()
         self.active: dict[str, Sequence] = {}  # holds a slot: PREFILLING or RUNNING
@@ -80,9 +83,9 @@ class Scheduler:
             (s for s in self.active.values() if s.status is SequenceStatus.PREFILLING), key=lambda s: s.arrival_s
         )
         for seq in prefilling:
-            if budget <= 0:
+            n = min(seq.remaining_prefill, self.prefill_chunk - seq.num_cached % self.prefill_chunk)
+            if n > budget and (plan.prefill or plan.decode):
                 break
-            n = min(seq.remaining_prefill, budget)
             plan.prefill.append((seq, n))
             budget -= n
         return plan

@@ -1,0 +1,30 @@
+"""Fixtures for engine tests (helpers live in tests/support/engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.engine import save_tiny_target
+
+from services.inference.engine.llama import LlamaModel
+from tide.target import TargetFiles, resolve_target
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> TargetFiles:
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_target) -> LlamaModel:
+    return LlamaModel.load(tiny_target, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def ref_target() -> TargetFiles:
+    return resolve_target("ref")
+
+
+@pytest.fixture(scope="session")
+def ref_model_bf16(ref_target) -> LlamaModel:
+    return LlamaModel.load(ref_target, dtype=torch.bfloat16)

@@ -1,0 +1,70 @@
+"""Our Llama-family forward equals transformers' reference forward (fp32, max |diff| <= 1e-3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.engine import save_tiny_target
+
+from services.inference.engine.llama import ForwardBatch, LlamaModel
+
+
+def _prefill_batch(ids: torch.Tensor, start: int = 0) -> ForwardBatch:
+    q = ids.shape[1]
+    pos = torch.arange(start, start + q)[None]
+    mask = torch.arange(start + q)[None, None, None, :] <= pos[:, None, :, None]
+    return ForwardBatch(ids, pos, torch.tensor([0]), start + q, mask, slot_range=(0, 1))
+
+
+def _hf_logits(target, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf(ids, output_hidden_states=True)
+    return out.logits[0], out.hidden_states
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("llama", {}),
+    ("qwen2", {}),  # q/k/v biases
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+])
+def test_prefill_and_decode_match_transformers(tmp_path, arch, extra):
+    target = save_tiny_target(tmp_path, arch=arch, **extra)
+    model = LlamaModel.load(target, dtype=torch.float32)
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    ref, _ = _hf_logits(target, ids)
+    # Prefill of the first 30 tokens, then 10 single-token decode steps through the KV cache.
+    cache = model.new_cache(1, 64)
+    logits, _, _ = model.forward(_prefill_batch(ids[:, :30]), cache)
+    assert (logits - ref[:30]).abs().max() <= 1e-3
+    for i in range(30, 40):
+        fb = ForwardBatch(ids[:, i:i + 1], torch.tensor([[i]]), torch.tensor([0]), i + 1, None, slot_range=(0, 1))
+        logits, _, _ = model.forward(fb, cache)
+        assert (logits[0] - ref[i]).abs().max() <= 1e-3
+
+
+def test_capture_returns_eagle3_layers_and_final_state(tmp_path):
+    target = save_tiny_target(tmp_path)
+    model = LlamaModel.load(target, dtype=torch.float32)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(2))
+    _, hidden = _hf_logits(target, ids)
+    fb = _prefill_batch(ids)
+    fb.capture = True
+    _, final, aux = model.forward(fb, model.new_cache(1, 16))
+    # HF hidden_states[i] is the output of layer i-1; [-1] is already post-norm.
+    expected_aux = torch.cat([hidden[i + 1] for i in model.cfg.aux_layers], dim=-1)
+    assert model.cfg.aux_layers == (1, 3, 4)  # [1, L//2 - 1, L - 4] for L = 8
+    assert (aux - expected_aux).abs().max() <= 1e-4
+    assert (final - hidden[-1]).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_reference_model_matches_transformers(ref_target):
+    model = LlamaModel.load(ref_target, dtype=torch.float32)
+    ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(3))
+    ref, _ = _hf_logits(ref_target, ids)
+    logits, _, _ = model.forward(_prefill_batch(ids), model.new_cache(1, 32))
+    assert (logits - ref).abs().max() <= 1e-3
