@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine import CyclingGamma, RandomDrafter, ScriptedDrafter
+from support.engine import CyclingGamma, RandomDrafter, ScriptedDrafter, tiny_eagle3_drafter
 
 from services.inference.engine.drafters import NgramDrafter
 from services.inference.engine.engine import EngineConfig, LLMEngine
@@ -48,13 +48,15 @@ def plain_outputs(tiny_model, prompts):
 
 @pytest.mark.parametrize("gamma", [1, 2, 3, 5])
 @pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("drafter_kind", ["good", "random", "ngram"])
+@pytest.mark.parametrize("drafter_kind", ["good", "random", "ngram", "eagle3"])
 def test_speculative_equals_plain(tiny_model, prompts, plain_outputs, gamma, batch, drafter_kind):
     prompts, expected = prompts[:batch], plain_outputs[:batch]
     if drafter_kind == "good":
         drafter = ScriptedDrafter({f"gen-0-{i}": out for i, out in enumerate(expected)}, VOCAB, corrupt_every=3)
     elif drafter_kind == "random":
         drafter = RandomDrafter(VOCAB, seed=gamma)
+    elif drafter_kind == "eagle3":
+        drafter = tiny_eagle3_drafter(tiny_model, seed=gamma)
     else:
         drafter = NgramDrafter()
     engine = _engine(tiny_model, drafter, FixedGamma(gamma))
@@ -68,8 +70,13 @@ def test_speculative_equals_plain(tiny_model, prompts, plain_outputs, gamma, bat
         assert sum(s.verify_steps for s in seqs) < sum(len(o) for o in expected)
 
 
-def test_gamma_changing_mid_request(tiny_model, prompts, plain_outputs):
-    drafter = ScriptedDrafter({f"gen-0-{i}": out for i, out in enumerate(plain_outputs)}, VOCAB, corrupt_every=4)
+@pytest.mark.parametrize("drafter_kind", ["good", "eagle3"])
+def test_gamma_changing_mid_request(tiny_model, prompts, plain_outputs, drafter_kind):
+    """γ moves between 0 and k; an EAGLE-3 draft catches up on the tokens decoded while off."""
+    if drafter_kind == "good":
+        drafter = ScriptedDrafter({f"gen-0-{i}": o for i, o in enumerate(plain_outputs)}, VOCAB, corrupt_every=4)
+    else:
+        drafter = tiny_eagle3_drafter(tiny_model)
     engine = _engine(tiny_model, drafter, CyclingGamma([3, 0, 1, 5, 0, 0, 2]))
     seqs = engine.generate(prompts, GREEDY)
     assert [s.output_ids for s in seqs] == plain_outputs
@@ -85,6 +92,9 @@ def test_hot_swap_mid_generation(tiny_model, prompts, plain_outputs):
     assert any(s.num_output > 0 for s in seqs) and not all(s.status.is_finished() for s in seqs)
     engine.swap_drafter(NgramDrafter())
     for _ in range(4):
+        engine.step()
+    engine.swap_drafter(tiny_eagle3_drafter(tiny_model, seed=7))  # rebuilds its cache from the store
+    for _ in range(3):
         engine.step()
     engine.swap_drafter(ScriptedDrafter({f"r{i}": o for i, o in enumerate(plain_outputs)}, VOCAB))
     while engine.has_work():
