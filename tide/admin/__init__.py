@@ -1,0 +1,1 @@
+"""Operator tooling: the `tidectl` CLI (`tide.admin.cli`) for the draft registry."""
