@@ -1,0 +1,71 @@
+"""`python -m services.inference`: run one inference worker until SIGTERM/SIGINT.
+
+Configuration: `TIDE_*` environment variables (see settings.py). Logs are JSON lines on stderr
+(`TIDE_LOG_LEVEL`, default INFO); Prometheus metrics on http://<listen host>:$TIDE_METRICS_PORT/.
+On a signal the worker stops taking requests (health NOT_SERVING), lets running ones finish for
+`TIDE_SHUTDOWN_GRACE_S` seconds (default 10), cancels the rest and flushes telemetry and chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from services.inference.app import build
+from services.inference.settings import InferenceSettings
+
+log = logging.getLogger("services.inference")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (unix s), level, logger, message (+ exception)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": round(record.created, 3), "level": record.levelname, "logger": record.name,
+               "message": record.getMessage(), "thread": record.threadName}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def main() -> int:
+    setup_logging(os.environ.get("TIDE_LOG_LEVEL", "INFO"))
+    try:
+        settings = InferenceSettings.from_env()
+    except ValueError as e:
+        log.error("bad configuration: %s", e)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, addr=settings.listen_host)
+        log.info("metrics on http://%s:%d/", settings.listen_host, settings.metrics_port)
+    t0 = time.monotonic()
+    service = build(settings)
+    log.info("worker %s serving %s on %s (ready in %.1f s)", settings.worker_id, settings.target, service.target,
+             time.monotonic() - t0)
+    stop.wait()
+    log.info("shutting down")
+    service.stop(grace_s=float(os.environ.get("TIDE_SHUTDOWN_GRACE_S", "10")))
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

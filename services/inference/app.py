@@ -1,0 +1,124 @@
+"""Wiring: settings -> target model -> engine -> worker (+ telemetry, exporter) -> gRPC server.
+
+`build(settings)` returns a running `InferenceService`; `__main__` adds signals, logs and metrics.
+Redis and S3 are optional at run time: when they are down the worker serves and the publishers
+count what they drop (see telemetry.py and exporter.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+from dataclasses import dataclass
+
+import urllib3
+from minio import Minio
+
+from services.inference.control import PolicySpec
+from services.inference.engine.engine import EngineConfig, LLMEngine
+from services.inference.exporter import ChunkExporter
+from services.inference.server import serve
+from services.inference.settings import InferenceSettings
+from services.inference.telemetry import TelemetryPublisher
+from services.inference.worker import Worker
+from tide import blobs, streams
+from tide.grpcutil import GrpcServer
+from tide.policies.profile import LatencyProfile
+from tide.target import resolve_target
+
+log = logging.getLogger(__name__)
+
+
+def load_target(settings: InferenceSettings):
+    """(LlamaModel, tokenizer or None, model id) for the configured target (GGUF converted once, cached)."""
+    from services.inference.engine.llama import LlamaModel
+
+    target = resolve_target(settings.target)
+    model = LlamaModel.load(target, dtype=settings.torch_dtype, device=settings.device)
+    tokenizer = None
+    if (target.path / "tokenizer.json").exists() or (target.path / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target.path)
+    else:
+        log.warning("target %s has no tokenizer: prompt_text and stop strings will be refused", target.path)
+    log.info("loaded target %s (%s, %s) from %s", target.model_id, settings.dtype, settings.device, target.path)
+    return model, tokenizer, target.model_id
+
+
+def policy_spec(name: str, params) -> PolicySpec:
+    """Scalar parameters go in `params`, structured ones in `table_json` (as the proto has it)."""
+    scalars = {k: float(v) for k, v in params.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+    rest = {k: v for k, v in params.items() if k not in scalars}
+    return PolicySpec(name, scalars, json.dumps(rest, sort_keys=True) if rest else "")
+
+
+def s3_client(settings: InferenceSettings) -> Minio:
+    """A minio client that fails fast (seconds, few retries) so an S3 outage never stalls the flusher."""
+    st = settings.storage
+    http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=2.0, read=30.0),
+                               retries=urllib3.Retry(total=2, backoff_factor=0.2,
+                                                     status_forcelist=[500, 502, 503, 504]))
+    return Minio(st.s3_endpoint, access_key=st.s3_access_key, secret_key=st.s3_secret_key, secure=st.s3_secure,
+                 http_client=http)
+
+
+@dataclass
+class InferenceService:
+    settings: InferenceSettings
+    worker: Worker
+    server: GrpcServer
+    telemetry: TelemetryPublisher
+    exporter: ChunkExporter
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop routing (health NOT_SERVING), drain for `grace_s`, then stop the publishers after a last flush."""
+        self.server.health.enter_graceful_shutdown()
+        self.worker.stop(grace_s)
+        self.server.stop(1.0)
+        self.telemetry.stop()
+        self.exporter.stop()
+
+
+def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: str | None = None) -> InferenceService:
+    """Build and start everything. `model`/`tokenizer`/`model_id` may be passed in (tests reuse a
+    loaded model); otherwise the target named by the settings is loaded."""
+    if model is None:
+        model, tokenizer, model_id = load_target(settings)
+    model_id = model_id or settings.target
+    config = EngineConfig(max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
+                          max_tokens_per_step=settings.max_tokens_per_step, max_gamma=settings.max_gamma,
+                          seed=settings.seed, worker_id=settings.worker_id, target_model=model_id)
+    engine = LLMEngine(model, config, tokenizer=tokenizer)
+    names = streams.StreamNames(settings.storage.stream_prefix)
+    rclient = settings.storage.redis_client(socket_connect_timeout=1.0, socket_timeout=2.0)
+    telemetry = TelemetryPublisher(rclient, names.telemetry, batch_size=settings.telemetry_batch,
+                                   interval_s=settings.telemetry_interval_s, buffer_cap=settings.telemetry_buffer)
+    s3 = s3_client(settings)
+    try:
+        blobs.ensure_bucket(s3, settings.storage.s3_bucket)
+    except Exception as e:  # S3 down at start: serve anyway, chunks are dropped (and counted) until it is up
+        log.warning("S3 bucket %s not reachable at start (%s); collection will drop chunks until it is",
+                    settings.storage.s3_bucket, e)
+    exporter = ChunkExporter(s3, settings.storage.s3_bucket, rclient, names.chunks, target_model=model_id,
+                             worker_id=settings.worker_id, hidden_size=model.cfg.hidden_size,
+                             chunk_tokens=settings.chunk_tokens, buffers=settings.chunk_buffers,
+                             flush_interval_s=settings.flush_interval_s, key_prefix=settings.chunk_prefix,
+                             pin_memory=model.device.type == "cuda")
+    profile = LatencyProfile.load(settings.latency_profile) if settings.latency_profile else None
+    worker = Worker(engine, policy=policy_spec(settings.policy, settings.policy_params), drafter=settings.drafter,
+                    tokenizer=tokenizer, exporter=exporter, collection=settings.collection,
+                    max_queue=settings.max_queue, forced_gamma=settings.forced_gamma, profile=profile,
+                    device=str(model.device))
+    engine.step_listeners.append(telemetry.publish)
+    telemetry.start()
+    exporter.start()
+    worker.start()
+    server = serve(worker, settings.listen, settings.admin_token,
+                   max_workers=settings.max_batch + settings.max_queue + 8)
+    return InferenceService(settings, worker, server, telemetry, exporter)

@@ -1,0 +1,190 @@
+"""Control-plane domain: decisions, the speculation schedule, policy and drafter construction.
+
+No gRPC here: `server.py` translates `tide.v1.Decision` into `Decision` and back. Decisions are
+applied by the worker between engine steps (see `worker.Worker.apply_decision`).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.inference.engine.drafters import Drafter, NgramDrafter
+from tide.policies import GammaPolicy, StepContext, StepFeedback
+from tide.policies.profile import LatencyProfile
+from tide.policies.registry import POLICY_NAMES, make_policy
+
+
+class DecisionError(ValueError):
+    """A decision (or a part of it) cannot be applied; the message says why (sent to the controller)."""
+
+
+@dataclass(frozen=True)
+class SpeculationBucket:
+    """Speculation on/off for running-batch sizes in [min_batch, max_batch]; max_batch 0 = unbounded."""
+
+    min_batch: int
+    max_batch: int
+    enabled: bool
+
+    def covers(self, batch: int) -> bool:
+        return batch >= self.min_batch and (self.max_batch == 0 or batch <= self.max_batch)
+
+
+@dataclass(frozen=True)
+class SpeculationSchedule:
+    """Batch-size buckets; batch sizes no bucket covers run without speculation. Buckets may not overlap."""
+
+    buckets: tuple[SpeculationBucket, ...] = (SpeculationBucket(1, 0, True),)
+
+    def __post_init__(self) -> None:
+        for b in self.buckets:
+            if b.min_batch < 0 or b.max_batch < 0:
+                raise DecisionError(f"bucket [{b.min_batch}, {b.max_batch}]: batch sizes must be >= 0")
+            if b.max_batch and b.max_batch < b.min_batch:
+                raise DecisionError(f"bucket [{b.min_batch}, {b.max_batch}]: max_batch < min_batch")
+        ordered = sorted(self.buckets, key=lambda b: b.min_batch)
+        for lo, hi in zip(ordered, ordered[1:], strict=False):
+            if lo.max_batch == 0 or hi.min_batch <= lo.max_batch:
+                raise DecisionError(f"buckets [{lo.min_batch}, {lo.max_batch or 'inf'}] and "
+                                    f"[{hi.min_batch}, {hi.max_batch or 'inf'}] overlap")
+
+    def enabled(self, batch: int) -> bool:
+        return any(b.enabled and b.covers(batch) for b in self.buckets)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A γ policy by name: scalar `params` and structured `table_json` (see `build_policy`)."""
+
+    name: str
+    params: Mapping[str, float] = field(default_factory=dict)
+    table_json: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One control-plane decision; None / absent sections leave that part unchanged."""
+
+    decision_id: str
+    target_model: str = ""
+    speculation: SpeculationSchedule | None = None
+    policy: PolicySpec | None = None
+    collection_enabled: bool | None = None
+    drafter: str | None = None
+    reason: str = ""
+    issued_unix_s: float = 0.0
+
+
+class Outcome(enum.Enum):
+    APPLIED = "applied"
+    ALREADY_APPLIED = "already_applied"
+    REJECTED = "rejected"
+
+
+def _param(value: Any) -> Any:
+    """Proto params are doubles; integral values become ints (γ, window sizes, seeds)."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise DecisionError(f"parameter value {value} is not finite")
+        if value.is_integer():
+            return int(value)
+    return value
+
+
+def build_policy(spec: PolicySpec, profile: LatencyProfile | None = None) -> GammaPolicy:
+    """A fresh policy from `spec`. `table_json` is a JSON object: its key "profile" (optional) is a
+    LatencyProfile (`LatencyProfile.to_dict()` shape) used instead of the worker's `profile`; every
+    other key is a structured keyword argument of the policy (e.g. vLLM's per-batch-size table)."""
+    if spec.name not in POLICY_NAMES:
+        raise DecisionError(f"unknown gamma policy {spec.name!r}; known: {', '.join(POLICY_NAMES)}")
+    params = {str(k): _param(v) for k, v in spec.params.items()}
+    if spec.table_json:
+        try:
+            table = json.loads(spec.table_json)
+        except json.JSONDecodeError as e:
+            raise DecisionError(f"table_json is not JSON: {e}") from None
+        if not isinstance(table, dict):
+            raise DecisionError("table_json must be a JSON object")
+        if "profile" in table:
+            try:
+                profile = LatencyProfile.from_dict(table.pop("profile"))
+            except (AttributeError, KeyError, TypeError, ValueError) as e:
+                raise DecisionError(f"table_json.profile is not a latency profile: {e}") from None
+        params.update(table)
+    try:
+        return make_policy(spec.name, params, profile)
+    except ValueError as e:
+        if "LatencyProfile" in str(e):
+            raise DecisionError(f"policy {spec.name!r} needs a latency profile and this worker has none; "
+                                'send one in table_json as {"profile": {...}}') from None
+        raise DecisionError(f"policy {spec.name!r}: {e}") from None
+    except TypeError as e:
+        raise DecisionError(f"policy {spec.name!r}: bad parameters: {e}") from None
+
+
+class ScheduledPolicy:
+    """The γ policy the engine runs: `inner` where the schedule enables speculation for the current
+    running-batch size, γ = 0 elsewhere. Requests in `forced` (speculative=true) get at least
+    `forced_gamma` everywhere. `inner` observes only the steps it decided."""
+
+    def __init__(self, inner: GammaPolicy, schedule: SpeculationSchedule, forced: set[str],
+                 forced_gamma: int) -> None:
+        self.inner, self.schedule, self.forced, self.forced_gamma = inner, schedule, forced, forced_gamma
+        self.name = inner.name
+        self._decided = False
+
+    def decide(self, ctx: StepContext) -> list[int]:
+        self._decided = self.schedule.enabled(ctx.batch_size)
+        gammas = list(self.inner.decide(ctx)) if self._decided else [0] * len(ctx.requests)
+        if self.forced:
+            for i, r in enumerate(ctx.requests):
+                if r.request_id in self.forced and gammas[i] <= 0:
+                    gammas[i] = min(self.forced_gamma, ctx.max_gamma)
+        return gammas
+
+    def observe(self, feedback: StepFeedback) -> None:
+        if self._decided:
+            self.inner.observe(feedback)
+        self._decided = False
+
+
+DrafterFactory = Callable[[str], Drafter | None]
+
+
+def make_drafter(name: str) -> Drafter | None:
+    """The drafters this worker can build by name; raises DecisionError for others.
+
+    Hook: "eagle3" will load the registry's current draft for the target (services/registry) and
+    wrap it in the engine's EAGLE-3 drafter; until that is wired it is refused, never faked.
+    """
+    if name == "none":
+        return None
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "eagle3":
+        raise DecisionError("drafter 'eagle3' is not available on this worker yet (registry draft loading "
+                            "is not wired); use 'ngram' or 'none'")
+    raise DecisionError(f"unknown drafter {name!r}; known: eagle3, ngram, none")
+
+
+class SeenIds:
+    """Bounded memory of applied decision ids (oldest forgotten first)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, decision_id: str) -> bool:
+        return decision_id in self._ids
+
+    def add(self, decision_id: str) -> None:
+        self._ids[decision_id] = None
+        self._ids.move_to_end(decision_id)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)

@@ -1,0 +1,30 @@
+"""Prometheus metrics of the inference service, defined once per process (default registry).
+
+The classes that move them also keep plain integer counters of their own (`.stats`), which tests
+and the status call read; these module-level series are what `/metrics` exports.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+REQUESTS = Counter("tide_inference_requests", "Generate requests by outcome", ["outcome"])
+GENERATED_TOKENS = Counter("tide_inference_generated_tokens", "Tokens emitted to clients")
+STEPS = Counter("tide_inference_steps", "Engine steps run")
+STEP_ERRORS = Counter("tide_inference_step_errors", "Engine steps that raised (requests in flight failed)")
+DECISIONS = Counter("tide_inference_decisions", "Controller decisions by outcome", ["outcome"])
+RUNNING = Gauge("tide_inference_running_requests", "Sequences holding a KV slot")
+WAITING = Gauge("tide_inference_waiting_requests", "Accepted requests without a KV slot yet")
+KV_USAGE = Gauge("tide_inference_kv_cache_usage", "Fraction of KV-cache slots in use [0, 1]")
+COLLECTION = Gauge("tide_inference_collection_enabled", "1 while hidden-state collection is on")
+
+TELEMETRY_PUBLISHED = Counter("tide_telemetry_records_published", "Step records written to the telemetry stream")
+TELEMETRY_DROPPED = Counter("tide_telemetry_records_dropped", "Step records dropped (buffer full: oldest first)")
+TELEMETRY_ERRORS = Counter("tide_telemetry_publish_errors", "Failed telemetry XADD batches (Redis unreachable)")
+TELEMETRY_BUFFERED = Gauge("tide_telemetry_records_buffered", "Step records waiting to be published")
+
+CHUNKS_WRITTEN = Counter("tide_chunks_written", "Hidden-state chunks stored in S3 and announced on the stream")
+CHUNK_TOKENS = Counter("tide_chunk_tokens_exported", "Token rows in announced chunks")
+CHUNK_TOKENS_DROPPED = Counter("tide_chunk_tokens_dropped", "Token rows dropped before reaching S3", ["reason"])
+CHUNKS_DROPPED = Counter("tide_chunks_dropped", "Chunks dropped before or after S3", ["reason"])
+CHUNK_BYTES = Counter("tide_chunk_bytes_written", "Bytes of chunk blobs written to S3")

@@ -1,0 +1,209 @@
+"""gRPC InferenceService: translates tide.v1 protobuf <-> the worker's domain types.
+
+Refusals before a stream starts end the call with a status: INVALID_ARGUMENT (bad input; also a
+prompt + max_tokens over the context), ALREADY_EXISTS (request id in use), RESOURCE_EXHAUSTED
+(worker full), UNAVAILABLE (shutting down); the trailing metadata `tide-error-code` then carries
+the tide.v1.ErrorCode name (e.g. ERROR_CODE_CONTEXT_LENGTH_EXCEEDED) for the gateway's mapping.
+Once accepted, a Generate stream carries chunks and ends with one `final` or one `error`. A client
+that goes away cancels its request in the engine. ApplyDecision is an admin method: tide.grpcutil
+enforces the bearer token declared in the proto.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+
+import grpc
+
+from services.inference.control import (
+    Decision,
+    DecisionError,
+    Outcome,
+    PolicySpec,
+    SpeculationBucket,
+    SpeculationSchedule,
+)
+from services.inference.engine.sequence import FinishReason
+from services.inference.requests import (
+    ErrorEvent,
+    ErrorKind,
+    FinalEvent,
+    GenerationRequest,
+    RequestRejected,
+    TokenEvent,
+)
+from services.inference.worker import Worker, WorkerStatus
+from tide.grpcutil import GrpcServer
+from tide.proto.tide.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tide.v1.InferenceService"
+ERROR_CODE_METADATA = "tide-error-code"
+
+_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: (grpc.StatusCode.INVALID_ARGUMENT, common_pb2.ERROR_CODE_INVALID_ARGUMENT),
+    ErrorKind.CONTEXT_LENGTH_EXCEEDED: (grpc.StatusCode.INVALID_ARGUMENT,
+                                        common_pb2.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED),
+    ErrorKind.DUPLICATE_ID: (grpc.StatusCode.ALREADY_EXISTS, common_pb2.ERROR_CODE_INVALID_ARGUMENT),
+    ErrorKind.OVERLOADED: (grpc.StatusCode.RESOURCE_EXHAUSTED, common_pb2.ERROR_CODE_OVERLOADED),
+    ErrorKind.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, common_pb2.ERROR_CODE_UNAVAILABLE),
+    ErrorKind.INTERNAL: (grpc.StatusCode.INTERNAL, common_pb2.ERROR_CODE_INTERNAL),
+}
+_FINISH = {
+    FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: inference_pb2.FINISH_REASON_CANCELLED,
+}
+_OUTCOME = {
+    Outcome.APPLIED: inference_pb2.ApplyDecisionResponse.OUTCOME_APPLIED,
+    Outcome.ALREADY_APPLIED: inference_pb2.ApplyDecisionResponse.OUTCOME_ALREADY_APPLIED,
+    Outcome.REJECTED: inference_pb2.ApplyDecisionResponse.OUTCOME_REJECTED,
+}
+
+
+# ---------------------------------------------------------------------------------- conversions
+
+
+def generation_request(r: inference_pb2.GenerateRequest) -> GenerationRequest:
+    s = r.sampling
+    which = r.WhichOneof("prompt")
+    return GenerationRequest(
+        request_id=r.request_id,
+        prompt_ids=tuple(r.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
+        prompt_text=r.prompt_text if which == "prompt_text" else None,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        speculative=r.speculative if r.HasField("speculative") else None,
+        workload=r.workload,
+    )
+
+
+def final_pb(e: FinalEvent) -> inference_pb2.GenerateFinal:
+    sp = e.speculation
+    out = inference_pb2.GenerateFinal(
+        finish_reason=_FINISH.get(e.finish_reason, inference_pb2.FINISH_REASON_UNSPECIFIED),
+        prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
+        speculation=inference_pb2.SpeculationStats(
+            accept_length=sp.accept_length, draft_tokens=sp.draft_tokens, accepted_tokens=sp.accepted_tokens,
+            verify_steps=sp.verify_steps, plain_steps=sp.plain_steps, draft_version=sp.draft_version,
+            drafter=sp.drafter),
+        time_to_first_token_ms=e.time_to_first_token_ms, total_ms=e.total_ms)
+    if e.stop_string is not None:
+        out.stop_string = e.stop_string
+    elif e.stop_token_id is not None:
+        out.stop_token_id = e.stop_token_id
+    return out
+
+
+def schedule_pb(s: SpeculationSchedule) -> inference_pb2.SpeculationSchedule:
+    return inference_pb2.SpeculationSchedule(buckets=[
+        inference_pb2.SpeculationBucket(min_batch=b.min_batch, max_batch=b.max_batch, enabled=b.enabled)
+        for b in s.buckets])
+
+
+def status_pb(s: WorkerStatus) -> inference_pb2.WorkerStatus:
+    return inference_pb2.WorkerStatus(
+        worker_id=s.worker_id, model_id=s.model_id, engine=s.engine, device=s.device,
+        running_requests=s.running_requests, waiting_requests=s.waiting_requests, max_batch_size=s.max_batch_size,
+        load=s.load, kv_cache_usage=s.kv_cache_usage, draft_version=s.draft_version, drafter=s.drafter,
+        gamma_policy=inference_pb2.GammaPolicy(name=s.policy.name, params=dict(s.policy.params),
+                                               table_json=s.policy.table_json),
+        speculation=schedule_pb(s.speculation), collection_enabled=s.collection_enabled,
+        last_decision_id=s.last_decision_id, uptime_s=s.uptime_s)
+
+
+def decision(d: inference_pb2.Decision) -> Decision:
+    """Domain decision; raises DecisionError for an invalid schedule."""
+    return Decision(
+        decision_id=d.decision_id, target_model=d.target_model,
+        speculation=SpeculationSchedule(tuple(SpeculationBucket(b.min_batch, b.max_batch, b.enabled)
+                                              for b in d.speculation.buckets)) if d.HasField("speculation") else None,
+        policy=PolicySpec(d.gamma_policy.name, dict(d.gamma_policy.params), d.gamma_policy.table_json)
+        if d.HasField("gamma_policy") else None,
+        collection_enabled=d.collection_enabled if d.HasField("collection_enabled") else None,
+        drafter=d.drafter if d.HasField("drafter") else None,
+        reason=d.reason, issued_unix_s=d.issued_unix_s)
+
+
+# ------------------------------------------------------------------------------------ servicer
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    """`poll_s`: how often a waiting stream checks that its client is still there (seconds)."""
+
+    def __init__(self, worker: Worker, poll_s: float = 0.5, decision_timeout_s: float = 30.0) -> None:
+        self.worker, self.poll_s, self.decision_timeout_s = worker, poll_s, decision_timeout_s
+
+    def Generate(self, request, context):
+        try:
+            handle = self.worker.submit(generation_request(request))
+        except RequestRejected as e:
+            status, code = _STATUS[e.kind]
+            context.set_trailing_metadata(((ERROR_CODE_METADATA, common_pb2.ErrorCode.Name(code)),))
+            context.abort(status, e.message)
+        context.add_callback(lambda: None if handle.done else self.worker.cancel_handle(handle))
+        rid = request.request_id
+        while True:
+            try:
+                event = handle.events.get(timeout=self.poll_s)
+            except queue.Empty:
+                if not context.is_active():
+                    self.worker.cancel_handle(handle)
+                    return
+                continue
+            tokens, text = [], []
+            while isinstance(event, TokenEvent):  # coalesce what queued up while we were sending
+                tokens.extend(event.token_ids)
+                text.append(event.text)
+                try:
+                    event = handle.events.get_nowait()
+                except queue.Empty:
+                    event = None
+            if tokens or text:
+                yield inference_pb2.GenerateResponse(
+                    request_id=rid, chunk=inference_pb2.TokenChunk(token_ids=tokens, text="".join(text)))
+            if isinstance(event, FinalEvent):
+                yield inference_pb2.GenerateResponse(request_id=rid, final=final_pb(event))
+                return
+            if isinstance(event, ErrorEvent):
+                code = _STATUS[event.kind][1]
+                yield inference_pb2.GenerateResponse(request_id=rid, error=common_pb2.Error(code=code,
+                                                                                           message=event.message))
+                return
+
+    def Cancel(self, request, context):
+        return inference_pb2.CancelResponse(found=self.worker.cancel(request.request_id))
+
+    def GetStatus(self, request, context):
+        return status_pb(self.worker.status())
+
+    def ApplyDecision(self, request, context):
+        try:
+            d = decision(request)
+        except DecisionError as e:
+            return inference_pb2.ApplyDecisionResponse(
+                outcome=_OUTCOME[Outcome.REJECTED], detail=str(e), status=status_pb(self.worker.status()))
+        try:
+            result = self.worker.apply_decision(d, timeout_s=self.decision_timeout_s)
+        except TimeoutError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker did not reach a step boundary in time; retry")
+        return inference_pb2.ApplyDecisionResponse(outcome=_OUTCOME[result.outcome], detail=result.detail,
+                                                   status=status_pb(result.status))
+
+
+def serve(worker: Worker, address: str, admin_token: str | None, max_workers: int = 64) -> GrpcServer:
+    """Start the gRPC server (health SERVING from here on: call once the model is loaded)."""
+    server = GrpcServer(address, admin_token=admin_token, max_workers=max_workers)
+    server.add_service(inference_pb2_grpc.add_InferenceServiceServicer_to_server, InferenceServicer(worker),
+                       SERVICE_NAME)
+    server.start()
+    log.info("inference service listening on %s", server.target)
+    return server

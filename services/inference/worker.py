@@ -1,0 +1,353 @@
+"""The worker: owns the LLMEngine and drives it from one thread; everything else talks to it by message.
+
+Threads: any thread may `submit`, `cancel`, `apply_decision` or read `status()`; the loop thread
+runs engine steps and, between steps, the commands those calls queued (add, cancel, decisions).
+Each request's events go to its `RequestHandle.events` queue (see `requests.py`). Decisions are
+applied between steps, atomically (validated first, then committed), once per decision id.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.inference import metrics
+from services.inference.control import (
+    Decision,
+    DecisionError,
+    DrafterFactory,
+    Outcome,
+    PolicySpec,
+    ScheduledPolicy,
+    SeenIds,
+    SpeculationSchedule,
+    build_policy,
+    make_drafter,
+)
+from services.inference.engine.engine import LLMEngine, RequestOutput
+from services.inference.engine.sequence import FinishReason
+from services.inference.requests import (
+    ErrorEvent,
+    ErrorKind,
+    GenerationRequest,
+    RequestHandle,
+    RequestRejected,
+    TokenEvent,
+    prepare,
+)
+from tide.policies.profile import LatencyProfile
+from tide.telemetry import StepRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A snapshot of the worker. load = (running + waiting) / max_batch; kv_cache_usage in [0, 1]."""
+
+    worker_id: str
+    model_id: str
+    engine: str
+    device: str
+    running_requests: int
+    waiting_requests: int
+    max_batch_size: int
+    load: float
+    kv_cache_usage: float
+    draft_version: str
+    drafter: str
+    policy: PolicySpec
+    speculation: SpeculationSchedule
+    collection_enabled: bool
+    last_decision_id: str
+    uptime_s: float
+
+
+@dataclass(frozen=True)
+class DecisionResult:
+    outcome: Outcome
+    detail: str
+    status: WorkerStatus
+
+
+class Worker:
+    """`exporter` (optional) has `add(rows, prompt_lens)`, `set_draft_version(v)` and `flush_soon()`;
+    while collection is on its capture hook is the engine's only capture listener, while off the
+    engine has none. `max_queue` = requests accepted beyond `max_batch` before OVERLOADED."""
+
+    def __init__(self, engine: LLMEngine, *, policy: PolicySpec, drafter: str = "ngram", tokenizer=None,
+                 exporter=None, collection: bool = False, max_queue: int = 64, forced_gamma: int = 3,
+                 profile: LatencyProfile | None = None, drafter_factory: DrafterFactory = make_drafter,
+                 device: str = "cpu") -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        self.exporter = exporter
+        self.max_queue, self.forced_gamma, self.profile = max_queue, forced_gamma, profile
+        self.drafter_factory, self.device = drafter_factory, device
+        self.started_s = time.monotonic()
+        self._lock = threading.Lock()
+        self._live: dict[str, RequestHandle] = {}  # accepted, not finished (guarded by _lock)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._forced: set[str] = set()
+        self._prompt_lens: dict[str, int] = {}
+        self._seen = SeenIds()
+        self._last_decision = ""
+        self._collection = False
+        self._schedule = SpeculationSchedule()
+        self._policy_spec = policy
+        self._drafter_name = drafter
+        engine.set_policy(ScheduledPolicy(build_policy(policy, profile), self._schedule, self._forced, forced_gamma))
+        engine.swap_drafter(drafter_factory(drafter))
+        engine.step_listeners.append(self._on_step)
+        if collection:
+            self._set_collection(True)
+
+    # ---- any thread ------------------------------------------------------------------------
+
+    def start(self) -> Worker:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        """Validate and queue a request; raises RequestRejected (invalid, duplicate id, overloaded)."""
+        cfg = self.engine.config
+        prompt, params = prepare(req, self.tokenizer, self.engine.model.cfg.vocab_size, cfg.max_seq_len)
+        handle = RequestHandle(req.request_id, prompt, params, req.speculative, req.workload)
+        with self._lock:
+            if self._stopping:
+                raise RequestRejected(ErrorKind.UNAVAILABLE, "the worker is shutting down")
+            if req.request_id in self._live:
+                raise RequestRejected(ErrorKind.DUPLICATE_ID, f"request id {req.request_id!r} is already in use")
+            if len(self._live) >= cfg.max_batch + self.max_queue:
+                metrics.REQUESTS.labels("overloaded").inc()
+                raise RequestRejected(ErrorKind.OVERLOADED, f"worker is full: {len(self._live)} requests in flight "
+                                                            f"(max batch {cfg.max_batch} + queue {self.max_queue})")
+            self._live[req.request_id] = handle
+        self._commands.put(lambda: self._add(handle))
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a running or queued request (its stream ends with a CANCELLED final)."""
+        with self._lock:
+            handle = self._live.get(request_id)
+        if handle is None:
+            return False
+        self.cancel_handle(handle)
+        return True
+
+    def cancel_handle(self, handle: RequestHandle) -> None:
+        """Cancel exactly this submission (a later request reusing the id is not affected)."""
+        self._commands.put(lambda: self._cancel(handle))
+
+    def apply_decision(self, decision: Decision, timeout_s: float = 30.0) -> DecisionResult:
+        """Apply between steps; blocks until applied (or raises TimeoutError)."""
+        fut: concurrent.futures.Future[DecisionResult] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self._apply(decision))
+            except Exception as e:  # never let a decision kill the loop
+                log.exception("decision %s failed", decision.decision_id)
+                fut.set_exception(e)
+
+        self._commands.put(run)
+        return fut.result(timeout=timeout_s)
+
+    def status(self) -> WorkerStatus:
+        eng = self.engine
+        with self._lock:
+            live = len(self._live)
+        active = len(eng.scheduler.active)
+        d = eng.drafter
+        return WorkerStatus(
+            worker_id=eng.config.worker_id, model_id=eng.config.target_model, engine="torch", device=self.device,
+            running_requests=active, waiting_requests=max(0, live - active), max_batch_size=eng.config.max_batch,
+            load=live / eng.config.max_batch, kv_cache_usage=active / eng.config.max_batch,
+            draft_version=d.version if d is not None else "", drafter=self._drafter_name,
+            policy=self._policy_spec, speculation=self._schedule, collection_enabled=self._collection,
+            last_decision_id=self._last_decision, uptime_s=time.monotonic() - self.started_s)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Refuse new requests, let running ones finish for up to `grace_s`, cancel the rest, stop."""
+        with self._lock:
+            self._stopping = True
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._live:
+                    break
+            time.sleep(0.02)
+        with self._lock:
+            left = list(self._live.values())
+        for handle in left:
+            self.cancel_handle(handle)
+        if self._thread is not None:
+            self._commands.put(self._halt)
+            self._thread.join(timeout=30)
+        if self._collection and self.exporter is not None:
+            self.exporter.flush_soon()
+
+    # ---- loop thread -------------------------------------------------------------------------
+
+    class _Halt(Exception):
+        pass
+
+    def _halt(self) -> None:
+        raise Worker._Halt
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_work()
+                try:
+                    cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    cmd()
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                if self.engine.has_work():
+                    self._step()
+        except Worker._Halt:
+            pass
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            metrics.STEP_ERRORS.inc()
+            log.exception("engine step failed; failing the %d requests in flight", len(self._live))
+            for handle in list(self._live.values()):
+                if handle.seq is not None:
+                    self.engine.cancel(handle.request_id)
+                self._end(handle, ErrorEvent(ErrorKind.INTERNAL, "the worker failed while generating"), "error")
+            return
+        metrics.STEPS.inc()
+        for out in outputs:
+            self._dispatch(out)
+        active = len(self.engine.scheduler.active)
+        metrics.RUNNING.set(active)
+        metrics.WAITING.set(max(0, len(self._live) - active))
+        metrics.KV_USAGE.set(active / self.engine.config.max_batch)
+
+    def _add(self, h: RequestHandle) -> None:
+        if h.done:  # cancelled before it reached the engine
+            return
+        try:
+            h.seq = self.engine.add_request(h.request_id, h.prompt_ids, h.params,
+                                            speculative=h.speculative is not False, workload=h.workload)
+        except ValueError as e:
+            self._end(h, ErrorEvent(ErrorKind.INVALID_ARGUMENT, str(e)), "invalid")
+            return
+        d = self.engine.drafter
+        h.drafter = d.algorithm.value if d is not None else "none"
+        h.draft_version = d.version if d is not None else ""
+        self._prompt_lens[h.request_id] = len(h.prompt_ids)
+        if h.speculative:
+            self._forced.add(h.request_id)
+
+    def _cancel(self, h: RequestHandle) -> None:
+        if h.done:
+            return
+        if h.seq is not None:
+            self.engine.cancel(h.request_id)
+        self._end(h, h.final(FinishReason.CANCELLED, self.tokenizer, self.engine.eos_ids), "cancelled")
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        h = self._live.get(out.request_id)
+        if h is None or h.seq is not out.sequence:
+            return
+        if out.new_token_ids or out.text_delta:
+            if h.first_token_s is None and out.new_token_ids:
+                h.first_token_s = time.monotonic()
+            metrics.GENERATED_TOKENS.inc(len(out.new_token_ids))
+            h.events.put(TokenEvent(tuple(out.new_token_ids), out.text_delta))
+        if out.finished:
+            reason = out.finish_reason or FinishReason.STOP
+            if reason is FinishReason.ERROR:
+                self._end(h, ErrorEvent(ErrorKind.INTERNAL, "generation failed"), "error")
+            else:
+                self._end(h, h.final(reason, self.tokenizer, self.engine.eos_ids), reason.value)
+
+    def _end(self, h: RequestHandle, event, outcome: str) -> None:
+        h.done = True
+        h.events.put(event)
+        metrics.REQUESTS.labels(outcome).inc()
+        self._forced.discard(h.request_id)
+        self._prompt_lens.pop(h.request_id, None)
+        with self._lock:
+            if self._live.get(h.request_id) is h:
+                del self._live[h.request_id]
+
+    def _on_step(self, record: StepRecord) -> None:
+        for rid, gamma in zip(record.request_ids, record.gammas, strict=True):
+            h = self._live.get(rid)
+            if h is not None:
+                if gamma > 0:
+                    h.spec_steps += 1
+                else:
+                    h.plain_steps += 1
+
+    def _on_capture(self, rows) -> None:
+        self.exporter.add(rows, self._prompt_lens)
+
+    def _set_collection(self, on: bool) -> None:
+        listeners = self.engine.capture_listeners
+        if on and self._on_capture not in listeners:
+            d = self.engine.drafter
+            self.exporter.set_draft_version(d.version if d is not None else "")
+            listeners.append(self._on_capture)
+        elif not on and self._on_capture in listeners:
+            listeners.remove(self._on_capture)
+            self.exporter.flush_soon()
+        self._collection = on
+        metrics.COLLECTION.set(1 if on else 0)
+
+    def _apply(self, d: Decision) -> DecisionResult:
+        outcome, detail = self._try_apply(d)
+        metrics.DECISIONS.labels(outcome.value).inc()
+        level = logging.WARNING if outcome is Outcome.REJECTED else logging.INFO
+        log.log(level, "decision %s %s: %s (reason: %s)", d.decision_id, outcome.value, detail, d.reason or "-")
+        return DecisionResult(outcome, detail, self.status())
+
+    def _try_apply(self, d: Decision) -> tuple[Outcome, str]:
+        if not d.decision_id:
+            return Outcome.REJECTED, "decision_id is required"
+        if d.decision_id in self._seen:
+            return Outcome.ALREADY_APPLIED, f"decision {d.decision_id} was applied before; nothing changed"
+        target = self.engine.config.target_model
+        if d.target_model and d.target_model != target:
+            return Outcome.REJECTED, f"decision is for target {d.target_model!r}; this worker serves {target!r}"
+        try:  # validate and build everything first; commit only if all parts are valid
+            inner = build_policy(d.policy, self.profile) if d.policy is not None else self.engine.policy.inner
+            drafter = self.drafter_factory(d.drafter) if d.drafter not in (None, self._drafter_name) else None
+        except DecisionError as e:
+            return Outcome.REJECTED, str(e)
+        if d.collection_enabled and self.exporter is None:
+            return Outcome.REJECTED, "collection cannot be enabled: this worker has no hidden-state exporter"
+        schedule = d.speculation if d.speculation is not None else self._schedule
+        self._schedule = schedule
+        if d.policy is not None:
+            self._policy_spec = d.policy
+        self.engine.set_policy(ScheduledPolicy(inner, schedule, self._forced, self.forced_gamma))
+        if d.drafter is not None and d.drafter != self._drafter_name:
+            self.engine.swap_drafter(drafter)
+            self._drafter_name = d.drafter
+            if self._collection:
+                self.exporter.set_draft_version(drafter.version if drafter is not None else "")
+        if d.collection_enabled is not None:
+            self._set_collection(d.collection_enabled)
+        self._seen.add(d.decision_id)
+        self._last_decision = d.decision_id
+        return Outcome.APPLIED, "applied"
