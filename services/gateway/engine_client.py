@@ -1,0 +1,290 @@
+"""What the serving layer needs from the inference fleet (`EngineClient`), and its gRPC implementation.
+
+The serving layer sees plain dataclasses (`GenerationRequest` in; `TokenDelta`s then one
+`GenerationFinal` out, or an `EngineError`), never protobuf. `GrpcEngineClient` sends each request
+to the least-loaded healthy worker of its `WorkerPool` and:
+- retries on another worker while nothing has been yielded yet (connection refused, worker
+  overloaded or shutting down), so a dead worker costs a retry, not an error;
+- once tokens were yielded, a failure is `EngineError(LOST)`: the client must see an error,
+  never a normal end;
+- when the consumer stops early (client disconnect: the task is cancelled or the generator
+  closed), cancels the gRPC stream and sends `Cancel(request_id)` to the worker.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import enum
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.gateway.worker_pool import Worker, WorkerInfo, WorkerPool
+from tide.proto.tide.v1 import common_pb2, inference_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # uint64
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    speculative: bool | None = None  # None = the worker's policy decides
+    workload: str = ""
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    accept_length: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    plain_steps: int = 0
+    draft_version: str = ""
+    drafter: str = ""
+
+
+@dataclass(frozen=True)
+class GenerationFinal:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    time_to_first_token_ms: float = 0.0
+    total_ms: float = 0.0
+    worker: str = ""
+
+
+class ErrorKind(enum.Enum):
+    INVALID = "invalid"  # the worker refused the request (HTTP 400)
+    CONTEXT_LENGTH = "context_length"  # prompt + max_tokens over the window (HTTP 400)
+    OVERLOADED = "overloaded"  # every worker tried was full (HTTP 503)
+    UNAVAILABLE = "unavailable"  # no healthy worker could take it (HTTP 503)
+    CANCELLED = "cancelled"  # the worker cancelled it (HTTP 503)
+    INTERNAL = "internal"  # a worker bug (HTTP 500)
+    LOST = "lost"  # the worker died or failed after output started (HTTP 502 / SSE error)
+
+
+RETRYABLE = frozenset({ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE, ErrorKind.CANCELLED})
+
+
+class EngineError(Exception):
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class EngineClient(abc.ABC):
+    """The inference fleet as the serving layer sees it."""
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Called once the event loop runs (app start-up)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Called at app shutdown."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationFinal]:
+        """Token deltas, then exactly one `GenerationFinal`; raises `EngineError` on failure."""
+
+    @abc.abstractmethod
+    def is_ready(self) -> bool:
+        """True when at least one worker can serve."""
+
+    @abc.abstractmethod
+    def workers(self) -> list[WorkerInfo]:
+        """A snapshot of the workers, for /ready and metrics."""
+
+
+_ERROR_KINDS = {
+    common_pb2.ERROR_CODE_INVALID_ARGUMENT: ErrorKind.INVALID,
+    common_pb2.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: ErrorKind.CONTEXT_LENGTH,
+    common_pb2.ERROR_CODE_OVERLOADED: ErrorKind.OVERLOADED,
+    common_pb2.ERROR_CODE_CANCELLED: ErrorKind.CANCELLED,
+    common_pb2.ERROR_CODE_UNAVAILABLE: ErrorKind.UNAVAILABLE,
+}
+_STATUS_KINDS = {
+    grpc.StatusCode.UNAVAILABLE: ErrorKind.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED: ErrorKind.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorKind.OVERLOADED,
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID,
+    grpc.StatusCode.OUT_OF_RANGE: ErrorKind.CONTEXT_LENGTH,
+}
+_FINISH = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
+    s = request.sampling
+    sampling = inference_pb2.SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+    if s.seed is not None:
+        sampling.seed = s.seed
+    msg = inference_pb2.GenerateRequest(
+        request_id=request.request_id,
+        sampling=sampling,
+        workload=request.workload,
+        prompt_token_ids=inference_pb2.TokenIds(ids=request.prompt_token_ids),
+    )
+    if request.speculative is not None:
+        msg.speculative = request.speculative
+    return msg
+
+
+def from_final(final: inference_pb2.GenerateFinal, worker: str) -> GenerationFinal:
+    sp = final.speculation
+    stats = SpeculationStats(
+        sp.accept_length,
+        sp.draft_tokens,
+        sp.accepted_tokens,
+        sp.verify_steps,
+        sp.plain_steps,
+        sp.draft_version,
+        sp.drafter,
+    )
+    return GenerationFinal(
+        _FINISH[final.finish_reason],
+        final.prompt_tokens,
+        final.completion_tokens,
+        stats,
+        final.time_to_first_token_ms,
+        final.total_ms,
+        worker,
+    )
+
+
+class _Retry(Exception):
+    def __init__(self, error: EngineError) -> None:
+        self.error = error
+
+
+class GrpcEngineClient(EngineClient):
+    """`EngineClient` over the workers' `InferenceService` (see module docstring)."""
+
+    def __init__(self, pool: WorkerPool, cancel_timeout_s: float = 2.0) -> None:
+        self.pool = pool
+        self.cancel_timeout_s = cancel_timeout_s
+
+    @classmethod
+    def from_addresses(
+        cls, addresses: tuple[str, ...], poll_interval_s: float = 1.0, status_timeout_s: float = 5.0
+    ) -> GrpcEngineClient:
+        return cls(WorkerPool(addresses, poll_interval_s, status_timeout_s))
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    def is_ready(self) -> bool:
+        return self.pool.ready()
+
+    def workers(self) -> list[WorkerInfo]:
+        return self.pool.infos()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationFinal]:
+        tried: set[str] = set()
+        last: EngineError | None = None
+        while True:
+            worker = self.pool.pick(tried)
+            if worker is None and not tried:
+                await self.pool.refresh()  # nothing looked healthy: ask again before giving up
+                worker = self.pool.pick(tried)
+            if worker is None:
+                raise last or EngineError(ErrorKind.UNAVAILABLE, "No healthy inference worker is available.")
+            tried.add(worker.address)
+            try:
+                async with contextlib.aclosing(self._attempt(worker, request)) as events:
+                    async for event in events:
+                        yield event
+                return
+            except _Retry as retry:
+                log.warning(
+                    "retrying on another worker",
+                    extra={"request_id": request.request_id, "worker": worker.address, "reason": retry.error.message},
+                )
+                last = retry.error
+
+    async def _attempt(self, worker: Worker, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationFinal]:
+        """One try on one worker. Raises `_Retry` only while nothing has been yielded."""
+        call = worker.stub.Generate(to_proto(request))
+        worker.inflight += 1
+        started = done = False
+        try:
+            async for msg in call:
+                kind = msg.WhichOneof("payload")
+                if kind == "chunk":
+                    started = True
+                    yield TokenDelta(tuple(msg.chunk.token_ids), msg.chunk.text)
+                elif kind == "final":
+                    done = True
+                    if msg.final.finish_reason not in _FINISH:
+                        raise EngineError(ErrorKind.CANCELLED, "The worker cancelled the generation.")
+                    yield from_final(msg.final, worker.address)
+                    return
+                elif kind == "error":
+                    done = True
+                    err = EngineError(_ERROR_KINDS.get(msg.error.code, ErrorKind.INTERNAL), msg.error.message)
+                    if not started and err.kind in RETRYABLE:
+                        raise _Retry(err)
+                    raise err if not started else EngineError(ErrorKind.LOST, err.message)
+            done = True
+            err = EngineError(ErrorKind.LOST, f"Worker {worker.address} ended the stream without a result.")
+            raise _Retry(err) if not started else err
+        except grpc.aio.AioRpcError as rpc:
+            done = True
+            kind = _STATUS_KINDS.get(rpc.code(), ErrorKind.INTERNAL)
+            detail = f"Worker {worker.address} failed: {rpc.code().name}"
+            if kind in (ErrorKind.UNAVAILABLE, ErrorKind.CANCELLED):
+                self.pool.mark_down(worker, detail)
+            if started:
+                raise EngineError(ErrorKind.LOST, f"{detail} during generation.") from None
+            if kind in RETRYABLE:
+                raise _Retry(EngineError(kind, detail)) from None
+            raise EngineError(kind, rpc.details() or detail) from None
+        finally:
+            worker.inflight -= 1
+            if not done:  # the consumer went away (client disconnect): stop the work upstream
+                call.cancel()
+                self.pool.spawn(self._cancel(worker, request.request_id))
+
+    async def _cancel(self, worker: Worker, request_id: str) -> None:
+        try:
+            await worker.stub.Cancel(inference_pb2.CancelRequest(request_id=request_id), timeout=self.cancel_timeout_s)
+            log.info("cancelled upstream", extra={"request_id": request_id, "worker": worker.address})
+        except grpc.aio.AioRpcError as err:
+            log.warning(
+                "upstream cancel failed",
+                extra={"request_id": request_id, "worker": worker.address, "reason": err.code().name},
+            )

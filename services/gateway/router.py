@@ -1,0 +1,162 @@
+"""HTTP routes: thin wrappers that parse, authenticate and hand over to the serving classes.
+
+Bodies are parsed here rather than by FastAPI so that every failure has OpenAI's shape and a
+precise message: too large (413), not JSON (400), not an object (400), schema errors (400 naming
+the parameter). Non-streaming handlers race the client's disconnect: when the client goes away
+the handler is cancelled, which cancels its generations upstream (streams get the same from
+Starlette, which cancels the response iterator on disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+from dataclasses import asdict
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from services.gateway.errors import (
+    OpenAIError,
+    from_validation_error,
+    invalid_api_key,
+    invalid_request,
+    service_unavailable,
+)
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+M = TypeVar("M", bound=BaseModel)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (logs and metrics only)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+def gateway(request: Request):
+    """The app's `GatewayState` (see app.py)."""
+    return request.app.state.gateway
+
+
+async def require_api_key(request: Request) -> None:
+    """`Authorization: Bearer <key>` must name a configured key (no keys configured = open)."""
+    keys = gateway(request).settings.api_keys
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise invalid_api_key(provided=bool(header))
+    if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
+        raise invalid_api_key(provided=True)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    limit = gateway(request).settings.max_body_bytes
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise OpenAIError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise invalid_request(
+            "We could not parse the JSON body of your request. The body must be valid JSON "
+            "(Content-Type: application/json).",
+            code="invalid_json",
+        ) from None
+    if not isinstance(data, dict):
+        raise invalid_request("The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise from_validation_error(err) from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, coro):
+    """Run `coro`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done() and not watcher.done():  # we were cancelled ourselves
+            task.cancel()
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnected
+
+
+def respond(result) -> Response:
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump())
+    return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
+async def create_chat_completion(request: Request) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    try:
+        return respond(await until_disconnect(request, gateway(request).chat.create_chat_completion(body)))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+@router.post("/v1/completions", dependencies=[Depends(require_api_key)])
+async def create_completion(request: Request) -> Response:
+    body = await parse_body(request, CompletionRequest)
+    try:
+        return respond(await until_disconnect(request, gateway(request).completion.create_completion(body)))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+@router.get("/v1/models", dependencies=[Depends(require_api_key)])
+async def list_models(request: Request) -> Response:
+    return JSONResponse(gateway(request).models.list_models().model_dump())
+
+
+@router.get("/v1/models/{model:path}", dependencies=[Depends(require_api_key)])
+async def retrieve_model(request: Request, model: str) -> Response:
+    return JSONResponse(gateway(request).models.retrieve(model).model_dump())
+
+
+@router.get("/health")
+async def health() -> Response:
+    """Liveness: the gateway process answers."""
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness: 200 once at least one worker answered its last status poll, else 503."""
+    state = gateway(request)
+    if not state.engine.is_ready():
+        raise service_unavailable("No healthy inference worker is available.")
+    workers = [asdict(w) for w in state.engine.workers()]
+    return JSONResponse({"status": "ready", "model": state.models.name, "workers": workers})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = gateway(request)
+    return Response(state.metrics.render(state.engine.workers()), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,116 @@
+"""/v1/chat/completions: chat template -> token ids -> n worker requests -> a response or an SSE stream.
+
+Stream format (OpenAI's): one chunk per choice with `{"role": "assistant", "content": ""}` first,
+then `{"content": ...}` deltas, then per choice exactly one chunk with `delta: {}` and its
+`finish_reason`; with `stream_options.include_usage`, every chunk has `"usage": null` and a last
+chunk with `choices: []` carries the usage; then `data: [DONE]`. The last chunk before [DONE]
+carries TIDE's `speculation` object. A failure after the stream started is sent as an
+`{"error": {...}}` event and the stream ends without [DONE].
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from services.gateway.fanout import aggregate_speculation
+from services.gateway.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    DeltaMessage,
+    ResponseMessage,
+    SpeculationInfo,
+    UsageInfo,
+)
+from services.gateway.serving_engine import OpenAIServing, sse
+
+
+class OpenAIServingChat(OpenAIServing):
+    endpoint = "/v1/chat/completions"
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """A full response, or (stream=True) an iterator of SSE lines whose first event has
+        already arrived: errors before any output raise `OpenAIError` here, not inside the stream."""
+        arrival = time.perf_counter()
+        self.check_common(request)
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages
+        ]
+        prompt = await self.tokenizer.aencode_chat(messages)
+        requested = request.max_completion_tokens or request.max_tokens
+        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        max_tokens = self.check_length(len(prompt), requested, "messages", param)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        requests = self.fan_out(response_id, request, [prompt], [max_tokens])
+        if request.stream:
+            events = self.merged(requests)
+            first = await self.prime(events)
+            self.first_token(arrival)
+            return self._stream(request, response_id, created, len(prompt), first, events)
+        states = await self.collect(requests)
+        finals = [s.final for s in states]
+        usage = self.usage(len(prompt), finals)
+        speculation = aggregate_speculation([f.speculation for f in finals])
+        self.record(usage, speculation)
+        choices = [
+            ChatCompletionChoice(index=i, message=ResponseMessage(content=s.text), finish_reason=s.final.finish_reason)
+            for i, s in enumerate(states)
+        ]
+        return ChatCompletionResponse(
+            id=response_id,
+            created=created,
+            model=self.models.name,
+            choices=choices,
+            usage=usage,
+            speculation=speculation,
+        )
+
+    def _stream(
+        self, request: ChatCompletionRequest, response_id: str, created: int, prompt_tokens: int, first, events
+    ) -> AsyncIterator[str]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        def chunk(
+            choices: list[ChatCompletionStreamChoice],
+            usage: UsageInfo | None = None,
+            speculation: SpeculationInfo | None = None,
+        ) -> str:
+            body = ChatCompletionStreamResponse(
+                id=response_id,
+                created=created,
+                model=self.models.name,
+                choices=choices,
+                usage=usage,
+                speculation=speculation,
+            ).model_dump()
+            if not include_usage:
+                body.pop("usage")
+            if speculation is None:
+                body.pop("speculation")
+            return sse(body)
+
+        roles = tuple(
+            chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for i in range(request.n)
+        )
+        return self.relay(
+            response_id,
+            first,
+            events,
+            request.n,
+            prompt_tokens,
+            include_usage,
+            chunk,
+            delta_choice=lambda i, text: ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=text)),
+            finish_choice=lambda i, reason: ChatCompletionStreamChoice(
+                index=i, delta=DeltaMessage(), finish_reason=reason
+            ),
+            prelude=roles,
+        )

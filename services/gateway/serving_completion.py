@@ -1,0 +1,118 @@
+"""/v1/completions: raw prompt(s) -> token ids -> n requests per prompt -> a response or an SSE stream.
+
+`prompt` may be a string, a list of strings, a list of token ids or a list of token-id lists;
+choice index = prompt index * n + i (OpenAI's order). Streams follow the chat endpoint's rules
+(exactly one finish_reason per choice, optional usage chunk, [DONE] last, `speculation` on the
+last chunk) with `text` instead of `delta`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from services.gateway.errors import invalid_request
+from services.gateway.fanout import aggregate_speculation
+from services.gateway.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    SpeculationInfo,
+    UsageInfo,
+)
+from services.gateway.serving_engine import OpenAIServing, sse
+
+MAX_PROMPTS = 64
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    endpoint = "/v1/completions"
+
+    async def _tokenize(self, request: CompletionRequest) -> list[list[int]]:
+        prompts = request.prompts()
+        if not prompts:
+            raise invalid_request("The prompt is empty.", "prompt", "invalid_value")
+        if len(prompts) > MAX_PROMPTS:
+            raise invalid_request(f"At most {MAX_PROMPTS} prompts per request.", "prompt", "invalid_value")
+        if len(prompts) * request.n > self.max_n * MAX_PROMPTS:
+            raise invalid_request("Too many choices in one request.", "n", "invalid_value")
+        out = []
+        for p in prompts:
+            ids = await self.tokenizer.aencode(p) if isinstance(p, str) else list(p)
+            self.tokenizer.check_ids(ids, "prompt")
+            out.append(ids)
+        return out
+
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        """A full response, or (stream=True) an iterator of SSE lines (see the chat endpoint)."""
+        arrival = time.perf_counter()
+        self.check_common(request)
+        prompts = await self._tokenize(request)
+        max_tokens = [self.check_length(len(p), request.max_tokens, "prompt", "max_tokens") for p in prompts]
+        prompt_tokens = sum(len(p) for p in prompts)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        requests = self.fan_out(response_id, request, prompts, max_tokens)
+        if request.stream:
+            events = self.merged(requests)
+            first = await self.prime(events)
+            self.first_token(arrival)
+            return self._stream(request, response_id, created, prompt_tokens, len(requests), first, events)
+        states = await self.collect(requests)
+        finals = [s.final for s in states]
+        usage = self.usage(prompt_tokens, finals)
+        speculation = aggregate_speculation([f.speculation for f in finals])
+        self.record(usage, speculation)
+        choices = [
+            CompletionChoice(index=i, text=s.text, finish_reason=s.final.finish_reason) for i, s in enumerate(states)
+        ]
+        return CompletionResponse(
+            id=response_id,
+            created=created,
+            model=self.models.name,
+            choices=choices,
+            usage=usage,
+            speculation=speculation,
+        )
+
+    def _stream(
+        self,
+        request: CompletionRequest,
+        response_id: str,
+        created: int,
+        prompt_tokens: int,
+        n_choices: int,
+        first,
+        events,
+    ) -> AsyncIterator[str]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        def chunk(
+            choices: list[CompletionChoice], usage: UsageInfo | None = None, speculation: SpeculationInfo | None = None
+        ) -> str:
+            body = CompletionResponse(
+                id=response_id,
+                created=created,
+                model=self.models.name,
+                choices=choices,
+                usage=usage,
+                speculation=speculation,
+            ).model_dump()
+            if not include_usage:
+                body.pop("usage")
+            if speculation is None:
+                body.pop("speculation")
+            return sse(body)
+
+        return self.relay(
+            response_id,
+            first,
+            events,
+            n_choices,
+            prompt_tokens,
+            include_usage,
+            chunk,
+            delta_choice=lambda i, text: CompletionChoice(index=i, text=text),
+            finish_choice=lambda i, reason: CompletionChoice(index=i, text="", finish_reason=reason),
+        )

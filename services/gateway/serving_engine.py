@@ -1,0 +1,273 @@
+"""What /v1/chat/completions and /v1/completions share: request checks, sampling options, the `n`
+fan-out, merging the choices' streams, SSE framing and error mapping.
+
+`n` (times the number of prompts, for completions) fans out to one worker request per choice,
+with ids `<response id>-<choice index>`; with a `seed`, choice i samples with seed + i (mod 2^64),
+so choice 0 reproduces a single-choice request with the same seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.engine_client import (
+    EngineClient,
+    EngineError,
+    ErrorKind,
+    GenerationFinal,
+    GenerationRequest,
+    SamplingOptions,
+    TokenDelta,
+)
+from services.gateway.errors import (
+    OpenAIError,
+    bad_gateway,
+    context_length_exceeded,
+    internal_error,
+    invalid_request,
+    service_unavailable,
+)
+from services.gateway.fanout import Event, aggregate_speculation, merged
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import SpeculationInfo, UsageInfo
+from services.gateway.serving_models import OpenAIServingModels
+from services.gateway.tokenizer import TargetTokenizer
+
+log = logging.getLogger(__name__)
+_U64 = 2**64
+
+
+def to_openai_error(err: EngineError) -> OpenAIError:
+    """Map an engine failure to the HTTP status and body the client gets."""
+    if err.kind is ErrorKind.INVALID:
+        return invalid_request(err.message)
+    if err.kind is ErrorKind.CONTEXT_LENGTH:
+        return context_length_exceeded(err.message)
+    if err.kind is ErrorKind.LOST:
+        return bad_gateway(err.message)
+    if err.kind is ErrorKind.INTERNAL:
+        return internal_error(f"The inference worker failed: {err.message}")
+    code = {ErrorKind.OVERLOADED: "overloaded", ErrorKind.CANCELLED: "cancelled"}.get(err.kind, "service_unavailable")
+    return service_unavailable(err.message, code)
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event carrying `payload` (a dict as JSON, or a literal like [DONE])."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+@dataclass
+class ChoiceState:
+    """What one choice produced so far."""
+
+    text: str = ""
+    final: GenerationFinal | None = None
+
+
+class OpenAIServing:
+    """Base of the chat and completion handlers."""
+
+    endpoint = ""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        models: OpenAIServingModels,
+        tokenizer: TargetTokenizer,
+        max_n: int,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.engine = engine
+        self.models = models
+        self.tokenizer = tokenizer
+        self.max_n = max_n
+        self.metrics = metrics
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def check_common(self, request) -> None:
+        """Model name, unsupported parameters, n, stream_options; in that order."""
+        self.models.check(request.model)
+        err = request.unsupported()
+        if err is not None:
+            raise err
+        if request.n > self.max_n:
+            raise invalid_request(f"n must be at most {self.max_n}, got {request.n}.", "n", "invalid_value")
+        if request.stream_options is not None and not request.stream:
+            raise invalid_request(
+                "stream_options is only allowed when stream is true.", "stream_options", "invalid_value"
+            )
+        if ignored := request.ignored_fields():
+            log.info("ignoring unknown request fields", extra={"fields": ignored, "endpoint": self.endpoint})
+
+    def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str) -> int:
+        """The max_tokens to send: the request's, or what the context leaves; 400 when over the context."""
+        limit = self.models.max_model_len
+        if prompt_len == 0:
+            raise invalid_request("The prompt is empty.", prompt_param, "invalid_value")
+        if prompt_len >= limit:
+            raise context_length_exceeded(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens "
+                "(at least one token must be left for the completion).",
+                prompt_param,
+            )
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise context_length_exceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                f"Please reduce the prompt or {tokens_param}.",
+                tokens_param,
+            )
+        return max_tokens
+
+    def sampling(self, request, max_tokens: int, choice: int) -> SamplingOptions:
+        temperature = 1.0 if request.temperature is None else request.temperature
+        top_p = 1.0 if request.top_p is None else request.top_p
+        if top_p == 0:  # a nucleus of mass 0 keeps only the most likely token: greedy
+            temperature, top_p = 0.0, 1.0
+        stop = request.stop if isinstance(request.stop, list) else [request.stop] if request.stop else []
+        seed = None if request.seed is None else (request.seed + choice) % _U64
+        self.tokenizer.check_ids(request.stop_token_ids, "stop_token_ids")
+        return SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(0, request.top_k),
+            seed=seed,
+            stop=tuple(s for s in stop if s),
+            stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+        )
+
+    # ---- fan-out ------------------------------------------------------------------------------
+
+    def fan_out(
+        self, response_id: str, request, prompts: list[list[int]], max_tokens: list[int]
+    ) -> list[GenerationRequest]:
+        """One engine request per (prompt, choice); choice index = prompt index * n + i."""
+        out = []
+        for p, ids in enumerate(prompts):
+            for i in range(request.n):
+                index = p * request.n + i
+                out.append(
+                    GenerationRequest(
+                        f"{response_id}-{index}",
+                        ids,
+                        self.sampling(request, max_tokens[p], index),
+                        request.speculative,
+                        request.workload,
+                    )
+                )
+        return out
+
+    async def prime(self, events: AsyncIterator[tuple[int, Event]]) -> tuple[int, Event]:
+        """The first event, so that failures before any output (no worker, invalid request) become
+        a proper HTTP status instead of an error inside a 200 stream."""
+        try:
+            return await anext(events)
+        except EngineError as err:
+            await events.aclose()
+            raise to_openai_error(err) from None
+        except BaseException:
+            await events.aclose()
+            raise
+
+    async def collect(self, requests: list[GenerationRequest]) -> list[ChoiceState]:
+        """Run every choice to the end (non-streaming)."""
+        states = [ChoiceState() for _ in requests]
+        try:
+            async with contextlib.aclosing(merged(self.engine, requests)) as events:
+                async for index, event in events:
+                    if isinstance(event, TokenDelta):
+                        states[index].text += event.text
+                    else:
+                        states[index].final = event
+        except EngineError as err:
+            raise to_openai_error(err) from None
+        return states
+
+    # ---- accounting ---------------------------------------------------------------------------
+
+    def usage(self, prompt_tokens: int, finals: list[GenerationFinal]) -> UsageInfo:
+        completion = sum(f.completion_tokens for f in finals)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+        )
+
+    def record(self, usage: UsageInfo, speculation: SpeculationInfo) -> None:
+        self.metrics.prompt_tokens.labels(self.endpoint).inc(usage.prompt_tokens)
+        self.metrics.completion_tokens.labels(self.endpoint).inc(usage.completion_tokens)
+        self.metrics.draft_tokens.inc(speculation.draft_tokens)
+        self.metrics.accepted_tokens.inc(speculation.accepted_tokens)
+
+    def first_token(self, arrival: float) -> None:
+        self.metrics.ttft.labels(self.endpoint).observe(time.perf_counter() - arrival)
+
+    async def relay(
+        self,
+        response_id: str,
+        first: tuple[int, Event],
+        events: AsyncIterator[tuple[int, Event]],
+        n_choices: int,
+        prompt_tokens: int,
+        include_usage: bool,
+        chunk: Callable[..., str],
+        delta_choice: Callable[[int, str], Any],
+        finish_choice: Callable[[int, str], Any],
+        prelude: tuple[str, ...] = (),
+    ) -> AsyncIterator[str]:
+        """The SSE lines of a stream: `prelude`, text deltas, one finish chunk per choice, the usage
+        chunk when asked, [DONE]; or an error event (and no [DONE]) if anything fails.
+        `chunk(choices, usage=None, speculation=None)` renders one chunk of the endpoint's type."""
+        finals: dict[int, GenerationFinal] = {}
+        try:
+            for line in prelude:
+                yield line
+            pending = [first]
+            while len(finals) < n_choices:
+                index, event = pending.pop() if pending else await anext(events)
+                if isinstance(event, TokenDelta):
+                    if event.text:
+                        yield chunk([delta_choice(index, event.text)])
+                    continue
+                finals[index] = event
+                if len(finals) < n_choices:
+                    yield chunk([finish_choice(index, event.finish_reason)])
+                    continue
+                usage = self.usage(prompt_tokens, list(finals.values()))
+                speculation = aggregate_speculation([f.speculation for f in finals.values()])
+                self.record(usage, speculation)
+                if include_usage:
+                    yield chunk([finish_choice(index, event.finish_reason)])
+                    yield chunk([], usage=usage, speculation=speculation)
+                else:
+                    yield chunk([finish_choice(index, event.finish_reason)], speculation=speculation)
+            yield sse("[DONE]")
+        except Exception as err:
+            yield self.stream_error(err, response_id)
+        finally:
+            await events.aclose()
+
+    def stream_error(self, err: Exception, request_id: str) -> str:
+        """The SSE error event for a failure after the stream started (no [DONE] follows it)."""
+        if isinstance(err, EngineError):
+            oe = to_openai_error(err)
+        elif isinstance(err, OpenAIError):
+            oe = err
+        else:
+            log.error("stream failed", exc_info=err, extra={"request_id": request_id})
+            oe = internal_error()
+        log.warning(
+            "stream ended with an error", extra={"request_id": request_id, "status": oe.status, "reason": oe.message}
+        )
+        self.metrics.error(self.endpoint, oe)
+        return sse(oe.body())
