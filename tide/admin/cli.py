@@ -21,6 +21,7 @@ Errors go to stderr as `tidectl: CODE: message` (and as {"error": {...}} on stdo
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import re
@@ -163,11 +164,17 @@ def _fail(args, code: str, message: str, status: int) -> int:
     return status
 
 
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name (containers without a passwd entry)
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     token = args.token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    client = RegistryClient(args.registry, token=token, actor=f"tidectl:{os.environ.get('USER', 'unknown')}",
-                            timeout_s=args.timeout)
+    client = RegistryClient(args.registry, token=token, actor=f"tidectl:{_user()}", timeout_s=args.timeout)
     try:
         return run(args, client)
     except UsageError as e:
