@@ -1,8 +1,8 @@
 """The FastAPI application: `create_app(settings, engine_client)`.
 
 Wires the serving classes, the routes, OpenAI-format error handlers for everything that can go
-wrong (our own errors, unknown routes and methods, and any unexpected exception, which is logged
-with its traceback and answered with a bare 500 body), the metrics/access-log middleware, and the
+wrong (our own errors, unknown routes and methods; MetricsMiddleware turns any unexpected exception
+into a logged traceback and a bare 500 body), the metrics/access-log middleware, and the
 engine client's start/close around the app's lifetime.
 """
 
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.engine_client import EngineClient
-from services.gateway.errors import OpenAIError, http_error, internal_error, invalid_request
+from services.gateway.errors import OpenAIError, http_error, invalid_request
 from services.gateway.metrics import GatewayMetrics, MetricsMiddleware, endpoint_label
 from services.gateway.router import router
 from services.gateway.serving_chat import OpenAIServingChat
@@ -104,11 +104,6 @@ def create_app(
         first = (err.errors() or [{}])[0]
         param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "path", "query")) or None
         return error_response(request, invalid_request(str(first.get("msg", "Invalid request.")), param))
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, err: Exception):
-        log.error("unhandled error", exc_info=err, extra={"path": request.url.path})
-        return error_response(request, internal_error())
 
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -12,13 +12,14 @@ Each app gets its own registry (several apps in one test process never collide).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from services.gateway.errors import OpenAIError
+from services.gateway.errors import OpenAIError, internal_error
 
 log = logging.getLogger("tide.gateway.access")
 KNOWN_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics"})
@@ -81,7 +82,8 @@ class GatewayMetrics:
 
 class MetricsMiddleware:
     """Pure ASGI (streams are timed to their last byte): counts, times and logs every HTTP request,
-    and gives it a request id (`x-request-id`, taken from the client when it sends one)."""
+    gives it a request id (`x-request-id`, taken from the client when it sends one), and turns any
+    exception that escaped the app into a logged traceback plus a bare OpenAI 500 body."""
 
     def __init__(self, app, metrics: GatewayMetrics) -> None:
         self.app = app
@@ -96,7 +98,7 @@ class MetricsMiddleware:
         headers = dict(scope.get("headers") or ())
         request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
-        status = {"code": 500}
+        status = {"code": 0}
 
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
@@ -110,6 +112,19 @@ class MetricsMiddleware:
         self.metrics.inflight.inc()
         try:
             await self.app(scope, receive, send_wrapper)
+        except Exception as err:  # the last line of defence: log it, answer a bare OpenAI 500
+            log.error("unhandled error", exc_info=err, extra={"path": scope.get("path"), "request_id": request_id})
+            error = internal_error()
+            self.metrics.error(endpoint, error)
+            if not status["code"]:  # else a stream already started: all we can do is end it
+                await send_wrapper(
+                    {
+                        "type": "http.response.start",
+                        "status": error.status,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
+                await send_wrapper({"type": "http.response.body", "body": json.dumps(error.body()).encode()})
         finally:
             elapsed = time.perf_counter() - start
             self.metrics.inflight.dec()

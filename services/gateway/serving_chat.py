@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from services.gateway.fanout import aggregate_speculation
+from services.gateway.fanout import aggregate_speculation, merged
 from services.gateway.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -50,7 +50,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         requests = self.fan_out(response_id, request, [prompt], [max_tokens])
         if request.stream:
-            events = self.merged(requests)
+            events = merged(self.engine, requests)
             first = await self.prime(events)
             self.first_token(arrival)
             return self._stream(request, response_id, created, len(prompt), first, events)

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from services.gateway.errors import invalid_request
-from services.gateway.fanout import aggregate_speculation
+from services.gateway.fanout import aggregate_speculation, merged
 from services.gateway.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -55,7 +55,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         requests = self.fan_out(response_id, request, prompts, max_tokens)
         if request.stream:
-            events = self.merged(requests)
+            events = merged(self.engine, requests)
             first = await self.prime(events)
             self.first_token(arrival)
             return self._stream(request, response_id, created, prompt_tokens, len(requests), first, events)
