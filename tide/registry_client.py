@@ -75,8 +75,9 @@ def checkpoint_files(path: str | Path) -> list[common_pb2.FileRef]:
     return [common_pb2.FileRef(name=p.name, sha256=_hash_file(p), size_bytes=p.stat().st_size) for p in files]
 
 
-def upload_checkpoint(s3: Minio, bucket: str, path: str | Path, target_model: str,
-                      root: str = DEFAULT_ROOT) -> common_pb2.DraftArtifact:
+def upload_checkpoint(
+    s3: Minio, bucket: str, path: str | Path, target_model: str, root: str = DEFAULT_ROOT
+) -> common_pb2.DraftArtifact:
     """Upload a checkpoint directory to its content-addressed prefix; returns what to register."""
     files = checkpoint_files(path)
     prefix = artifact_prefix(target_model, artifact_digest(files), root)
@@ -157,8 +158,9 @@ def _cached_ok(path: Path, digest: str, files) -> bool:
 class RegistryClient:
     """Thin wrapper over `RegistryService` (admin token and actor sent with every call)."""
 
-    def __init__(self, address: str | None = None, *, token: str | None = None, actor: str | None = None,
-                 timeout_s: float = 30.0):
+    def __init__(
+        self, address: str | None = None, *, token: str | None = None, actor: str | None = None, timeout_s: float = 30.0
+    ):
         self.address = address or os.environ.get(REGISTRY_ADDR_ENV) or DEFAULT_REGISTRY_ADDR
         self.timeout_s = timeout_s
         self.channel = grpcutil.channel(self.address, token=token, actor=actor)
@@ -174,17 +176,30 @@ class RegistryClient:
         self.close()
 
     # unary calls
-    def register(self, target_model: str, artifact: common_pb2.DraftArtifact, *,
-                 eval_metrics: Mapping[str, float] | None = None, provenance: dict | str | None = None,
-                 parent_version: str = "", drafter: str = "eagle3") -> registry_pb2.DraftVersion:
+    def register(
+        self,
+        target_model: str,
+        artifact: common_pb2.DraftArtifact,
+        *,
+        eval_metrics: Mapping[str, float] | None = None,
+        provenance: dict | str | None = None,
+        parent_version: str = "",
+        drafter: str = "eagle3",
+    ) -> registry_pb2.DraftVersion:
         prov = provenance if isinstance(provenance, str) else json.dumps(provenance or {}, sort_keys=True)
         req = registry_pb2.RegisterDraftRequest(
-            target_model=target_model, artifact=artifact, eval_metrics=dict(eval_metrics or {}),
-            provenance_json=prov, parent_version=parent_version, drafter=drafter)
+            target_model=target_model,
+            artifact=artifact,
+            eval_metrics=dict(eval_metrics or {}),
+            provenance_json=prov,
+            parent_version=parent_version,
+            drafter=drafter,
+        )
         return self.stub.RegisterDraft(req, timeout=max(self.timeout_s, 300.0))
 
-    def register_dir(self, path: str | Path, target_model: str, *, s3: Minio, bucket: str,
-                     root: str = DEFAULT_ROOT, **kwargs) -> registry_pb2.DraftVersion:
+    def register_dir(
+        self, path: str | Path, target_model: str, *, s3: Minio, bucket: str, root: str = DEFAULT_ROOT, **kwargs
+    ) -> registry_pb2.DraftVersion:
         """Upload a checkpoint directory and register it (retry-safe: same files, same version)."""
         return self.register(target_model, upload_checkpoint(s3, bucket, path, target_model, root), **kwargs)
 
@@ -197,8 +212,9 @@ class RegistryClient:
     def pointer(self, target_model: str) -> registry_pb2.PointerState:
         return self.stub.GetPointer(registry_pb2.GetPointerRequest(target_model=target_model), timeout=self.timeout_s)
 
-    def promote(self, version: str, target_model: str = "", reason: str = "",
-                expected_current: str | None = None) -> registry_pb2.PointerState:
+    def promote(
+        self, version: str, target_model: str = "", reason: str = "", expected_current: str | None = None
+    ) -> registry_pb2.PointerState:
         req = registry_pb2.PromoteRequest(target_model=target_model, version=version, reason=reason)
         if expected_current is not None:
             req.expected_current = expected_current
@@ -209,19 +225,30 @@ class RegistryClient:
         return self.stub.Pin(req, timeout=self.timeout_s)
 
     def unpin(self, target_model: str, reason: str = "") -> registry_pb2.PointerState:
-        return self.stub.Unpin(registry_pb2.UnpinRequest(target_model=target_model, reason=reason),
-                               timeout=self.timeout_s)
+        return self.stub.Unpin(
+            registry_pb2.UnpinRequest(target_model=target_model, reason=reason), timeout=self.timeout_s
+        )
 
     def rollback(self, target_model: str, reason: str = "", to_version: str = "") -> registry_pb2.PointerState:
         req = registry_pb2.RollbackRequest(target_model=target_model, reason=reason, to_version=to_version)
         return self.stub.Rollback(req, timeout=self.timeout_s)
 
     # watch
-    _FATAL = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
-              grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
+    _FATAL = (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    )
 
-    def watch(self, target_model: str, stop: threading.Event | None = None, *, min_backoff_s: float = 0.2,
-              max_backoff_s: float = 10.0) -> Iterator[registry_pb2.TargetAssignment]:
+    def watch(
+        self,
+        target_model: str,
+        stop: threading.Event | None = None,
+        *,
+        min_backoff_s: float = 0.2,
+        max_backoff_s: float = 10.0,
+    ) -> Iterator[registry_pb2.TargetAssignment]:
         """Yield the target's assignment now and on every change, forever (until `stop` is set or
         the generator is closed). Reconnects with jittered exponential backoff when the stream
         ends or the registry is unreachable; an assignment already yielded is not repeated.

@@ -75,8 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.listen.rsplit(":", 1)[0].strip("[]"))
-    log.info("registry serving", extra={"address": server.target, "bucket": settings.storage.s3_bucket,
-                                        "root": settings.root, "metrics_port": settings.metrics_port})
+    log.info(
+        "registry serving",
+        extra={
+            "address": server.target,
+            "bucket": settings.storage.s3_bucket,
+            "root": settings.root,
+            "metrics_port": settings.metrics_port,
+        },
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -214,23 +214,35 @@ class PointerState:
         )
 
 
-def _next(state: PointerState, action: str, frm: str, to: str, reason: str, actor: str, now: float,
-          **changes: Any) -> PointerState:
+def _next(
+    state: PointerState, action: str, frm: str, to: str, reason: str, actor: str, now: float, **changes: Any
+) -> PointerState:
     gen = state.generation + 1
     event = PointerEvent(action, frm, to, reason, actor, now, gen)
     return replace(state, **changes, history=(event, *state.history)[:HISTORY_LIMIT], generation=gen)
 
 
-def promote(state: PointerState, version: str, reason: str, actor: str, now: float,
-            expected_current: str | None = None) -> PointerState:
+def promote(
+    state: PointerState, version: str, reason: str, actor: str, now: float, expected_current: str | None = None
+) -> PointerState:
     if expected_current is not None and state.current != expected_current:
         raise FailedPrecondition(
-            f"current draft of {state.target_model} is {state.current or 'none'!r}, not {expected_current!r}")
+            f"current draft of {state.target_model} is {state.current or 'none'!r}, not {expected_current!r}"
+        )
     if version == state.current:
         raise NoChange(state)
     previous = tuple(v for v in ((state.current,) if state.current else ()) + state.previous if v != version)
-    return _next(state, "promote", state.current, version, reason, actor, now,
-                 current=version, previous=previous[:PREVIOUS_LIMIT])
+    return _next(
+        state,
+        "promote",
+        state.current,
+        version,
+        reason,
+        actor,
+        now,
+        current=version,
+        previous=previous[:PREVIOUS_LIMIT],
+    )
 
 
 def pin(state: PointerState, version: str, reason: str, actor: str, now: float) -> PointerState:
@@ -252,8 +264,9 @@ def rollback(state: PointerState, reason: str, actor: str, now: float, to_versio
     if target not in state.previous:
         raise FailedPrecondition(
             f"{target!r} was not a previous current draft of {state.target_model} "
-            f"(previous: {list(state.previous)}); promote it instead")
-    rest = state.previous[state.previous.index(target) + 1:]
+            f"(previous: {list(state.previous)}); promote it instead"
+        )
+    rest = state.previous[state.previous.index(target) + 1 :]
     return _next(state, "rollback", state.current, target, reason, actor, now, current=target, previous=rest)
 
 

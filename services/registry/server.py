@@ -111,20 +111,38 @@ def artifact_from_pb(a: common_pb2.DraftArtifact) -> Artifact:
 
 def draft_to_pb(d: DraftManifest) -> registry_pb2.DraftVersion:
     return registry_pb2.DraftVersion(
-        version=d.version, target_model=d.target_model, artifact=artifact_to_pb(d.artifact),
-        eval_metrics=d.eval_metrics, provenance_json=d.provenance_json, parent_version=d.parent_version,
-        drafter=d.drafter, created_unix_s=d.created_unix_s)
+        version=d.version,
+        target_model=d.target_model,
+        artifact=artifact_to_pb(d.artifact),
+        eval_metrics=d.eval_metrics,
+        provenance_json=d.provenance_json,
+        parent_version=d.parent_version,
+        drafter=d.drafter,
+        created_unix_s=d.created_unix_s,
+    )
 
 
 def pointer_to_pb(s: PointerState) -> registry_pb2.PointerState:
     history = [
-        registry_pb2.PointerEvent(action=_ACTIONS.get(e.action, 0), from_version=e.from_version,
-                                  to_version=e.to_version, reason=e.reason, actor=e.actor, time_unix_s=e.time_unix_s)
+        registry_pb2.PointerEvent(
+            action=_ACTIONS.get(e.action, 0),
+            from_version=e.from_version,
+            to_version=e.to_version,
+            reason=e.reason,
+            actor=e.actor,
+            time_unix_s=e.time_unix_s,
+        )
         for e in s.history
     ]
-    return registry_pb2.PointerState(target_model=s.target_model, current=s.current, pinned=s.pinned,
-                                     effective=s.effective, previous=s.previous, history=history,
-                                     generation=s.generation)
+    return registry_pb2.PointerState(
+        target_model=s.target_model,
+        current=s.current,
+        pinned=s.pinned,
+        effective=s.effective,
+        previous=s.previous,
+        history=history,
+        generation=s.generation,
+    )
 
 
 # -------------------------------------------------------------------------------- service
@@ -144,9 +162,13 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
     @_rpc
     def RegisterDraft(self, request, context):
         d = self.store.register(
-            request.target_model, artifact_from_pb(request.artifact), eval_metrics=dict(request.eval_metrics),
-            provenance_json=request.provenance_json, parent_version=request.parent_version,
-            drafter=request.drafter)
+            request.target_model,
+            artifact_from_pb(request.artifact),
+            eval_metrics=dict(request.eval_metrics),
+            provenance_json=request.provenance_json,
+            parent_version=request.parent_version,
+            drafter=request.drafter,
+        )
         return draft_to_pb(d)
 
     @_rpc
@@ -171,13 +193,13 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
     @_rpc
     def Promote(self, request, context):
         expected = request.expected_current if request.HasField("expected_current") else None
-        return self._changed(self.store.promote(request.target_model, request.version, request.reason,
-                                                _actor(context), expected))
+        return self._changed(
+            self.store.promote(request.target_model, request.version, request.reason, _actor(context), expected)
+        )
 
     @_rpc
     def Pin(self, request, context):
-        return self._changed(self.store.pin(request.target_model, request.version, request.reason,
-                                            _actor(context)))
+        return self._changed(self.store.pin(request.target_model, request.version, request.reason, _actor(context)))
 
     @_rpc
     def Unpin(self, request, context):
@@ -185,12 +207,14 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
 
     @_rpc
     def Rollback(self, request, context):
-        return self._changed(self.store.rollback(request.target_model, request.reason,
-                                                 _actor(context), request.to_version))
+        return self._changed(
+            self.store.rollback(request.target_model, request.reason, _actor(context), request.to_version)
+        )
 
     def _assignment(self, s: PointerState) -> registry_pb2.TargetAssignment:
-        msg = registry_pb2.TargetAssignment(target_model=s.target_model, version=s.effective,
-                                            pinned=bool(s.pinned), generation=s.generation)
+        msg = registry_pb2.TargetAssignment(
+            target_model=s.target_model, version=s.effective, pinned=bool(s.pinned), generation=s.generation
+        )
         if s.effective:
             msg.artifact.CopyFrom(artifact_to_pb(self.store.get(s.effective).artifact))
         return msg
@@ -215,8 +239,9 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
             WATCHERS.dec()
 
 
-def build_server(store: RegistryStore, hub: WatchHub, address: str, admin_token: str | None,
-                 max_workers: int = 64) -> grpcutil.GrpcServer:
+def build_server(
+    store: RegistryStore, hub: WatchHub, address: str, admin_token: str | None, max_workers: int = 64
+) -> grpcutil.GrpcServer:
     """The gRPC server (health, reflection, admin auth) with the registry service added; not started."""
     server = grpcutil.GrpcServer(address, admin_token=admin_token, max_workers=max_workers)
     server.add_service(registry_grpc.add_RegistryServiceServicer_to_server, RegistryServicer(store, hub), SERVICE)

@@ -1,14 +1,14 @@
 """Registry settings: built once from the environment (`TIDE_*`), frozen, passed explicitly.
 
-    TIDE_REGISTRY_LISTEN      host:port to serve gRPC on (default 127.0.0.1:50055; compose: 0.0.0.0:50055)
-    TIDE_ADMIN_TOKEN          bearer token admin calls must carry (unset: every admin call is refused)
-    TIDE_REGISTRY_ROOT        key prefix of the registry's objects in the bucket (default "registry")
-    TIDE_REGISTRY_POLL_S      pointer poll interval for watch streams, seconds (default 0.25)
-    TIDE_REGISTRY_METRICS_PORT  Prometheus /metrics port on the listen host (default 9405; 0 = off)
-    TIDE_REGISTRY_MAX_WORKERS concurrent RPCs, each open watch stream holds one (default 64)
-    TIDE_REGISTRY_WORK_DIR    where checkpoints are downloaded for validation (default: system temp)
-    TIDE_LOG_LEVEL            log level (default INFO)
-    TIDE_S3_* / TIDE_S3_BUCKET  object storage, see `tide.blobs.StorageSettings`
+TIDE_REGISTRY_LISTEN      host:port to serve gRPC on (default 127.0.0.1:50055; compose: 0.0.0.0:50055)
+TIDE_ADMIN_TOKEN          bearer token admin calls must carry (unset: every admin call is refused)
+TIDE_REGISTRY_ROOT        key prefix of the registry's objects in the bucket (default "registry")
+TIDE_REGISTRY_POLL_S      pointer poll interval for watch streams, seconds (default 0.25)
+TIDE_REGISTRY_METRICS_PORT  Prometheus /metrics port on the listen host (default 9405; 0 = off)
+TIDE_REGISTRY_MAX_WORKERS concurrent RPCs, each open watch stream holds one (default 64)
+TIDE_REGISTRY_WORK_DIR    where checkpoints are downloaded for validation (default: system temp)
+TIDE_LOG_LEVEL            log level (default INFO)
+TIDE_S3_* / TIDE_S3_BUCKET  object storage, see `tide.blobs.StorageSettings`
 """
 
 from __future__ import annotations

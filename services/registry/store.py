@@ -23,26 +23,20 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 from urllib.parse import unquote
 
 from minio import Minio
-from minio.commonconfig import CopySource
-from minio.error import S3Error
 
 from services.registry import model as m
 from services.registry.model import Artifact, DraftManifest, InvalidArgument, NotFound, PointerState
+from services.registry.validation import check_fits, copy_artifact, verify_checkpoint
 from tide import blobs
-from tide.eagle3 import DraftIncompatible, read_extra, validate_checkpoint_dir
-from tide.registry_client import DEFAULT_ROOT, artifact_digest, artifact_prefix, download_artifact, target_key
+from tide.registry_client import DEFAULT_ROOT, artifact_digest, artifact_prefix, target_key
 
 log = logging.getLogger("tide.registry.store")
-
-_COMPAT_KEYS = ("vocab_size", "hidden_size", "target_hidden_size", "aux_layers")
 
 
 class _Known(Exception):
@@ -50,23 +44,18 @@ class _Known(Exception):
         self.version = version
 
 
-def config_summary(cfg) -> dict[str, Any]:
-    """What a draft must agree on with its target's other versions (plus facts worth showing)."""
-    return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "aux_layers": list(cfg.aux_layers) if cfg.aux_layers is not None else None,
-        "torch_dtype": cfg.torch_dtype,
-    }
-
-
 class RegistryStore:
     """Draft versions and pointers of every target. Thread-safe; share one per process."""
 
-    def __init__(self, s3: Minio, bucket: str, root: str = DEFAULT_ROOT, *, work_dir: str | None = None,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        s3: Minio,
+        bucket: str,
+        root: str = DEFAULT_ROOT,
+        *,
+        work_dir: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.s3, self.bucket, self.root = s3, bucket, root.strip("/")
         self.work_dir, self.clock = work_dir, clock
         self._manifests: dict[str, DraftManifest] = {}  # immutable, so cached forever
@@ -104,7 +93,7 @@ class RegistryStore:
         out = []
         for t in targets:
             prefix = self._key(t, "versions/")
-            names = [k[len(prefix):] for k in blobs.list_keys(self.s3, self.bucket, prefix)]
+            names = [k[len(prefix) :] for k in blobs.list_keys(self.s3, self.bucket, prefix)]
             numbers = sorted(int(n[1:-5]) for n in names if n.startswith("v") and n.endswith(".json"))
             out += [self.get(m.version_id(t, n)) for n in numbers]
         return out
@@ -113,10 +102,18 @@ class RegistryStore:
         """Every target with registry state, sorted."""
         prefix = f"{self.root}/targets/"
         objs = self.s3.list_objects(self.bucket, prefix=prefix, recursive=False)
-        return sorted(unquote(o.object_name[len(prefix):].rstrip("/")) for o in objs if o.is_dir)
+        return sorted(unquote(o.object_name[len(prefix) :].rstrip("/")) for o in objs if o.is_dir)
 
-    def register(self, target: str, artifact: Artifact, *, eval_metrics: Mapping[str, float] | None = None,
-                 provenance_json: str = "", parent_version: str = "", drafter: str = "") -> DraftManifest:
+    def register(
+        self,
+        target: str,
+        artifact: Artifact,
+        *,
+        eval_metrics: Mapping[str, float] | None = None,
+        provenance_json: str = "",
+        parent_version: str = "",
+        drafter: str = "",
+    ) -> DraftManifest:
         """Verify, validate and record a candidate; the same files registered again give the same version."""
         m.check_target(target)
         artifact.check()
@@ -138,9 +135,12 @@ class RegistryStore:
         canonical = Artifact(self.bucket, artifact_prefix(target, digest, self.root), artifact.files)
         copied = (artifact.bucket, artifact.prefix) != (canonical.bucket, canonical.prefix)
         if copied:
-            self._copy(artifact, canonical)
+            copy_artifact(self.s3, artifact, canonical)
         try:
-            summary = self._validate(target, canonical)
+            summary = verify_checkpoint(self.s3, canonical, target, self.work_dir)
+            earlier = self.list(target)
+            if earlier:
+                check_fits(summary, earlier[-1].config, f"target {target!r} as {earlier[-1].version} does")
         except InvalidArgument:
             if copied:  # our copy of a refused checkpoint: leave nothing behind
                 for f in canonical.files:
@@ -148,9 +148,17 @@ class RegistryStore:
             raise
         version = known or self._allocate(target, digest)
         manifest = DraftManifest(
-            version=version, target_model=target, artifact=canonical, content_digest=digest,
-            eval_metrics=metrics, provenance_json=provenance_json, parent_version=parent_version,
-            drafter=drafter, created_unix_s=self.clock(), config=summary)
+            version=version,
+            target_model=target,
+            artifact=canonical,
+            content_digest=digest,
+            eval_metrics=metrics,
+            provenance_json=provenance_json,
+            parent_version=parent_version,
+            drafter=drafter,
+            created_unix_s=self.clock(),
+            config=summary,
+        )
         key = self._key(target, f"versions/{version.rsplit('/', 1)[1]}.json")
         try:
             blobs.put_pointer(self.s3, self.bucket, key, manifest.to_json(), expected_etag=None)
@@ -178,49 +186,6 @@ class RegistryStore:
             return k.version
         return ptr.value["digests"][digest]
 
-    def _copy(self, src: Artifact, dst: Artifact) -> None:
-        for f in src.files:
-            key = f"{src.prefix}/{f.name}"
-            try:
-                st = blobs.stat(self.s3, src.bucket, key)
-            except S3Error as e:
-                if e.code in ("NoSuchKey", "NoSuchBucket"):
-                    raise InvalidArgument(f"artifact file s3://{src.bucket}/{key} does not exist") from None
-                raise
-            if st.size_bytes != f.size_bytes:
-                raise InvalidArgument(f"s3://{src.bucket}/{key} has {st.size_bytes} bytes, declared {f.size_bytes}")
-            self.s3.copy_object(dst.bucket, f"{dst.prefix}/{f.name}", CopySource(src.bucket, key))
-
-    def _validate(self, target: str, artifact: Artifact) -> dict[str, Any]:
-        with tempfile.TemporaryDirectory(prefix="tide-registry-", dir=self.work_dir) as tmp:
-            try:
-                download_artifact(self.s3, artifact, tmp)
-            except blobs.ChecksumMismatch as e:
-                raise InvalidArgument(f"checksum mismatch: {e}") from None
-            except S3Error as e:
-                if e.code in ("NoSuchKey", "NoSuchBucket"):
-                    raise InvalidArgument(f"artifact file missing: s3://{e.bucket_name}/{e.object_name}") from None
-                raise
-            try:
-                cfg = validate_checkpoint_dir(tmp)
-                extra = read_extra(tmp)
-            except (DraftIncompatible, ValueError, TypeError) as e:
-                why = str(e).replace(tmp, "<checkpoint>")
-                raise InvalidArgument(f"not a valid EAGLE-3 checkpoint: {why}") from None
-        claimed = extra.get("target_model")
-        if claimed and claimed != target:
-            raise InvalidArgument(f"checkpoint says it was trained for target {claimed!r}, registering for {target!r}")
-        summary = config_summary(cfg)
-        earlier = self.list(target)
-        if earlier:
-            ref = earlier[-1]
-            diff = [f"{k} {summary[k]} != {ref.config.get(k)}" for k in _COMPAT_KEYS
-                    if ref.config.get(k) is not None and summary[k] is not None and summary[k] != ref.config.get(k)]
-            if diff:
-                raise InvalidArgument(f"checkpoint does not fit target {target!r} as {ref.version} does: "
-                                      + "; ".join(diff))
-        return summary
-
     # ---------------------------------------------------------------------------- pointers
 
     def pointer(self, target: str) -> PointerState:
@@ -245,15 +210,26 @@ class RegistryStore:
             return nc.state
         state = PointerState.from_json(ptr.value)
         event = state.history[0]
-        log.info("%s %s: %s -> %s", event.action, target, event.from_version or "-", event.to_version or "-",
-                 extra={"target_model": target, "generation": state.generation, "reason": event.reason,
-                        "actor": event.actor})
+        log.info(
+            "%s %s: %s -> %s",
+            event.action,
+            target,
+            event.from_version or "-",
+            event.to_version or "-",
+            extra={
+                "target_model": target,
+                "generation": state.generation,
+                "reason": event.reason,
+                "actor": event.actor,
+            },
+        )
         for fn in self._listeners:
             fn(state)
         return state
 
-    def promote(self, target: str, version: str, reason: str = "", actor: str = "",
-                expected_current: str | None = None) -> PointerState:
+    def promote(
+        self, target: str, version: str, reason: str = "", actor: str = "", expected_current: str | None = None
+    ) -> PointerState:
         target, version = self._version_of(target, version)
         now = self.clock()
         return self._mutate(target, lambda s: m.promote(s, version, reason, actor, now, expected_current))

@@ -83,7 +83,8 @@ class WatchHub:
         """The target's state once its generation exceeds `after_generation`; None on timeout or stop."""
         with self._cond:
             self._cond.wait_for(
-                lambda: self._stop.is_set() or self._states[target].generation > after_generation, timeout_s)
+                lambda: self._stop.is_set() or self._states[target].generation > after_generation, timeout_s
+            )
             state = self._states[target]
         return state if state.generation > after_generation else None
 

@@ -54,8 +54,14 @@ def test_promote_pin_unpin_rollback(seeded, capsys):
     p = run_json(capsys, "drafts", "show", TARGET)
     assert (p["effective"], p["pinned"], p["current"]) == (v3, v3, v2)
     assert p["history"][0] | {"time_unix_s": 0, "time": ""} == {
-        "action": "pin", "from_version": v2, "to_version": v3, "reason": "canary",
-        "actor": f"tidectl:{_user()}", "time_unix_s": 0, "time": ""}
+        "action": "pin",
+        "from_version": v2,
+        "to_version": v3,
+        "reason": "canary",
+        "actor": f"tidectl:{_user()}",
+        "time_unix_s": 0,
+        "time": "",
+    }
     code, out, _ = run(capsys, "drafts", "list")
     assert "effective,pinned" in out and "current" in out
     code, out, _ = run(capsys, "drafts", "rollback", "--reason", "acceptance fell")  # the only target: inferred
@@ -71,8 +77,12 @@ def test_promote_pin_unpin_rollback(seeded, capsys):
         (["drafts", "show", f"{TARGET}/v0042"], 3, "NOT_FOUND", "no draft version"),
         (["drafts", "pin", f"{TARGET}/v0042"], 3, "NOT_FOUND", "no draft version"),
         (["drafts", "rollback", TARGET], 4, "FAILED_PRECONDITION", "no previous draft"),
-        (["drafts", "promote", f"{TARGET}/v0001", "--expect-current", f"{TARGET}/v0002"], 4,
-         "FAILED_PRECONDITION", "not 'tiny-llama/v0002'"),
+        (
+            ["drafts", "promote", f"{TARGET}/v0001", "--expect-current", f"{TARGET}/v0002"],
+            4,
+            "FAILED_PRECONDITION",
+            "not 'tiny-llama/v0002'",
+        ),
         (["drafts", "unpin", "not a target"], 2, "INVALID_ARGUMENT", "invalid target_model"),
         (["drafts", "pin", f"{TARGET}/v0001", "--token", "wrong"], 5, "UNAUTHENTICATED", "invalid bearer token"),
     ],
@@ -99,8 +109,9 @@ def test_installed_script(seeded):
     _, (v1, _, _) = seeded
     script = os.path.join(os.path.dirname(sys.executable), "tidectl")
     cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "tide.admin.cli"]
-    done = subprocess.run([*cmd, "drafts", "promote", v1, "--json"], capture_output=True, text=True, timeout=60,
-                          env=os.environ.copy())
+    done = subprocess.run(
+        [*cmd, "drafts", "promote", v1, "--json"], capture_output=True, text=True, timeout=60, env=os.environ.copy()
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["effective"] == v1
     done = subprocess.run([*cmd, "drafts", "list"], capture_output=True, text=True, timeout=60, env=os.environ.copy())

@@ -39,8 +39,15 @@ class Registry:
         self.server.stop(grace_s=0)
 
 
-def start_registry(s3, bucket: str, *, token: str | None = TOKEN, poll_s: float = 0.05,
-                   address: str = "127.0.0.1:0", root: str = "registry") -> Registry:
+def start_registry(
+    s3,
+    bucket: str,
+    *,
+    token: str | None = TOKEN,
+    poll_s: float = 0.05,
+    address: str = "127.0.0.1:0",
+    root: str = "registry",
+) -> Registry:
     store = RegistryStore(s3, bucket, root)
     hub = WatchHub(store, poll_s).start()
     server = build_server(store, hub, address, token, max_workers=64)

@@ -17,8 +17,10 @@ THREADS, OPS = 8, 12  # 96 attempted changes: under HISTORY_LIMIT, so the whole 
 
 def test_concurrent_pointer_changes_are_serializable(registry, drafts):
     with registry.client() as c:
-        versions = [c.register(TARGET, upload_checkpoint(registry.s3, registry.bucket, drafts(i), TARGET)).version
-                    for i in range(4)]
+        versions = [
+            c.register(TARGET, upload_checkpoint(registry.s3, registry.bucket, drafts(i), TARGET)).version
+            for i in range(4)
+        ]
         c.promote(versions[0], reason="seed")
     applied: list[tuple[str, int]] = []  # (reason, generation) of every call that changed the pointer
     refused: list[str] = []

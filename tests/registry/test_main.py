@@ -19,11 +19,24 @@ from tide.servers import free_port
 
 
 def test_settings_from_env():
-    s = RegistrySettings.from_env({"TIDE_REGISTRY_LISTEN": "0.0.0.0:7000", "TIDE_ADMIN_TOKEN": "secret",
-                                   "TIDE_REGISTRY_ROOT": "/reg/", "TIDE_REGISTRY_POLL_S": "0.5",
-                                   "TIDE_S3_BUCKET": "b1", "TIDE_REGISTRY_METRICS_PORT": "0"})
+    s = RegistrySettings.from_env(
+        {
+            "TIDE_REGISTRY_LISTEN": "0.0.0.0:7000",
+            "TIDE_ADMIN_TOKEN": "secret",
+            "TIDE_REGISTRY_ROOT": "/reg/",
+            "TIDE_REGISTRY_POLL_S": "0.5",
+            "TIDE_S3_BUCKET": "b1",
+            "TIDE_REGISTRY_METRICS_PORT": "0",
+        }
+    )
     assert (s.listen, s.admin_token, s.root, s.poll_s, s.storage.s3_bucket, s.metrics_port) == (
-        "0.0.0.0:7000", "secret", "reg", 0.5, "b1", 0)
+        "0.0.0.0:7000",
+        "secret",
+        "reg",
+        0.5,
+        "b1",
+        0,
+    )
     assert "secret" not in repr(s)
     d = RegistrySettings.from_env({})
     assert d.listen.startswith("127.0.0.1:") and d.admin_token is None
@@ -31,10 +44,16 @@ def test_settings_from_env():
 
 def test_service_process(s3_server, s3_bucket):
     port, metrics = free_port(), free_port()
-    env = {**os.environ, "TIDE_REGISTRY_LISTEN": f"127.0.0.1:{port}", "TIDE_ADMIN_TOKEN": TOKEN,
-           "TIDE_S3_ENDPOINT": s3_server.url, "TIDE_S3_ACCESS_KEY": s3_server.access_key,
-           "TIDE_S3_SECRET_KEY": s3_server.secret_key, "TIDE_S3_BUCKET": s3_bucket,
-           "TIDE_REGISTRY_METRICS_PORT": str(metrics)}
+    env = {
+        **os.environ,
+        "TIDE_REGISTRY_LISTEN": f"127.0.0.1:{port}",
+        "TIDE_ADMIN_TOKEN": TOKEN,
+        "TIDE_S3_ENDPOINT": s3_server.url,
+        "TIDE_S3_ACCESS_KEY": s3_server.access_key,
+        "TIDE_S3_SECRET_KEY": s3_server.secret_key,
+        "TIDE_S3_BUCKET": s3_bucket,
+        "TIDE_REGISTRY_METRICS_PORT": str(metrics),
+    }
     proc = subprocess.Popen([sys.executable, "-m", "services.registry"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         ch = grpcutil.channel(f"127.0.0.1:{port}")
@@ -42,8 +61,9 @@ def test_service_process(s3_server, s3_bucket):
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="tide.v1.RegistryService"))
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         argv = ["--registry", f"127.0.0.1:{port}", "drafts", "rollback", "tiny", "--json"]
-        cli = subprocess.run([sys.executable, "-m", "tide.admin.cli", *argv], capture_output=True, text=True,
-                             timeout=60, env=env)
+        cli = subprocess.run(
+            [sys.executable, "-m", "tide.admin.cli", *argv], capture_output=True, text=True, timeout=60, env=env
+        )
         assert cli.returncode == 4 and json.loads(cli.stdout)["error"]["code"] == "FAILED_PRECONDITION"
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
         assert 'tide_registry_rpcs_total{code="FAILED_PRECONDITION",method="Rollback"} 1.0' in text

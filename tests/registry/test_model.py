@@ -55,7 +55,13 @@ def test_pin_overrides_current_until_unpin():
         m.unpin(s, "", "", 5)
     e = s.history[0]
     assert (e.action, e.from_version, e.to_version, e.reason, e.actor, e.generation) == (
-        "unpin", v(2), v(3), "done", "op", s.generation)
+        "unpin",
+        v(2),
+        v(3),
+        "done",
+        "op",
+        s.generation,
+    )
 
 
 def test_rollback_steps_back_and_records_why():

@@ -32,8 +32,14 @@ def client(registry):
 
 
 def test_register_list_get_and_health(registry, client, drafts):
-    d1 = client.register_dir(drafts(0), TARGET, s3=registry.s3, bucket=registry.bucket,
-                             eval_metrics={"accept_length": 1.73}, provenance={"run": "r1"})
+    d1 = client.register_dir(
+        drafts(0),
+        TARGET,
+        s3=registry.s3,
+        bucket=registry.bucket,
+        eval_metrics={"accept_length": 1.73},
+        provenance={"run": "r1"},
+    )
     d2 = client.register_dir(drafts(1), TARGET, s3=registry.s3, bucket=registry.bucket, parent_version=d1.version)
     assert (d1.version, d2.version, d2.parent_version) == (f"{TARGET}/v0001", f"{TARGET}/v0002", d1.version)
     assert d1.eval_metrics["accept_length"] == pytest.approx(1.73) and '"run": "r1"' in d1.provenance_json
@@ -79,8 +85,13 @@ def test_admin_calls_need_the_token(registry, drafts, token):
         v1 = admin.register(TARGET, art).version
         admin.promote(v1)
     with registry.client(token=token) as c:
-        for call in (lambda: c.register(TARGET, art), lambda: c.promote(v1), lambda: c.pin(v1),
-                     lambda: c.unpin(TARGET), lambda: c.rollback(TARGET)):
+        for call in (
+            lambda: c.register(TARGET, art),
+            lambda: c.promote(v1),
+            lambda: c.pin(v1),
+            lambda: c.unpin(TARGET),
+            lambda: c.rollback(TARGET),
+        ):
             with pytest.raises(grpc.RpcError) as info:
                 call()
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -220,3 +231,6 @@ def test_list_refuses_malformed_target_names(registry):
         stub.ListDrafts(registry_pb2.ListDraftsRequest(target_model="../etc"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     ch.close()
+    with registry.client() as c, pytest.raises(grpc.RpcError) as info:  # not retried: it cannot get better
+        next(c.watch("../etc"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

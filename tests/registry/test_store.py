@@ -82,11 +82,15 @@ def test_malformed_requests_are_refused(store, drafts):
 
 def test_checksum_and_size_mismatches_are_refused(store, drafts):
     good = _artifact(upload_checkpoint(store.s3, store.bucket, drafts(0), TARGET))
-    wrong_sha = tuple(FileEntry(f.name, "ab" * 32, f.size_bytes) if f.name == "model.safetensors" else f
-                      for f in good.files)
+    wrong_sha = tuple(
+        FileEntry(f.name, "ab" * 32, f.size_bytes) if f.name == "model.safetensors" else f for f in good.files
+    )
     _refused(store, Artifact(good.bucket, good.prefix, wrong_sha), "checksum mismatch.*model.safetensors")
+    path = drafts(0)
+    for f in good.files:
+        blobs.put_file(store.s3, store.bucket, f"uploads/u1/{f.name}", path / f.name)
     wrong_size = tuple(FileEntry(f.name, f.sha256, f.size_bytes + 1) for f in good.files)
-    _refused(store, Artifact(good.bucket, "uploads/elsewhere", wrong_size), "does not exist")
+    _refused(store, Artifact(good.bucket, "uploads/u1", wrong_size), r"has \d+ bytes, declared")
     missing = Artifact(good.bucket, "uploads/nothing-here", good.files)
     _refused(store, missing, "does not exist")
     assert store.list(TARGET) == []

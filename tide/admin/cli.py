@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(parser, suppress=False)
     groups = parser.add_subparsers(dest="group", required=True, metavar="{drafts}")
     drafts = groups.add_parser("drafts", help="draft versions and pointers").add_subparsers(
-        dest="command", required=True, metavar="{list,show,pin,unpin,promote,rollback,watch}")
+        dest="command", required=True, metavar="{list,show,pin,unpin,promote,rollback,watch}"
+    )
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         p = drafts.add_parser(name, help=help)
@@ -78,8 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("version", metavar="VERSION")
         p.add_argument("--reason", default="")
         if name == "promote":
-            p.add_argument("--expect-current", dest="expect_current", metavar="VERSION",
-                           help="only if this is still the current version ('' = none)")
+            p.add_argument(
+                "--expect-current",
+                dest="expect_current",
+                metavar="VERSION",
+                help="only if this is still the current version ('' = none)",
+            )
     p = command("unpin", "remove the pin of a target")
     p.add_argument("name", nargs="?", metavar="TARGET")
     p.add_argument("--reason", default="")
@@ -147,8 +152,12 @@ def run(args, client: RegistryClient) -> int:
         target = _target(args, client, args.name)
         try:
             for a in client.watch(target):
-                data = {"target_model": a.target_model, "version": a.version, "pinned": a.pinned,
-                        "generation": int(a.generation)}
+                data = {
+                    "target_model": a.target_model,
+                    "version": a.version,
+                    "pinned": a.pinned,
+                    "generation": int(a.generation),
+                }
                 pinned = " (pinned)" if a.pinned else ""
                 text = f"{a.target_model}: {a.version or 'no draft'}{pinned} generation {a.generation}"
                 print(json.dumps(data, sort_keys=True) if args.json else text, flush=True)

@@ -41,8 +41,15 @@ def draft_dict(d: registry_pb2.DraftVersion) -> dict:
 
 def pointer_dict(p: registry_pb2.PointerState) -> dict:
     history = [
-        {"action": _ACTIONS.get(e.action, "unspecified"), "from_version": e.from_version, "to_version": e.to_version,
-         "reason": e.reason, "actor": e.actor, "time_unix_s": e.time_unix_s, "time": utc(e.time_unix_s)}
+        {
+            "action": _ACTIONS.get(e.action, "unspecified"),
+            "from_version": e.from_version,
+            "to_version": e.to_version,
+            "reason": e.reason,
+            "actor": e.actor,
+            "time_unix_s": e.time_unix_s,
+            "time": utc(e.time_unix_s),
+        }
         for e in p.history
     ]
     return {
@@ -77,8 +84,16 @@ def _metrics(m: dict) -> str:
 def drafts_text(drafts: list[dict], pointers: dict[str, dict]) -> str:
     if not drafts:
         return "no draft versions registered"
-    rows = [[d["version"], d["created"], ",".join(states(d["version"], pointers.get(d["target_model"]))) or "-",
-             d["parent_version"] or "-", _metrics(d["eval_metrics"])] for d in drafts]
+    rows = [
+        [
+            d["version"],
+            d["created"],
+            ",".join(states(d["version"], pointers.get(d["target_model"]))) or "-",
+            d["parent_version"] or "-",
+            _metrics(d["eval_metrics"]),
+        ]
+        for d in drafts
+    ]
     return table(["VERSION", "CREATED", "STATE", "PARENT", "EVAL"], rows)
 
 
@@ -94,8 +109,9 @@ def draft_text(d: dict, pointer: dict | None) -> str:
         ("provenance", json.dumps(d["provenance"], sort_keys=True) if d["provenance"] else "-"),
         ("location", f"s3://{d['artifact']['bucket']}/{d['artifact']['prefix']}/"),
     ]
-    files = table(["FILE", "BYTES", "SHA256"],
-                  [[f["name"], str(f["size_bytes"]), f["sha256"]] for f in d["artifact"]["files"]])
+    files = table(
+        ["FILE", "BYTES", "SHA256"], [[f["name"], str(f["size_bytes"]), f["sha256"]] for f in d["artifact"]["files"]]
+    )
     return "\n".join(f"{k:<11}{v}" for k, v in fields) + "\n\n" + files
 
 
@@ -113,7 +129,15 @@ def pointer_text(p: dict, limit: int = 10) -> str:
     ]
     out = "\n".join(f"{k:<11}{v}" for k, v in fields)
     if p["history"]:
-        rows = [[e["time"], e["action"], f"{e['from_version'] or '-'} -> {e['to_version'] or '-'}", e["actor"] or "-",
-                 e["reason"] or "-"] for e in p["history"][:limit]]
+        rows = [
+            [
+                e["time"],
+                e["action"],
+                f"{e['from_version'] or '-'} -> {e['to_version'] or '-'}",
+                e["actor"] or "-",
+                e["reason"] or "-",
+            ]
+            for e in p["history"][:limit]
+        ]
         out += "\n\n" + table(["TIME", "ACTION", "CHANGE", "ACTOR", "REASON"], rows)
     return out
