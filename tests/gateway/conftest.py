@@ -1,0 +1,69 @@
+"""Gateway test fixtures: a real worker process (gRPC, real engine) and real gateways (uvicorn on loopback).
+
+- `chat_target` (session): a tiny random Llama with the reference model's vocabulary, tokenizer and
+  chat template (SmolLM2's), so prompts go through the real template and tokenizer while each
+  engine step takes milliseconds. Greedy output is deterministic, so tests can compare runs.
+- `worker` (session): `engine_worker.py` serving `chat_target`; `spawn_worker()` starts more
+  (e.g. one to kill), each one a `WorkerProcess` with `.address` and `.kill()`.
+- `gateway` (session): the gateway app on a free loopback port, routed to `worker`;
+  `harness.serve_gateway(...)` starts other configurations (auth, no worker, two workers).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from support.engine import save_tiny_target
+
+from gateway.harness import MAX_MODEL_LEN, WorkerProcess, serve_gateway, start_worker
+from services.gateway.tokenizer import TargetTokenizer
+from tide.target import resolve_target
+
+
+@pytest.fixture(scope="session")
+def chat_target(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("chat-target")
+    save_tiny_target(path, vocab=49152, layers=2, max_position_embeddings=MAX_MODEL_LEN)
+    ref = resolve_target("ref").path
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ref / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def spawn_worker(chat_target) -> Iterator:
+    started: list[WorkerProcess] = []
+
+    def spawn(step_delay_ms: float = 0.0) -> WorkerProcess:
+        started.append(start_worker(chat_target, step_delay_ms))
+        return started[-1]
+
+    yield spawn
+    for w in started:
+        w.kill()
+
+
+@pytest.fixture(scope="session")
+def worker(spawn_worker) -> WorkerProcess:
+    return spawn_worker()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(chat_target) -> TargetTokenizer:
+    return TargetTokenizer.load(str(chat_target))
+
+
+@pytest.fixture(scope="session")
+def gateway(tokenizer, worker) -> Iterator[str]:
+    with serve_gateway(tokenizer, (worker.address,)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(gateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway, timeout=60) as c:
+        yield c
