@@ -250,8 +250,9 @@ class RegistryClient:
         max_backoff_s: float = 10.0,
     ) -> Iterator[registry_pb2.TargetAssignment]:
         """Yield the target's assignment now and on every change, forever (until `stop` is set or
-        the generator is closed). Reconnects with jittered exponential backoff when the stream
-        ends or the registry is unreachable; an assignment already yielded is not repeated.
+        the generator is closed, or the client closed). Reconnects with jittered exponential backoff
+        when the stream ends or the registry is unreachable; an assignment equal to the last one
+        yielded (same version and pin) is not repeated, e.g. the first message after a reconnect.
         Raises grpc.RpcError for errors a retry cannot fix (bad target, missing auth)."""
         stop = stop or threading.Event()
         active: list[grpc.Call] = []
@@ -267,12 +268,15 @@ class RegistryClient:
         last, backoff = None, min_backoff_s
         try:
             while not stop.is_set():
-                call = self.stub.WatchTarget(registry_pb2.WatchTargetRequest(target_model=target_model))
+                try:
+                    call = self.stub.WatchTarget(registry_pb2.WatchTargetRequest(target_model=target_model))
+                except ValueError:  # the client was closed
+                    return
                 active[:] = [call]
                 try:
                     for msg in call:
                         backoff = min_backoff_s
-                        key = (msg.version, msg.pinned, msg.generation)
+                        key = (msg.version, msg.pinned)
                         if key != last:
                             last = key
                             yield msg

@@ -83,6 +83,8 @@ class RegistryStore:
         if ptr is None:
             raise NotFound(f"no draft version {version!r}")
         manifest = DraftManifest.from_json(ptr.value)
+        if manifest.version != version:  # "t/v00007" is not another name of "t/v0007"
+            raise NotFound(f"no draft version {version!r} (did you mean {manifest.version!r}?)")
         with self._lock:
             self._manifests[version] = manifest
         return manifest

@@ -43,6 +43,8 @@ def test_register_records_an_immutable_manifest(store, drafts):
     # A fresh store (another replica) reads the same manifests; they cannot be overwritten.
     other = RegistryStore(store.s3, store.bucket)
     assert other.get(second.version) == second and other.targets() == [TARGET]
+    with pytest.raises(NotFound):
+        other.get(f"{TARGET}/v00002")  # no aliases of a version id
     key = f"registry/targets/{TARGET}/versions/v0001.json"
     with pytest.raises(blobs.PointerConflict):
         blobs.put_pointer(store.s3, store.bucket, key, {"tampered": True}, expected_etag=None)
