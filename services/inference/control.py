@@ -87,6 +87,35 @@ class Outcome(enum.Enum):
     REJECTED = "rejected"
 
 
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A snapshot of the worker. load = (running + waiting) / max_batch; kv_cache_usage in [0, 1]."""
+
+    worker_id: str
+    model_id: str
+    engine: str
+    device: str
+    running_requests: int
+    waiting_requests: int
+    max_batch_size: int
+    load: float
+    kv_cache_usage: float
+    draft_version: str
+    drafter: str
+    policy: PolicySpec
+    speculation: SpeculationSchedule
+    collection_enabled: bool
+    last_decision_id: str
+    uptime_s: float
+
+
+@dataclass(frozen=True)
+class DecisionResult:
+    outcome: Outcome
+    detail: str
+    status: WorkerStatus
+
+
 def _param(value: Any) -> Any:
     """Proto params are doubles; integral values become ints (γ, window sizes, seeds)."""
     if isinstance(value, float):

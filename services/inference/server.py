@@ -23,6 +23,7 @@ from services.inference.control import (
     PolicySpec,
     SpeculationBucket,
     SpeculationSchedule,
+    WorkerStatus,
 )
 from services.inference.engine.sequence import FinishReason
 from services.inference.requests import (
@@ -33,7 +34,7 @@ from services.inference.requests import (
     RequestRejected,
     TokenEvent,
 )
-from services.inference.worker import Worker, WorkerStatus
+from services.inference.worker import Worker
 from tide.grpcutil import GrpcServer
 from tide.proto.tide.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 

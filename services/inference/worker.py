@@ -14,18 +14,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from services.inference import metrics
 from services.inference.control import (
     Decision,
     DecisionError,
+    DecisionResult,
     DrafterFactory,
     Outcome,
     PolicySpec,
     ScheduledPolicy,
     SeenIds,
     SpeculationSchedule,
+    WorkerStatus,
     build_policy,
     make_drafter,
 )
@@ -44,35 +45,7 @@ from tide.policies.profile import LatencyProfile
 from tide.telemetry import StepRecord
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerStatus:
-    """A snapshot of the worker. load = (running + waiting) / max_batch; kv_cache_usage in [0, 1]."""
-
-    worker_id: str
-    model_id: str
-    engine: str
-    device: str
-    running_requests: int
-    waiting_requests: int
-    max_batch_size: int
-    load: float
-    kv_cache_usage: float
-    draft_version: str
-    drafter: str
-    policy: PolicySpec
-    speculation: SpeculationSchedule
-    collection_enabled: bool
-    last_decision_id: str
-    uptime_s: float
-
-
-@dataclass(frozen=True)
-class DecisionResult:
-    outcome: Outcome
-    detail: str
-    status: WorkerStatus
+_HALT = object()  # command that stops the loop thread
 
 
 class Worker:
@@ -107,6 +80,8 @@ class Worker:
         engine.swap_drafter(drafter_factory(drafter))
         engine.step_listeners.append(self._on_step)
         if collection:
+            if exporter is None:
+                raise ValueError("collection needs an exporter")
             self._set_collection(True)
 
     # ---- any thread ------------------------------------------------------------------------
@@ -190,45 +165,42 @@ class Worker:
         for handle in left:
             self.cancel_handle(handle)
         if self._thread is not None:
-            self._commands.put(self._halt)
+            self._commands.put(_HALT)
             self._thread.join(timeout=30)
         if self._collection and self.exporter is not None:
             self.exporter.flush_soon()
 
     # ---- loop thread -------------------------------------------------------------------------
 
-    class _Halt(Exception):
-        pass
-
-    def _halt(self) -> None:
-        raise Worker._Halt
-
     def _run(self) -> None:
-        try:
-            while True:
-                block = not self.engine.has_work()
+        while True:
+            try:
+                cmd = self._commands.get(timeout=0.5) if not self.engine.has_work() else self._commands.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd is _HALT:
+                    return
                 try:
-                    cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                    cmd()
+                except Exception:  # a command must never take the loop down
+                    log.exception("worker command failed")
+                try:
+                    cmd = self._commands.get_nowait()
                 except queue.Empty:
                     cmd = None
-                while cmd is not None:
-                    cmd()
-                    try:
-                        cmd = self._commands.get_nowait()
-                    except queue.Empty:
-                        cmd = None
-                if self.engine.has_work():
-                    self._step()
-        except Worker._Halt:
-            pass
+            if self.engine.has_work():
+                self._step()
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception:
             metrics.STEP_ERRORS.inc()
-            log.exception("engine step failed; failing the %d requests in flight", len(self._live))
-            for handle in list(self._live.values()):
+            with self._lock:
+                handles = list(self._live.values())
+            log.exception("engine step failed; failing the %d requests in flight", len(handles))
+            for handle in handles:
                 if handle.seq is not None:
                     self.engine.cancel(handle.request_id)
                 self._end(handle, ErrorEvent(ErrorKind.INTERNAL, "the worker failed while generating"), "error")
@@ -344,6 +316,11 @@ class Worker:
         if d.drafter is not None and d.drafter != self._drafter_name:
             self.engine.swap_drafter(drafter)
             self._drafter_name = d.drafter
+            with self._lock:
+                handles = list(self._live.values())
+            for h in handles:  # the new drafter serves them from the next step on
+                h.drafter = drafter.algorithm.value if drafter is not None else "none"
+                h.draft_version = drafter.version if drafter is not None else ""
             if self._collection:
                 self.exporter.set_draft_version(drafter.version if drafter is not None else "")
         if d.collection_enabled is not None:
