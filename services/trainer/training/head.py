@@ -1,0 +1,90 @@
+"""What the trainer takes from the target: its embedding, final norm and lm_head, nothing else.
+
+The trainer never runs (or loads) the target's decoder layers: its signal is in the chunks. The
+target's logits at row i are `lm_head(final[i])` (`final` is already post-norm), its distribution
+over the token after row i. From them come the greedy next tokens (for masks and evaluation) and
+the soft targets of the EAGLE-3 objective, restricted to the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from tide.eagle3 import Eagle3Config, Eagle3Draft
+from tide.target import EMBED_TENSOR, LM_HEAD_TENSOR, NORM_TENSOR, TargetFiles, load_head_tensors
+
+# Rows per lm_head matmul when computing greedy tokens: bounds the [rows, V] float32 logits to
+# ~200 MB for a 49k vocabulary.
+_ARGMAX_ROWS = 1024
+
+
+@dataclass
+class TargetHead:
+    """The target's embedding [V, T], final norm weight [T] and lm_head [V, T] (float32, CPU)."""
+
+    model_id: str
+    config: dict  # the target's HF config.json
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+    @classmethod
+    def load(cls, target: TargetFiles) -> TargetHead:
+        t = load_head_tensors(target, torch.float32)
+        return cls(target.model_id, target.config, t[EMBED_TENSOR], t[NORM_TENSOR], t[LM_HEAD_TENSOR])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.lm_head.shape[1])
+
+    @torch.no_grad()
+    def greedy(self, final: torch.Tensor) -> torch.Tensor:
+        """argmax over the full vocabulary of lm_head(final) [N] long: the target's greedy next tokens."""
+        out = torch.empty(final.shape[0], dtype=torch.long)
+        for a in range(0, final.shape[0], _ARGMAX_ROWS):
+            out[a:a + _ARGMAX_ROWS] = (final[a:a + _ARGMAX_ROWS].float() @ self.lm_head.T).argmax(-1)
+        return out
+
+
+def draft_vocab_from_counts(counts: Counter, draft_vocab_size: int,
+                            vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [Vd] int64, t2d [V] bool) keeping the `draft_vocab_size` most frequent target ids.
+
+    Ties break towards the smaller id, so the result is deterministic; when fewer distinct ids were
+    seen, the smallest unseen ids fill the rest (as SpecForge does). Kept ids are sorted ascending,
+    so draft id i maps to the i-th smallest kept target id.
+    """
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    kept = [t for t, _ in ranked[:draft_vocab_size]]
+    if len(kept) < draft_vocab_size:
+        seen = set(kept)
+        kept += [t for t in range(vocab_size) if t not in seen][: draft_vocab_size - len(kept)]
+    targets = torch.tensor(sorted(kept), dtype=torch.long)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[targets] = True
+    return targets - torch.arange(draft_vocab_size), t2d
+
+
+def new_draft(head: TargetHead, d2t: torch.Tensor, t2d: torch.Tensor, seed: int,
+              torch_dtype: str = "bfloat16") -> Eagle3Draft:
+    """A from-scratch draft for the target: random layer (seeded), the given vocabulary, the draft
+    lm_head initialised from the target's lm_head rows of the kept tokens and the draft's final
+    norm from the target's final norm (so a draft state that mimics the target's last hidden state
+    already yields the target's logits), fp32 parameters for training."""
+    cfg = Eagle3Config.for_target(head.config, draft_vocab_size=int(d2t.shape[0]), torch_dtype=torch_dtype)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg)
+    with torch.no_grad():
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        draft.lm_head.weight.copy_(head.lm_head[torch.arange(cfg.draft_vocab_size) + d2t])
+        draft.norm.weight.copy_(head.norm)
+    draft.set_embedding(head.embed)
+    return draft

@@ -1,0 +1,170 @@
+"""The training loop: AdamW, warm-up + cosine (or constant) LR, grad clipping, TTT objective,
+seeded and resumable, single process or DDP under torchrun (WORLD_SIZE > 1; NCCL on CUDA, gloo
+on CPU). Rank 0 writes checkpoints; every rank takes every world-th batch of the same plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from services.trainer.training.data import Dataset, collate, plan_batches, prefetch
+from services.trainer.training.head import TargetHead
+from services.trainer.training.objective import STEP_DECAY, Eagle3Objective
+from services.trainer.training.state import load_state, restore, save_state
+from tide.eagle3 import Eagle3Draft
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Defaults follow SpecForge's EAGLE-3 recipe where it has one (AdamW, grad clip 0.5, 0.8^k
+    step weights) and are scaled down for the small, online data sets TIDE trains on."""
+
+    steps: int | None = None  # optimizer steps; None = `epochs` passes over the data
+    epochs: float = 1.0
+    batch_rows: int = 8  # packed rows per batch (per rank)
+    max_len: int = 512  # tokens per packed row
+    lr: float = 3e-4
+    schedule: str = "cosine"  # "cosine": warm-up then cosine to min_lr_ratio * lr; "constant": warm-up then flat
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    ttt_steps: int = 3
+    ttt_mask: str = "specforge"  # see objective.TTTAttention
+    step_decay: float = STEP_DECAY
+    seed: int = 0
+    checkpoint_dir: str | None = None  # training state (resume); None = no checkpoints
+    checkpoint_every: int = 0  # steps; 0 = only at the end
+    log_every: int = 10
+    progress: bool = True  # tqdm bar on rank 0
+    device: str = "auto"  # "auto": cuda:<LOCAL_RANK> when CUDA is there, else cpu
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    seconds: float
+    history: list[dict] = field(default_factory=list)  # one entry per log_every steps
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+    """LR for optimizer step `step` (0-based): linear warm-up, then constant or cosine decay."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    t = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def _distributed() -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device(f"cuda:{local}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return (dist.get_rank() if world > 1 else 0), world, device
+
+
+def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig) -> TrainResult:
+    """Train `draft` (in place, fp32) on `data`. With `cfg.checkpoint_dir` holding a state, resume
+    from it: the result equals that of an uninterrupted run."""
+    if not data.pieces:
+        raise ValueError("no training data")
+    rank, world, device = _distributed()
+    if cfg.device != "auto":
+        device = torch.device(cfg.device)
+    draft.to(device=device, dtype=torch.float32)
+    draft.set_embedding(head.embed)
+    draft.train()
+    targets = (torch.arange(draft.cfg.draft_vocab_size, device=device) + draft.d2t).cpu()
+    objective = Eagle3Objective(draft, head.lm_head[targets], cfg.ttt_steps, cfg.ttt_mask, cfg.step_decay).to(device)
+    model = objective
+    if world > 1:
+        ids = [device] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(objective, device_ids=ids)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+    progress = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0}
+    state = load_state(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    if state is not None:
+        progress = restore(state, draft, optimizer)
+        log.info("resuming from %s at step %d", cfg.checkpoint_dir, progress["step"])
+    lengths = [len(p) for p in data.pieces]
+
+    def epoch_plan(epoch: int) -> list:
+        plan = plan_batches(lengths, cfg.batch_rows, cfg.max_len, cfg.seed, epoch)
+        return [plan[i * world + rank] for i in range(len(plan) // world)]
+
+    per_epoch = len(epoch_plan(0))
+    if per_epoch == 0:
+        raise ValueError(f"{len(lengths)} pieces make fewer batches than {world} ranks")
+    total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * per_epoch))
+    result = TrainResult(progress["step"], progress["tokens"], progress["seconds"])
+    bar = tqdm(total=total, initial=progress["step"], disable=not cfg.progress or rank != 0, desc="train", unit="step")
+    window = torch.zeros(cfg.ttt_steps, 3)
+    window_tokens, window_start = 0, time.perf_counter()
+    while progress["step"] < total:
+        plan = epoch_plan(progress["epoch"])[progress["batch"]:]
+        for batch in prefetch(plan, fn=lambda rows: collate(data.pieces, rows)):
+            t0 = time.perf_counter()
+            step = progress["step"]
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(cfg, step, total)
+            loss, stats = model(batch.to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+            optimizer.step()
+            n = batch.num_tokens * world
+            progress.update(step=step + 1, batch=progress["batch"] + 1, tokens=progress["tokens"] + n,
+                            seconds=progress["seconds"] + time.perf_counter() - t0)
+            window += stats.detach().cpu()
+            window_tokens += n
+            if (step + 1) % cfg.log_every == 0 or step + 1 == total:
+                k = cfg.log_every if (step + 1) % cfg.log_every == 0 else (step + 1) % cfg.log_every
+                entry = {"step": step + 1, "lr": lr_at(cfg, step, total), "loss": loss.item(),
+                         "grad_norm": float(grad_norm),
+                         "step_loss": (window[:, 0] / k).tolist(),
+                         "step_acc": (window[:, 1] / window[:, 2].clamp(min=1)).tolist(),
+                         "tokens_per_s": window_tokens / (time.perf_counter() - window_start)}
+                result.history.append(entry)
+                bar.set_postfix(loss=f"{entry['loss']:.3f}", acc0=f"{entry['step_acc'][0]:.2f}",
+                                tok_s=f"{entry['tokens_per_s']:.0f}")
+                window.zero_()
+                window_tokens, window_start = 0, time.perf_counter()
+            bar.update(1)
+            if cfg.checkpoint_dir and rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                save_state(cfg.checkpoint_dir, draft, optimizer, progress, _jsonable(cfg))
+            if progress["step"] >= total:
+                break
+        else:
+            progress.update(epoch=progress["epoch"] + 1, batch=0)
+    bar.close()
+    if cfg.checkpoint_dir and rank == 0:
+        save_state(cfg.checkpoint_dir, draft, optimizer, progress, _jsonable(cfg))
+    result.steps, result.tokens, result.seconds = progress["step"], progress["tokens"], progress["seconds"]
+    return result
+
+
+def _jsonable(cfg: TrainConfig) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}

@@ -1,0 +1,118 @@
+"""The EAGLE-3 objective: soft targets from the target's logits, training-time-test (TTT) unrolling.
+
+Position alignment (EAGLE): row r of a piece holds the target's state after token x_r; step 0
+feeds the draft fc(aux_r) together with the embedding of token x_{r+1} at position p_r, and
+trains it to predict token x_{r+2}, whose target distribution is softmax(lm_head(final_{r+1})).
+TTT step k feeds back the draft's own output of step k-1 at the same row with token x_{r+1+k} at
+position p_r + k, and predicts x_{r+2+k} against softmax(lm_head(final_{r+1+k})). Rows whose
+target row r+1+k lies outside the piece, has loss_mask 0, or whose greedy token is not in the draft
+vocabulary (SpecForge's position mask) do not count; rows at position 0 never do (the target's
+state there carries one huge activation, RMS ~445 vs ~20 elsewhere, that fc cannot use).
+
+Attention at step k (`TTTAttention`): every row attends to the step-0 keys of its own piece
+causally, plus to its own keys of steps 1..k (the "diagonal" entries, EAGLE-3's Figure 6). With
+`mask="specforge"` the step-0 keys r-k+1..r are hidden at step k, as in SpecForge's and EAGLE's
+training code; with `mask="inference"` they stay visible, which is what chain drafting does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tide.eagle3 import Eagle3Draft
+
+# SpecForge weighs TTT step k's loss by 0.8**k: later steps matter less (they only count when all
+# earlier ones were accepted) and are noisier.
+STEP_DECAY = 0.8
+
+
+class TTTAttention:
+    """The `attend` callable for unrolled draft steps over packed rows (see module docstring).
+
+    seg [B, L]: piece id per column, -1 on padding. Each call is one step; the first call's k/v
+    are the step-0 ("base") keys, later calls add one diagonal key per row.
+    """
+
+    def __init__(self, seg: torch.Tensor, mask: str = "specforge") -> None:
+        if mask not in ("specforge", "inference"):
+            raise ValueError(f"mask must be 'specforge' or 'inference', not {mask!r}")
+        L = seg.shape[1]
+        idx = torch.arange(L, device=seg.device)
+        same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
+        self.causal = same & (idx[None, :] <= idx[:, None])  # [B, L(query), L(key)]
+        self.causal |= torch.eye(L, dtype=torch.bool, device=seg.device)  # padding rows see themselves
+        self.lag = idx[:, None] - idx[None, :]  # query - key
+        self.shift = mask == "specforge"
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        self.keys.append(k.repeat_interleave(groups, 1).float())
+        self.values.append(v.repeat_interleave(groups, 1).float())
+        step = len(self.keys) - 1
+        qf = q.float()
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        allowed = self.causal if not (self.shift and step) else self.causal & (self.lag >= step)
+        base = (qf @ self.keys[0].transpose(-1, -2)) * scale  # [B, nH, L, L]
+        base = base.masked_fill(~allowed[:, None], float("-inf"))
+        diag = [(qf * km).sum(-1, keepdim=True) * scale for km in self.keys[1:]]  # [B, nH, L, 1] each
+        probs = torch.softmax(torch.cat([base, *diag], dim=-1), dim=-1)
+        L = base.shape[-1]
+        out = probs[..., :L] @ self.values[0]
+        for m, vm in enumerate(self.values[1:]):
+            out = out + probs[..., L + m:L + m + 1] * vm
+        return out.to(q.dtype)
+
+
+def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
+    """x[:, j + s] at column j (dim 1), `fill` past the end."""
+    pad = torch.full((x.shape[0], s, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, s:], pad], dim=1)
+
+
+class Eagle3Objective(nn.Module):
+    """forward(batch) -> (loss, stats [K, 3] = per step: loss, correct, counted); one module so that
+    DDP sees a single forward. `target_rows` [Vd, T]: the target's lm_head rows of the draft vocab."""
+
+    def __init__(self, draft: Eagle3Draft, target_rows: torch.Tensor, ttt_steps: int = 3,
+                 mask: str = "specforge", step_decay: float = STEP_DECAY) -> None:
+        super().__init__()
+        self.draft = draft
+        self.register_buffer("target_rows", target_rows.float(), persistent=False)
+        self.ttt_steps = ttt_steps
+        self.mask = mask
+        self.step_decay = step_decay
+
+    def forward(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        draft = self.draft
+        seg, pos = batch.seg, batch.positions
+        with torch.no_grad():
+            target_logits = batch.final.float() @ self.target_rows.T  # [B, L, Vd], row r: token r+1
+            counted_rows = (seg >= 0) & (pos > 0)
+        attend = TTTAttention(seg, self.mask)
+        hidden = draft.project(batch.aux)
+        total = hidden.new_zeros(())
+        stats = []
+        for k in range(self.ttt_steps):
+            with torch.no_grad():
+                ahead = (shift(seg, 1 + k, -1) == seg) & counted_rows & shift(batch.loss_mask, 1 + k, False)
+                greedy = shift(batch.greedy, 1 + k)
+                in_vocab = draft.t2d[greedy]
+                p = torch.softmax(shift(target_logits, 1 + k), dim=-1)
+                ids = shift(batch.input_ids, 1 + k) * ahead  # token x_{r+1+k}; 0 where unused
+            out = draft.step(ids, hidden, pos + k, attend)
+            logq = F.log_softmax(draft.logits(out).float(), dim=-1)
+            learn = ahead & in_vocab
+            ce = -(p * logq).sum(-1)
+            loss_k = (ce * learn).sum() / learn.sum().clamp(min=1)
+            total = total + self.step_decay**k * loss_k
+            with torch.no_grad():
+                hit = (draft.to_target_ids(logq.argmax(-1)) == greedy) & ahead
+                stats.append(torch.stack([loss_k.detach(), hit.sum().float(), ahead.sum().float()]))
+            hidden = out
+        return total, torch.stack(stats)

@@ -1,0 +1,94 @@
+"""TTT objective and attention: shapes, masks, and equivalence with step-by-step drafting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.trainer.training.data import collate, load_dataset
+from services.trainer.training.head import TargetHead
+from services.trainer.training.objective import Eagle3Objective, TTTAttention, shift
+from services.trainer.training.run import build_draft
+
+
+@pytest.fixture(scope="module")
+def setup(wide_target, wide_chunks):
+    head = TargetHead.load(wide_target)
+    data = load_dataset(wide_chunks, head, max_len=64)
+    draft = build_draft(head, data, draft_vocab_size=200, seed=3)
+    with torch.no_grad():  # move the layer off its init so that attention patterns matter
+        for p in draft.midlayer.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return head, data, draft
+
+
+@pytest.mark.parametrize("steps", [1, 3, 4])
+def test_objective_shapes_and_counts(setup, steps):
+    head, data, draft = setup
+    batch = collate(data.pieces, [[0, 1], [2]])
+    targets = torch.arange(draft.cfg.draft_vocab_size) + draft.d2t
+    loss, stats = Eagle3Objective(draft, head.lm_head[targets], ttt_steps=steps)(batch)
+    assert loss.dim() == 0 and loss.requires_grad and torch.isfinite(loss)
+    assert stats.shape == (steps, 3)
+    counted = stats[:, 2]
+    # step k needs row r+1+k in the same piece: each step counts one row fewer per piece
+    pieces = [data.pieces[i] for i in (0, 1, 2)]
+    for k in range(steps):
+        want = sum(int(((p.positions > 0) & torch.roll(p.loss_mask, -(1 + k)))[: len(p) - 1 - k].sum())
+                   for p in pieces)
+        assert int(counted[k]) == want
+    assert (stats[:, 1] <= counted).all()
+
+
+def test_attention_masks_never_cross_pieces():
+    seg = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    att = TTTAttention(seg, "inference")
+    assert att.causal[0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+
+
+def chain(draft, piece, r: int, steps: int, mask: str, base_k, base_v) -> list[torch.Tensor]:
+    """Draft `steps` tokens from start row r, one step() per token, data tokens as inputs, with an
+    explicit cache: the step-0 keys of rows 0..r (SpecForge at step k: 0..r-k) + the chain's own."""
+    own_k, own_v = [], []
+    outs, hid = [], None
+
+    def attend(q, k, v):
+        step = len(outs)
+        if step == 0:  # step 0 is row r of the base pass itself
+            return F.scaled_dot_product_attention(q, base_k[:, :, :r + 1], base_v[:, :, :r + 1], enable_gqa=True)
+        own_k.append(k)
+        own_v.append(v)
+        visible = r + 1 if mask == "inference" else max(r - step + 1, 0)
+        ks = torch.cat([base_k[:, :, :visible], *own_k], 2)
+        vs = torch.cat([base_v[:, :, :visible], *own_v], 2)
+        return F.scaled_dot_product_attention(q, ks, vs, enable_gqa=True)
+
+    hid = draft.project(piece.aux[None, r:r + 1])
+    for k in range(steps):
+        tok = piece.input_ids[None, r + 1 + k:r + 2 + k]
+        hid = draft.step(tok, hid, piece.positions[None, r:r + 1] + k, attend)
+        outs.append(hid[0, 0])
+    return outs
+
+
+@pytest.mark.parametrize("mask", ["inference", "specforge"])
+def test_ttt_equals_drafting_step_by_step_with_a_kv_cache(setup, mask):
+    """TTT step k at row r == running the draft token by token from row r with a KV cache."""
+    _, data, draft = setup
+    piece = data.pieces[0]
+    batch = collate(data.pieces, [[0]])
+    K, n = 3, len(piece)
+    att = TTTAttention(batch.seg, mask)
+    with torch.no_grad():
+        hidden = draft.project(batch.aux)
+        ttt_out = []
+        for k in range(K):
+            hidden = draft.step(shift(batch.input_ids, 1 + k), hidden, batch.positions + k, att)
+            ttt_out.append(hidden[0])
+        base_k, base_v = att.keys[0][:, ::2], att.values[0][:, ::2]  # undo the GQA repeat (2 groups)
+        for r in (0, 3, 10, n - 1 - K):
+            for k, out in enumerate(chain(draft, piece, r, K, mask, base_k, base_v)):
+                torch.testing.assert_close(out, ttt_out[k][r], atol=2e-5, rtol=1e-4)
