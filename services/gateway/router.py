@@ -10,9 +10,9 @@ Starlette, which cancels the response iterator on disconnect).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
+import logging
 from dataclasses import asdict
 from typing import TypeVar
 
@@ -31,6 +31,7 @@ from services.gateway.errors import (
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (logs and metrics only)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -91,15 +92,17 @@ async def until_disconnect(request: Request, coro):
     task = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done() and not watcher.done():  # we were cancelled ourselves
-            task.cancel()
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # the client left, or this handler itself was cancelled: stop the work
         watcher.cancel()
-    if task.done():
+        if not task.done():
+            task.cancel()
+    if task in done:
         return task.result()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    try:
+        await task  # let its cleanup (the upstream cancel) run
+    except (asyncio.CancelledError, Exception) as err:
+        log.debug("request cancelled after the client left", extra={"outcome": type(err).__name__})
     raise ClientDisconnected
 
 

@@ -38,8 +38,8 @@ def chat_target(tmp_path_factory) -> Path:
 def spawn_worker(chat_target) -> Iterator:
     started: list[WorkerProcess] = []
 
-    def spawn(step_delay_ms: float = 0.0) -> WorkerProcess:
-        started.append(start_worker(chat_target, step_delay_ms))
+    def spawn(step_delay_ms: float = 0.0, port: int = 0) -> WorkerProcess:
+        started.append(start_worker(chat_target, step_delay_ms, port))
         return started[-1]
 
     yield spawn
@@ -50,6 +50,12 @@ def spawn_worker(chat_target) -> Iterator:
 @pytest.fixture(scope="session")
 def worker(spawn_worker) -> WorkerProcess:
     return spawn_worker()
+
+
+@pytest.fixture(scope="session")
+def slow_worker(spawn_worker) -> WorkerProcess:
+    """A worker whose engine sleeps 30 ms per step: generations last long enough to act on."""
+    return spawn_worker(step_delay_ms=30)
 
 
 @pytest.fixture(scope="session")

@@ -39,33 +39,43 @@ class WorkerProcess:
             self.proc.wait(timeout=10)
 
 
-def start_worker(target: Path, step_delay_ms: float = 0.0, timeout_s: float = 120.0) -> WorkerProcess:
+def start_worker(target: Path, step_delay_ms: float = 0.0, port: int = 0, timeout_s: float = 120.0) -> WorkerProcess:
+    """Start `engine_worker.py` on `port` (0 = a free one) and wait until it serves."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, str(WORKER_SCRIPT), "--target", str(target), "--step-delay-ms", str(step_delay_ms)],
+        [
+            sys.executable,
+            str(WORKER_SCRIPT),
+            "--target",
+            str(target),
+            "--step-delay-ms",
+            str(step_delay_ms),
+            "--port",
+            str(port),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
     )
     lines: list[str] = []
-    port: list[int] = []
+    bound: list[int] = []
 
     def read() -> None:
         for line in proc.stdout:
-            if line.startswith("PORT ") and not port:
-                port.append(int(line.split()[1]))
+            if line.startswith("PORT ") and not bound:
+                bound.append(int(line.split()[1]))
             else:
                 lines.append(line)
 
     threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + timeout_s
-    while not port:
+    while not bound:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError("test worker did not start:\n" + "".join(lines[-40:]))
         time.sleep(0.05)
-    return WorkerProcess(proc, f"127.0.0.1:{port[0]}")
+    return WorkerProcess(proc, f"127.0.0.1:{bound[0]}")
 
 
 def free_port() -> int:
@@ -79,15 +89,15 @@ def serve_gateway(
     tokenizer: TargetTokenizer, workers: tuple[str, ...], wait_ready: bool = True, **overrides
 ) -> Iterator[str]:
     """Run a gateway on a free loopback port in a thread; yields its base URL ("http://127.0.0.1:<port>")."""
-    settings = GatewaySettings(
+    options = dict(
         host="127.0.0.1",
         port=0,
         workers=workers,
         served_model_name=MODEL_NAME,
         poll_interval_s=0.2,
         status_timeout_s=2.0,
-        **overrides,
     )
+    settings = GatewaySettings(**{**options, **overrides})
     engine = GrpcEngineClient.from_addresses(settings.workers, settings.poll_interval_s, settings.status_timeout_s)
     app = create_app(settings, engine, tokenizer)
     sock = socket.socket()
