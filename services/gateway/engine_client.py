@@ -134,7 +134,21 @@ _STATUS_KINDS = {
     grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID,
     grpc.StatusCode.OUT_OF_RANGE: ErrorKind.CONTEXT_LENGTH,
 }
+# A worker that refuses a request before streaming ends the call with a status and names the
+# tide.v1.ErrorCode in this trailing-metadata entry (e.g. ERROR_CODE_CONTEXT_LENGTH_EXCEEDED).
+ERROR_CODE_METADATA = "tide-error-code"
 _FINISH = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def rpc_error_kind(rpc: grpc.aio.AioRpcError) -> ErrorKind:
+    """What a failed call means: the worker's `tide-error-code` when it sent one, else the status."""
+    for key, value in rpc.trailing_metadata() or ():
+        if key == ERROR_CODE_METADATA:
+            try:
+                return _ERROR_KINDS.get(common_pb2.ErrorCode.Value(str(value)), ErrorKind.INTERNAL)
+            except ValueError:
+                break
+    return _STATUS_KINDS.get(rpc.code(), ErrorKind.INTERNAL)
 
 
 def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
@@ -264,7 +278,7 @@ class GrpcEngineClient(EngineClient):
             raise _Retry(err) if not started else err
         except grpc.aio.AioRpcError as rpc:
             done = True
-            kind = _STATUS_KINDS.get(rpc.code(), ErrorKind.INTERNAL)
+            kind = rpc_error_kind(rpc)
             detail = f"Worker {worker.address} failed: {rpc.code().name}"
             if kind in (ErrorKind.UNAVAILABLE, ErrorKind.CANCELLED):
                 self.pool.mark_down(worker, detail)

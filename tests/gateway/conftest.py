@@ -1,12 +1,13 @@
-"""Gateway test fixtures: a real worker process (gRPC, real engine) and real gateways (uvicorn on loopback).
+"""Gateway test fixtures: real inference workers (`python -m services.inference` processes serving a
+real engine over gRPC) and real gateways (uvicorn on free loopback ports).
 
 - `chat_target` (session): a tiny random Llama with the reference model's vocabulary, tokenizer and
   chat template (SmolLM2's), so prompts go through the real template and tokenizer while each
   engine step takes milliseconds. Greedy output is deterministic, so tests can compare runs.
-- `worker` (session): `engine_worker.py` serving `chat_target`; `spawn_worker()` starts more
-  (e.g. one to kill), each one a `WorkerProcess` with `.address` and `.kill()`.
-- `gateway` (session): the gateway app on a free loopback port, routed to `worker`;
-  `harness.serve_gateway(...)` starts other configurations (auth, no worker, two workers).
+- `worker` (session): the inference service serving `chat_target`; `spawn_worker()` starts more
+  (e.g. one to kill), each a `harness.WorkerProcess` with `.address` and `.kill()`.
+- `gateway` (session): the gateway app routed to `worker`; `harness.serve_gateway(...)` starts
+  other configurations (API keys, no worker, two workers).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def chat_target(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def spawn_worker(chat_target) -> Iterator:
+def spawn_worker(chat_target, tmp_path_factory) -> Iterator:
     started: list[WorkerProcess] = []
+    logs = tmp_path_factory.mktemp("worker-logs")
 
-    def spawn(step_delay_ms: float = 0.0, port: int = 0) -> WorkerProcess:
-        started.append(start_worker(chat_target, step_delay_ms, port))
+    def spawn(port: int = 0) -> WorkerProcess:
+        started.append(start_worker(chat_target, logs, port))
         return started[-1]
 
     yield spawn
@@ -50,12 +52,6 @@ def spawn_worker(chat_target) -> Iterator:
 @pytest.fixture(scope="session")
 def worker(spawn_worker) -> WorkerProcess:
     return spawn_worker()
-
-
-@pytest.fixture(scope="session")
-def slow_worker(spawn_worker) -> WorkerProcess:
-    """A worker whose engine sleeps 30 ms per step: generations last long enough to act on."""
-    return spawn_worker(step_delay_ms=30)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Helpers of the gateway tests: start the test worker process and gateways on loopback."""
+"""Helpers of the gateway tests: real inference workers (processes) and real gateways (uvicorn threads) on loopback."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import uvicorn
 
@@ -21,61 +22,12 @@ from services.gateway.app import create_app
 from services.gateway.engine_client import GrpcEngineClient
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import TargetTokenizer
+from tide.grpcutil import channel
+from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER_SCRIPT = Path(__file__).with_name("engine_worker.py")
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 4096  # long enough that a generation can run for seconds while a test acts on it
 MODEL_NAME = "tide-test"
-
-
-@dataclass
-class WorkerProcess:
-    proc: subprocess.Popen
-    address: str
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-
-def start_worker(target: Path, step_delay_ms: float = 0.0, port: int = 0, timeout_s: float = 120.0) -> WorkerProcess:
-    """Start `engine_worker.py` on `port` (0 = a free one) and wait until it serves."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(WORKER_SCRIPT),
-            "--target",
-            str(target),
-            "--step-delay-ms",
-            str(step_delay_ms),
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    lines: list[str] = []
-    bound: list[int] = []
-
-    def read() -> None:
-        for line in proc.stdout:
-            if line.startswith("PORT ") and not bound:
-                bound.append(int(line.split()[1]))
-            else:
-                lines.append(line)
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while not bound:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("test worker did not start:\n" + "".join(lines[-40:]))
-        time.sleep(0.05)
-    return WorkerProcess(proc, f"127.0.0.1:{bound[0]}")
 
 
 def free_port() -> int:
@@ -84,12 +36,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class WorkerProcess:
+    """A `python -m services.inference` process (the real inference service) on loopback."""
+
+    proc: subprocess.Popen
+    address: str
+    log: Path
+
+    def kill(self) -> None:
+        """SIGKILL: the worker dies as in a crash, with no chance to drain or say goodbye."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def worker_status(address: str, timeout_s: float = 5.0) -> inference_pb2.WorkerStatus:
+    ch = channel(address)
+    try:
+        return inference_pb2_grpc.InferenceServiceStub(ch).GetStatus(
+            inference_pb2.GetWorkerStatusRequest(), timeout=timeout_s
+        )
+    finally:
+        ch.close()
+
+
+def start_worker(target: Path, log_dir: Path, port: int = 0, timeout_s: float = 120.0) -> WorkerProcess:
+    """Start the inference service for `target` on `port` (0 = a free one) and wait until it answers
+    GetStatus. Redis and S3 point at closed ports: the worker serves without them (it drops telemetry
+    and chunks, as designed), which is all the gateway needs."""
+    port = port or free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "TIDE_TARGET": str(target),
+        "TIDE_LISTEN": f"127.0.0.1:{port}",
+        "TIDE_DTYPE": "fp32",
+        "TIDE_MAX_SEQ_LEN": str(MAX_MODEL_LEN),
+        "TIDE_MAX_BATCH": "8",
+        "TIDE_METRICS_PORT": "0",
+        "TIDE_WORKER_ID": f"gateway-test-{port}",
+        "TIDE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+        "TIDE_S3_ENDPOINT": f"127.0.0.1:{free_port()}",
+        "TIDE_SHUTDOWN_GRACE_S": "0",
+    }
+    log = log_dir / f"worker-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.inference"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO
+        )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            worker_status(address, timeout_s=1.0)
+            return WorkerProcess(proc, address, log)
+        except grpc.RpcError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            tail = log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"inference worker did not start (log {log}):\n{tail}")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def serve_gateway(
     tokenizer: TargetTokenizer, workers: tuple[str, ...], wait_ready: bool = True, **overrides
 ) -> Iterator[str]:
     """Run a gateway on a free loopback port in a thread; yields its base URL ("http://127.0.0.1:<port>")."""
     options = dict(
+        max_model_len=MAX_MODEL_LEN,
         host="127.0.0.1",
         port=0,
         workers=workers,

@@ -18,16 +18,15 @@ import httpx
 import openai
 import pytest
 
-from gateway.harness import MODEL_NAME, free_port, serve_gateway
+from gateway.harness import MODEL_NAME, free_port, serve_gateway, worker_status
 from services.gateway.worker_pool import WorkerPool
-from tide.grpcutil import channel
-from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
+from tide.proto.tide.v1 import inference_pb2
 
 CHAT = "/v1/chat/completions"
 LONG = {
     "model": MODEL_NAME,
     "messages": [{"role": "user", "content": "Go on."}],
-    "max_tokens": 400,
+    "max_tokens": 3500,
     "ignore_eos": True,
     "speculative": False,
     "temperature": 0,
@@ -35,15 +34,9 @@ LONG = {
 
 
 def running(address: str) -> int:
-    """Requests the worker is generating right now, asked over gRPC directly."""
-    ch = channel(address)
-    try:
-        status = inference_pb2_grpc.InferenceServiceStub(ch).GetStatus(
-            inference_pb2.GetWorkerStatusRequest(), timeout=5
-        )
-        return status.running_requests + status.waiting_requests
-    finally:
-        ch.close()
+    """Requests the worker is generating or queueing right now, asked over gRPC directly."""
+    status = worker_status(address)
+    return status.running_requests + status.waiting_requests
 
 
 def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -62,7 +55,7 @@ def first_content(lines) -> None:
 
 
 def test_worker_killed_mid_generation(spawn_worker, tokenizer):
-    doomed = spawn_worker(step_delay_ms=30)
+    doomed = spawn_worker()
     with serve_gateway(tokenizer, (doomed.address,)) as url, httpx.Client(base_url=url, timeout=60) as client:
         oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         non_stream: dict = {}
@@ -126,27 +119,21 @@ def test_no_healthy_worker_then_a_worker_appears(spawn_worker, tokenizer):
         assert client.post(CHAT, json={**LONG, "max_tokens": 2}).status_code == 200
 
 
-@pytest.fixture(scope="module")
-def slow_gateway(slow_worker, tokenizer):
-    with serve_gateway(tokenizer, (slow_worker.address,)) as url:
-        yield url
-
-
-def test_stream_disconnect_cancels_upstream(slow_gateway, slow_worker):
+def test_stream_disconnect_cancels_upstream(gateway, worker):
     with (
-        httpx.Client(base_url=slow_gateway, timeout=60) as client,
+        httpx.Client(base_url=gateway, timeout=60) as client,
         client.stream("POST", CHAT, json={**LONG, "stream": True}) as response,
     ):
         first_content(response.iter_lines())
-        assert running(slow_worker.address) == 1
-        # 400 tokens at >= 30 ms a step would take 12 s; a cancelled request leaves at once.
-    wait_for(lambda: running(slow_worker.address) == 0, timeout_s=3, what="the worker to drop the request")
+        assert running(worker.address) == 1
+        # 3500 tokens take the worker ~10 s; a cancelled request leaves at once.
+    wait_for(lambda: running(worker.address) == 0, timeout_s=3, what="the worker to drop the request")
 
 
-def test_non_streaming_disconnect_cancels_upstream(slow_gateway, slow_worker):
+def test_non_streaming_disconnect_cancels_upstream(gateway, worker):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{slow_gateway}{CHAT}", json={**LONG, "n": 2}, timeout=1.0)
-    wait_for(lambda: running(slow_worker.address) == 0, timeout_s=3, what="the worker to drop both choices")
+        httpx.post(f"{gateway}{CHAT}", json={**LONG, "n": 2}, timeout=1.0)
+    wait_for(lambda: running(worker.address) == 0, timeout_s=3, what="the worker to drop both choices")
 
 
 def test_least_loaded_routing():
