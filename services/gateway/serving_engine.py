@@ -108,7 +108,8 @@ class OpenAIServing:
             log.info("ignoring unknown request fields", extra={"fields": ignored, "endpoint": self.endpoint})
 
     def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str) -> int:
-        """The max_tokens to send: the request's, or what the context leaves; 400 when over the context."""
+        """The max_tokens to send; 400 when over the context. Without one, 0: "up to the context", which
+        the worker resolves against its own window (it may be shorter than the gateway's limit)."""
         limit = self.models.max_model_len
         if prompt_len == 0:
             raise invalid_request("The prompt is empty.", prompt_param, "invalid_value")
@@ -119,7 +120,7 @@ class OpenAIServing:
                 prompt_param,
             )
         if max_tokens is None:
-            return limit - prompt_len
+            return 0
         if prompt_len + max_tokens > limit:
             raise context_length_exceeded(
                 f"This model's maximum context length is {limit} tokens. However, you requested "

@@ -8,12 +8,18 @@
 | TIDE_API_KEYS               | (none)              | comma list of accepted API keys; empty = no auth          |
 | TIDE_TARGET                 | ref                 | target for the tokenizer / chat template (see tide.target)|
 | TIDE_SERVED_MODEL_NAME      | the target's id     | model name clients send and /v1/models lists              |
-| TIDE_MAX_MODEL_LEN          | target's context    | prompt + completion token limit enforced by the gateway   |
+| TIDE_MAX_MODEL_LEN          | see below           | prompt + completion token limit enforced by the gateway   |
 | TIDE_GATEWAY_MAX_N          | 16                  | largest `n` (choices per request)                         |
 | TIDE_GATEWAY_POLL_S         | 1.0                 | worker GetStatus polling period                           |
 | TIDE_GATEWAY_STATUS_TIMEOUT_S | 5.0               | GetStatus deadline (a busy CPU worker answers slowly)     |
 | TIDE_GATEWAY_MAX_BODY_BYTES | 16777216            | largest accepted request body                             |
 | TIDE_LOG_LEVEL              | INFO                | log level of the JSON logs                                |
+
+TIDE_MAX_MODEL_LEN defaults to TIDE_MAX_SEQ_LEN (the workers' per-sequence limit, so one variable in
+a deployment configures both) and else to the target's max_position_embeddings. Requests without
+max_tokens are sent with max_tokens = 0 ("up to the context"), which each worker resolves against
+its own window, so a gateway limit larger than a worker's never turns a default request into an
+error; an explicit max_tokens beyond a worker's window gets the worker's context_length_exceeded.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ class GatewaySettings:
         def get(name: str, default: str) -> str:
             return env.get(name) or default
 
-        max_len = env.get("TIDE_MAX_MODEL_LEN")
+        max_len = env.get("TIDE_MAX_MODEL_LEN") or env.get("TIDE_MAX_SEQ_LEN")
         return cls(
             host=get("TIDE_GATEWAY_HOST", "127.0.0.1"),
             port=int(get("TIDE_GATEWAY_PORT", "8000")),

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.harness import MODEL_NAME, serve_gateway
+from gateway.harness import MODEL_NAME, REPO, free_port, serve_gateway
 from services.gateway.logs import JsonFormatter
 from services.gateway.settings import GatewaySettings
 
@@ -142,3 +146,42 @@ def test_json_log_lines():
     out = json.loads(line)
     assert out["msg"] == "request done" and out["level"] == "INFO" and out["status"] == 200
     assert out["request_id"] == "r1" and out["logger"] == "tide.gateway.access"
+
+
+def test_python_m_services_gateway(chat_target, worker, tmp_path):
+    """The entry point: settings from the environment, real uvicorn, JSON log lines on stderr."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "TIDE_GATEWAY_PORT": str(port),
+        "TIDE_WORKERS": worker.address,
+        "TIDE_TARGET": str(chat_target),
+        "TIDE_SERVED_MODEL_NAME": "served-name",
+        "TIDE_GATEWAY_POLL_S": "0.2",
+        "PYTHONPATH": str(REPO),
+    }
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.gateway"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"{url}/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "served-name"
+        body = {**CHAT_BODY, "model": "served-name"}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    assert any(rec.get("path") == "/v1/chat/completions" and rec.get("status") == 200 for rec in lines)
+    assert {"ts", "level", "logger", "msg"} <= set(lines[0])

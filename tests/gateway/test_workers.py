@@ -151,3 +151,23 @@ def test_least_loaded_routing():
     assert {pool.pick().address for _ in range(3)} <= {"a:1", "b:2"}
     a.healthy = b.healthy = False
     assert pool.pick() is None and not pool.ready()
+
+
+def test_worker_window_smaller_than_the_gateways(tokenizer, worker):
+    """A gateway configured with a larger context than its worker: requests without max_tokens still
+    work (the worker fills its own window) and the worker's refusals keep their meaning (400
+    context_length_exceeded, read from its `tide-error-code` trailer)."""
+    words = 4060
+    while len(tokenizer.encode_chat([{"role": "user", "content": "hello " * words}])) < 4090:
+        words += 1
+    messages = [{"role": "user", "content": "hello " * words}]
+    prompt_len = len(tokenizer.encode_chat(messages))
+    body = {"model": MODEL_NAME, "messages": messages, "ignore_eos": True, "temperature": 0}
+    with serve_gateway(tokenizer, (worker.address,), max_model_len=8192) as url:
+        ok = httpx.post(f"{url}{CHAT}", json=body, timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 4096 - prompt_len
+        assert ok.json()["choices"][0]["finish_reason"] == "length"
+        refused = httpx.post(f"{url}{CHAT}", json={**body, "max_tokens": 50}, timeout=60)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
