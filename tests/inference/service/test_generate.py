@@ -107,3 +107,19 @@ def test_duplicate_id_and_overload(make_service):
     client.Cancel(inference_pb2.CancelRequest(request_id="dup"))
     assert list(first)[-1].final.finish_reason == inference_pb2.FINISH_REASON_CANCELLED
     assert list(queued)[-1].final.completion_tokens == 5
+
+
+def test_seeded_sampling_is_reproducible(make_service):
+    svc = make_service()
+    client = stub(svc)
+
+    def sample(rid: str, seed: int) -> list[int]:
+        req = request(rid, PROMPTS[2], 30, temperature=1.0)
+        req.sampling.seed = seed
+        req.sampling.top_p = 0.9
+        tokens, _, last = run_stream(client, req)
+        assert last.final.completion_tokens == 30
+        return tokens
+
+    a, b, c = sample("s-a", 7), sample("s-b", 7), sample("s-c", 8)
+    assert a == b and a != c
