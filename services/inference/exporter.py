@@ -9,7 +9,8 @@ It encodes the chunk (safetensors + SHA-256), writes the blob to S3 and only the
 `ChunkRef`. S3 down: the chunk is dropped (counted, logged once per outage). Redis down: the ref
 waits in a bounded queue (oldest dropped, counted) and is retried; serving never waits on either.
 
-Memory: `buffers` x `chunk_tokens` rows x (4H bf16 + 25 bytes), plus one chunk being uploaded.
+Memory: `buffers` x `chunk_tokens` rows x (8H + 25) bytes (H = hidden size; 28 MB for the reference
+model at the defaults 3 x 2048), plus one chunk being encoded and uploaded.
 loss_mask = 1 for rows whose next token is generated output (position >= prompt length - 1).
 """
 
@@ -27,7 +28,7 @@ import torch
 
 from services.inference import metrics
 from tide import blobs, streams
-from tide.chunks import ChunkBuilder, encode_chunk
+from tide.chunks import ChunkBuilder, ChunkInvalid, encode_chunk
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class ExporterStats:
     tokens_exported: int = 0
     bytes_written: int = 0
     tokens_dropped_full: int = 0  # rows dropped because every buffer was full
+    chunks_dropped_invalid: int = 0  # chunks that failed validation (e.g. non-finite states)
     chunks_dropped_s3: int = 0  # chunks whose blob could not be written
     tokens_dropped_s3: int = 0
     refs_dropped: int = 0  # refs of stored blobs dropped while Redis was down (pending queue full)
@@ -197,6 +199,13 @@ class ChunkExporter:
         n = chunk.num_tokens
         try:
             data = encode_chunk(chunk)
+        except ChunkInvalid as e:
+            self.stats.chunks_dropped_invalid += 1
+            metrics.CHUNKS_DROPPED.labels("invalid").inc()
+            metrics.CHUNK_TOKENS_DROPPED.labels("invalid").inc(n)
+            log.error("chunk export: dropping an invalid chunk: %s", e)
+            return
+        try:
             key = f"{self.key_prefix}/{self.target_model}/{self.worker_id}/{chunk.meta.chunk_id}.safetensors"
             info = blobs.put_bytes(self.s3, self.bucket, key, data, metadata={"chunk-id": chunk.meta.chunk_id})
         except Exception as e:  # S3 down, bucket missing, ...: drop, count, keep serving
