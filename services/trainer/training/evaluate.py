@@ -44,10 +44,12 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(draft: Eagle3Draft, data: Dataset, head: TargetHead, gammas=GAMMAS, ttt_steps: int = 3,
-             mask: str = "specforge", batch_rows: int = 8, max_len: int = 512, device="cpu") -> EvalResult:
-    """See the module docstring. `mask`: the TTT mask of the teacher-forced metric (as trained)."""
+             mask: str = "specforge", batch_rows: int = 8, max_len: int = 512) -> EvalResult:
+    """See the module docstring. `mask`: the TTT mask of the teacher-forced metric (as trained).
+    Runs on the draft's device."""
     if not data.pieces:
         raise ValueError("no evaluation data")
+    device = draft.fc.weight.device
     draft.eval()
     G = max(gammas)
     targets = torch.arange(draft.cfg.draft_vocab_size, device=draft.d2t.device) + draft.d2t

@@ -135,7 +135,7 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
             optimizer.step()
-            n = batch.num_tokens * world
+            n = _global_tokens(batch.num_tokens, world, device)
             progress.update(step=step + 1, batch=progress["batch"] + 1, tokens=progress["tokens"] + n,
                             seconds=progress["seconds"] + time.perf_counter() - t0)
             window += stats.detach().cpu()
@@ -164,6 +164,15 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
         save_state(cfg.checkpoint_dir, draft, optimizer, progress, _jsonable(cfg))
     result.steps, result.tokens, result.seconds = progress["step"], progress["tokens"], progress["seconds"]
     return result
+
+
+def _global_tokens(n: int, world: int, device: torch.device) -> int:
+    """Tokens of this step over all ranks (for throughput and the resumable token count)."""
+    if world == 1:
+        return n
+    t = torch.tensor([n], device=device)
+    dist.all_reduce(t)
+    return int(t)
 
 
 def _jsonable(cfg: TrainConfig) -> dict:
