@@ -5,7 +5,8 @@ One chunk is one safetensors blob (never pickle) holding N token rows grouped in
     input_ids        int32|int64 [N]   token processed by the target at this row
     positions        int32|int64 [N]   its position in its sequence (consecutive inside a segment)
     segment_offsets  int64 [S+1]       segment s = rows offsets[s]:offsets[s+1]; 0 = offsets[0] < ... = N
-    loss_mask        uint8 [N]         1 = the trainer may learn to predict from this row
+    loss_mask        uint8 [N]         1 = the target's distribution at this row (over the next token)
+                                       is a training target; 0 e.g. for rows the exporter distrusts
     aux              bf16 [N, 3T]      outputs of the target's aux layers (1, L//2-1, L-4), concatenated
     final            bf16 [N, T]       the target's final post-norm state
 

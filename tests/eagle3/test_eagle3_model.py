@@ -82,3 +82,10 @@ def test_vocab_maps():
     back = draft.target_to_draft()
     assert torch.equal(back[targets], draft_ids)
     assert (back[~draft.t2d] == -1).all()
+
+
+def test_to_moves_and_casts_the_embedding():
+    draft, embed = make_draft()
+    draft = draft.to(torch.bfloat16)
+    assert draft.embed.dtype == torch.bfloat16 and torch.equal(draft.embed, embed.bfloat16())
+    assert "embed" not in " ".join(draft.state_dict())

@@ -97,12 +97,20 @@ class Eagle3Draft(nn.Module):
     # --- set-up ---------------------------------------------------------------------------------
 
     def set_embedding(self, weight: torch.Tensor) -> None:
-        """The target's input embedding [V, H] (frozen; cast to the draft's dtype and device)."""
+        """The target's input embedding [V, H] (frozen; cast to the draft's dtype and device, and
+        moved along by later `.to()` calls; never saved)."""
         want = (self.cfg.vocab_size, self.cfg.hidden_size)
         if tuple(weight.shape) != want:
             raise DraftIncompatible(f"target embedding is {list(weight.shape)}, the draft needs {list(want)}")
         p = self.fc.weight
         self.embed = weight.detach().to(device=p.device, dtype=p.dtype)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device / dtype)` and friends also move and cast the (unregistered) embedding."""
+        super()._apply(fn, recurse)
+        if self.embed is not None:
+            self.embed = fn(self.embed)
+        return self
 
     def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos/sin [max_positions, hd], built on first use per device."""
