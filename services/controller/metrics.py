@@ -1,0 +1,55 @@
+"""Prometheus metrics of the controller, read from the domain objects at scrape time (a custom
+collector: the domain keeps plain counters, nothing is double-booked)."""
+
+from __future__ import annotations
+
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
+
+
+class ControllerCollector:
+    def __init__(self, service) -> None:  # services.controller.app.ControllerService
+        self.service = service
+
+    def collect(self):
+        c = self.service.controller
+        consumer = self.service.reader.consumer.stats
+        yield CounterMetricFamily("tide_controller_telemetry_records", "Step records consumed",
+                                  value=c.stats.records)
+        stream = CounterMetricFamily("tide_controller_telemetry_entries", "Telemetry entries by fate", labels=["fate"])
+        for fate in ("handled", "dead_lettered", "handler_errors", "reclaimed", "missing"):
+            stream.add_metric([fate], getattr(consumer, fate))
+        yield stream
+        pushes = CounterMetricFamily("tide_controller_pushes", "Decision pushes by outcome", labels=["outcome"])
+        for outcome in ("applied", "already_applied", "rejected", "failed"):
+            pushes.add_metric([outcome], getattr(c.fleet.pushes, outcome))
+        yield pushes
+        ema = GaugeMetricFamily("tide_controller_accept_length_ema", "Accept length EMA (bonus token included)",
+                                labels=["target", "draft_version", "horizon"])
+        for target in c.stats.targets():
+            for d in c.stats.drafts(target):
+                ema.add_metric([target, d.draft_version, "short"], d.short.value)
+                ema.add_metric([target, d.draft_version, "long"], d.long.value)
+        yield ema
+        batch = GaugeMetricFamily("tide_controller_worker_mean_batch", "Mean running batch over the load window",
+                                  labels=["worker_id", "target"])
+        tps = GaugeMetricFamily("tide_controller_worker_tokens_per_s", "Emitted tokens/s over the load window",
+                                labels=["worker_id", "target"])
+        for load in c.stats.load():
+            batch.add_metric([load.worker_id, load.target_model], load.mean_batch)
+            tps.add_metric([load.worker_id, load.target_model], load.tokens_per_s)
+        yield batch
+        yield tps
+        workers = c.fleet.workers()
+        yield GaugeMetricFamily("tide_controller_workers", "Known workers", value=len(workers))
+        yield GaugeMetricFamily("tide_controller_workers_reachable", "Workers that answered the last status call",
+                                value=sum(w.reachable for w in workers))
+
+
+def register(service) -> ControllerCollector:
+    collector = ControllerCollector(service)
+    REGISTRY.register(collector)
+    return collector
+
+
+def unregister(collector: ControllerCollector) -> None:
+    REGISTRY.unregister(collector)

@@ -1,0 +1,121 @@
+"""gRPC ControllerService: translates tide.v1 protobuf <-> the controller's domain.
+
+GetState is open; ReportTrainingOutcome and RegisterWorker are admin methods (declared in the
+proto, enforced by tide.grpcutil with the bearer token). RegisterWorker adds the worker to the
+fleet, wakes the reconcile loop (which pushes the decision), and returns the current decision for
+the worker's target so a (re)started worker can catch up at once. Invalid requests end with
+INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from services.controller.outcomes import TrainingOutcome
+from services.controller.stats import DraftStats
+from services.controller.workers import decision_pb
+from tide.grpcutil import GrpcServer
+from tide.proto.tide.v1 import controller_pb2, controller_pb2_grpc, trainer_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tide.v1.ControllerService"
+DEFAULT_MAX_DECISIONS = 20
+_OUTCOME_FIELDS = [f.name for f in dataclasses.fields(TrainingOutcome)]
+
+
+def outcome_pb(o: TrainingOutcome) -> trainer_pb2.TrainingOutcome:
+    return trainer_pb2.TrainingOutcome(**dataclasses.asdict(o))
+
+
+def outcome_from_pb(pb: trainer_pb2.TrainingOutcome) -> TrainingOutcome:
+    return TrainingOutcome(**{name: getattr(pb, name) for name in _OUTCOME_FIELDS})
+
+
+def draft_stats_pb(s: DraftStats) -> controller_pb2.DraftStats:
+    return controller_pb2.DraftStats(draft_version=s.draft_version, accept_length_ema_short=s.short.value,
+                                     accept_length_ema_long=s.long.value, verify_steps=s.verify_steps,
+                                     tokens=s.tokens, last_update_unix_s=s.last_update_unix_s)
+
+
+class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
+    def __init__(self, controller, wake: Callable[[], None]) -> None:  # controller: app.Controller
+        self.controller, self.wake = controller, wake
+
+    def _target_state(self, target: str) -> controller_pb2.TargetState:
+        c = self.controller
+        out = controller_pb2.TargetState(target_model=target, draft_version=c.stats.serving_version(target),
+                                         drafts=[draft_stats_pb(s) for s in c.stats.drafts(target)])
+        d = c.decision_for(target)
+        pb = decision_pb(d)
+        if d.speculation is not None:
+            out.speculation.CopyFrom(pb.speculation)
+        if d.policy is not None:
+            out.gamma_policy.CopyFrom(pb.gamma_policy)
+        if d.collection_enabled is None:
+            out.collection.CopyFrom(controller_pb2.CollectionState(
+                enabled=False, reason="left to the workers (the static decision does not set collection)"))
+        else:
+            out.collection.CopyFrom(controller_pb2.CollectionState(enabled=d.collection_enabled,
+                                                                   reason="static decision",
+                                                                   since_unix_s=d.issued_unix_s))
+        last = c.outcomes.last(target)
+        if last is not None:
+            out.last_training.CopyFrom(outcome_pb(last))
+        return out
+
+    def GetState(self, request, context):
+        c = self.controller
+        targets = [t for t in c.targets() if not request.target_model or t == request.target_model]
+        records = c.fleet.decisions.recent(request.max_decisions or DEFAULT_MAX_DECISIONS, request.target_model)
+        return controller_pb2.ControllerState(
+            targets=[self._target_state(t) for t in targets],
+            recent_decisions=[controller_pb2.DecisionRecord(decision=decision_pb(r.decision),
+                                                            applied_to=list(r.applied_to), failed=list(r.failed))
+                              for r in records],
+            workers=[controller_pb2.WorkerInfo(worker_id=w.worker_id, address=w.address,
+                                               target_model=w.target_model,
+                                               registered_unix_s=w.registered_unix_s,
+                                               last_seen_unix_s=w.last_seen_unix_s,
+                                               last_decision_id=w.last_decision_id)
+                     for w in c.fleet.workers()
+                     if not request.target_model or w.target_model == request.target_model])
+
+    def ReportTrainingOutcome(self, request, context):
+        try:
+            recorded = self.controller.outcomes.record(outcome_from_pb(request))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if recorded:
+            log.info("training outcome %s for %s: candidate %s (%.3f vs %.3f), promoted=%s: %s", request.run_id,
+                     request.target_model, request.candidate_version or "-", request.eval_accept_length_candidate,
+                     request.eval_accept_length_base, request.promoted, request.detail)
+        return controller_pb2.ReportTrainingOutcomeResponse(recorded=recorded)
+
+    def RegisterWorker(self, request, context):
+        address = request.address.strip()
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address must be host:port, got {request.address!r}")
+        self.controller.fleet.add(address, worker_id=request.worker_id, target_model=request.target_model)
+        log.info("worker %s registered at %s (target %s)", request.worker_id or "?", address,
+                 request.target_model or "?")
+        self.wake()
+        current = self.controller.decision_for(request.target_model)
+        if current is None:
+            return controller_pb2.RegisterWorkerResponse()
+        return controller_pb2.RegisterWorkerResponse(current=decision_pb(current))
+
+
+def serve(controller, wake: Callable[[], None], address: str, admin_token: str | None,
+          max_workers: int = 16) -> GrpcServer:
+    server = GrpcServer(address, admin_token=admin_token, max_workers=max_workers)
+    server.add_service(controller_pb2_grpc.add_ControllerServiceServicer_to_server,
+                       ControllerServicer(controller, wake), SERVICE_NAME)
+    server.start()
+    return server
+

@@ -1,0 +1,110 @@
+"""Controller settings: one frozen object built once from the environment, passed explicitly.
+
+Environment variables (all optional; defaults in brackets):
+
+    TIDE_CONTROLLER_LISTEN         gRPC "host:port" (compose: 0.0.0.0:50053)              [127.0.0.1:50053]
+    TIDE_CONTROLLER_METRICS_PORT   Prometheus HTTP port on the listen host; 0 = off      [9403]
+    TIDE_CONTROLLER_WORKERS        comma list of worker host:port to push decisions to, besides the
+                                   workers that call RegisterWorker                       [none]
+    TIDE_CONTROLLER_DECISION       the static decision as JSON (see decisions.py)         [speculation on, static γ=3]
+    TIDE_CONTROLLER_RECONCILE_S    seconds between rounds of worker status checks / pushes [2]
+    TIDE_CONTROLLER_RPC_TIMEOUT_S  deadline of GetStatus / ApplyDecision calls to workers [10]
+    TIDE_CONTROLLER_CONSUMER       consumer name in the telemetry stream's group          [hostname]
+    TIDE_CONTROLLER_CLAIM_IDLE_MS  take over telemetry entries pending this long          [30000]
+    TIDE_CONTROLLER_EMA_SHORT      short acceptance EMA horizon (observations)            [50]
+    TIDE_CONTROLLER_EMA_LONG       long acceptance EMA horizon (observations)             [1000]
+    TIDE_CONTROLLER_LOAD_WINDOW_S  window of the per-worker load statistics               [30]
+    TIDE_ADMIN_TOKEN               bearer token: required by this service's admin RPCs and sent
+                                   with ApplyDecision to the workers (unset: admin calls refused)
+    TIDE_REDIS_URL / TIDE_STREAM_PREFIX   see tide.blobs.StorageSettings
+    TIDE_LOG_LEVEL                 log level of the JSON logs                             [INFO]
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.controller.decisions import DEFAULT_DECISION_JSON, StaticDecision
+from tide.blobs import StorageSettings
+from tide.grpcutil import ADMIN_TOKEN_ENV
+
+DEFAULT_LISTEN = "127.0.0.1:50053"
+CONTROLLER_ADDR_ENV = "TIDE_CONTROLLER_ADDR"  # how other services (the trainer) reach the controller
+
+
+def _address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """Everything the controller is configured with. Times in seconds unless the name says ms."""
+
+    listen: str = DEFAULT_LISTEN
+    metrics_port: int = 9403
+    workers: tuple[str, ...] = ()
+    decision: StaticDecision = field(default_factory=StaticDecision)
+    reconcile_s: float = 2.0
+    rpc_timeout_s: float = 10.0
+    consumer: str = field(default_factory=socket.gethostname)
+    claim_idle_ms: int = 30_000
+    ema_short: float = 50.0
+    ema_long: float = 1000.0
+    load_window_s: float = 30.0
+    admin_token: str | None = field(default=None, repr=False)
+    storage: StorageSettings = field(default_factory=StorageSettings)
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for a in self.workers:
+            _address(a)
+        _address(self.listen)
+        if self.reconcile_s <= 0 or self.rpc_timeout_s <= 0 or self.load_window_s <= 0:
+            raise ValueError("reconcile, RPC timeout and load window must be > 0 seconds")
+        if not 0 < self.ema_short < self.ema_long:
+            raise ValueError(f"need 0 < EMA short ({self.ema_short}) < EMA long ({self.ema_long})")
+        if self.claim_idle_ms < 1 or self.metrics_port < 0 or not self.consumer:
+            raise ValueError("claim idle must be >= 1 ms, metrics port >= 0 and the consumer name non-empty")
+
+    @property
+    def listen_host(self) -> str:
+        return self.listen.rsplit(":", 1)[0]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ControllerSettings:
+        """Build from the environment (or `env`); raises ValueError naming the bad variable."""
+        env = os.environ if env is None else env
+
+        def get(key: str, default, conv=str):
+            raw = env.get(key)
+            if raw is None or raw.strip() == "":
+                return default
+            try:
+                return conv(raw.strip())
+            except ValueError as e:
+                raise ValueError(f"{key}={raw!r}: {e}") from None
+
+        d = cls()
+        return cls(
+            listen=get("TIDE_CONTROLLER_LISTEN", d.listen),
+            metrics_port=get("TIDE_CONTROLLER_METRICS_PORT", d.metrics_port, int),
+            workers=get("TIDE_CONTROLLER_WORKERS", (), lambda s: tuple(p.strip() for p in s.split(",") if p.strip())),
+            decision=get("TIDE_CONTROLLER_DECISION", StaticDecision.from_json(DEFAULT_DECISION_JSON),
+                         StaticDecision.from_json),
+            reconcile_s=get("TIDE_CONTROLLER_RECONCILE_S", d.reconcile_s, float),
+            rpc_timeout_s=get("TIDE_CONTROLLER_RPC_TIMEOUT_S", d.rpc_timeout_s, float),
+            consumer=get("TIDE_CONTROLLER_CONSUMER", d.consumer),
+            claim_idle_ms=get("TIDE_CONTROLLER_CLAIM_IDLE_MS", d.claim_idle_ms, int),
+            ema_short=get("TIDE_CONTROLLER_EMA_SHORT", d.ema_short, float),
+            ema_long=get("TIDE_CONTROLLER_EMA_LONG", d.ema_long, float),
+            load_window_s=get("TIDE_CONTROLLER_LOAD_WINDOW_S", d.load_window_s, float),
+            admin_token=env.get(ADMIN_TOKEN_ENV) or None,
+            storage=StorageSettings.from_env(env),
+            log_level=get("TIDE_LOG_LEVEL", d.log_level).upper(),
+        )

@@ -1,0 +1,139 @@
+"""Fleet statistics from the telemetry stream: acceptance EMAs per (target, draft version) and
+recent load per worker. Pure domain code (no Redis, no gRPC); `telemetry.py` feeds it.
+
+Acceptance: every request that was verified in a step (γ > 0) contributes one observation, its
+accept length `accepted + 1` (bonus token included, as DraftStats in controller.proto defines it).
+Two exponential moving averages follow it: a short horizon (the current traffic) and a long one
+(the baseline); short < long - ε signals a shift (TIDE Algorithm 1, used by the next controller).
+A horizon of N observations means the EMA weight α = 2 / (N + 1); the first observation seeds it.
+
+Load: per worker, the steps of the last `window_s` seconds (by their record time): mean running
+batch size, steps/s and emitted tokens/s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tide.telemetry import StepRecord
+
+
+@dataclass
+class Ema:
+    horizon: float
+    value: float = 0.0
+    count: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return 2.0 / (self.horizon + 1.0)
+
+    def update(self, x: float) -> None:
+        self.value = x if self.count == 0 else self.value + self.alpha * (x - self.value)
+        self.count += 1
+
+
+@dataclass
+class DraftStats:
+    """Acceptance of one draft version on one target."""
+
+    draft_version: str
+    short: Ema
+    long: Ema
+    verify_steps: int = 0  # request-verifications observed (one per request per speculative step)
+    tokens: int = 0  # tokens emitted by those verifications (bonus included)
+    last_update_unix_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    worker_id: str
+    target_model: str
+    mean_batch: float
+    steps_per_s: float
+    tokens_per_s: float
+    last_step_unix_s: float
+
+
+@dataclass
+class _WorkerWindow:
+    target_model: str = ""
+    steps: deque = field(default_factory=deque)  # (time_unix_s, batch_size, emitted tokens)
+
+
+class FleetStats:
+    """Thread-safe: the telemetry thread calls `observe`, RPC threads read snapshots."""
+
+    def __init__(self, short_horizon: float = 50, long_horizon: float = 1000, window_s: float = 30.0) -> None:
+        if not 0 < short_horizon < long_horizon:
+            raise ValueError("need 0 < short horizon < long horizon")
+        self.short_horizon, self.long_horizon, self.window_s = short_horizon, long_horizon, window_s
+        self._lock = threading.Lock()
+        self._drafts: dict[tuple[str, str], DraftStats] = {}
+        self._workers: dict[str, _WorkerWindow] = {}
+        self._latest_version: dict[str, tuple[float, str]] = {}  # target -> (time, draft version serving)
+        self.records = 0
+
+    def observe(self, rec: StepRecord) -> None:
+        with self._lock:
+            self.records += 1
+            window = self._workers.setdefault(rec.worker_id, _WorkerWindow())
+            window.target_model = rec.target_model
+            window.steps.append((rec.time_unix_s, rec.batch_size, rec.emitted_tokens))
+            self._trim(window, rec.time_unix_s)
+            verified = [a for g, a in zip(rec.gammas, rec.accepted, strict=False) if g > 0]
+            if not verified:
+                return
+            key = (rec.target_model, rec.draft_version)
+            stats = self._drafts.get(key)
+            if stats is None:
+                stats = self._drafts[key] = DraftStats(rec.draft_version, Ema(self.short_horizon),
+                                                       Ema(self.long_horizon))
+            for a in verified:
+                stats.short.update(a + 1.0)
+                stats.long.update(a + 1.0)
+                stats.verify_steps += 1
+                stats.tokens += a + 1
+            stats.last_update_unix_s = max(stats.last_update_unix_s, rec.time_unix_s)
+            if rec.time_unix_s >= self._latest_version.get(rec.target_model, (float("-inf"), ""))[0]:
+                self._latest_version[rec.target_model] = (rec.time_unix_s, rec.draft_version)
+
+    def _trim(self, window: _WorkerWindow, now: float) -> None:
+        while window.steps and window.steps[0][0] < now - self.window_s:
+            window.steps.popleft()
+
+    def targets(self) -> list[str]:
+        with self._lock:
+            return sorted({t for t, _ in self._drafts} | {w.target_model for w in self._workers.values()} - {""})
+
+    def drafts(self, target_model: str) -> list[DraftStats]:
+        """Copies of the per-version stats of a target, most recently updated first."""
+        with self._lock:
+            out = [DraftStats(s.draft_version, Ema(s.short.horizon, s.short.value, s.short.count),
+                              Ema(s.long.horizon, s.long.value, s.long.count), s.verify_steps, s.tokens,
+                              s.last_update_unix_s)
+                   for (t, _), s in self._drafts.items() if t == target_model]
+        return sorted(out, key=lambda s: -s.last_update_unix_s)
+
+    def serving_version(self, target_model: str) -> str:
+        """The draft version the latest speculative step of this target ran with."""
+        with self._lock:
+            return self._latest_version.get(target_model, (0.0, ""))[1]
+
+    def load(self, now: float | None = None) -> list[LoadStats]:
+        """Recent load of every worker seen in the last window (relative to `now`, default: wall time)."""
+        now = time.time() if now is None else now
+        out = []
+        with self._lock:
+            for worker_id, w in sorted(self._workers.items()):
+                self._trim(w, now)
+                if not w.steps:
+                    continue
+                n = len(w.steps)
+                span = max(now - w.steps[0][0], 1e-3)
+                out.append(LoadStats(worker_id, w.target_model, sum(s[1] for s in w.steps) / n, n / span,
+                                     sum(s[2] for s in w.steps) / span, w.steps[-1][0]))
+        return out

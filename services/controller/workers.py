@@ -1,0 +1,80 @@
+"""`WorkerClient` over gRPC: GetStatus and ApplyDecision on the workers' InferenceService.
+
+Channels are opened once per address and kept (gRPC reconnects them by itself); ApplyDecision is
+an admin method, so the channel carries the controller's admin token and actor name.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from services.controller.decisions import Decision
+from services.controller.fleet import PushResult, WorkerSnapshot, WorkerUnreachable
+from tide import grpcutil
+from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
+
+ACTOR = "controller"
+_OUTCOMES = {
+    inference_pb2.ApplyDecisionResponse.OUTCOME_APPLIED: "applied",
+    inference_pb2.ApplyDecisionResponse.OUTCOME_ALREADY_APPLIED: "already_applied",
+    inference_pb2.ApplyDecisionResponse.OUTCOME_REJECTED: "rejected",
+}
+
+
+def decision_pb(d: Decision) -> inference_pb2.Decision:
+    """The protobuf form of a controller decision."""
+    out = inference_pb2.Decision(decision_id=d.decision_id, target_model=d.target_model, reason=d.reason,
+                                 issued_unix_s=d.issued_unix_s)
+    if d.speculation is not None:
+        out.speculation.SetInParent()
+        out.speculation.buckets.extend(
+            inference_pb2.SpeculationBucket(min_batch=b.min_batch, max_batch=b.max_batch, enabled=b.enabled)
+            for b in d.speculation)
+    if d.policy is not None:
+        out.gamma_policy.CopyFrom(inference_pb2.GammaPolicy(name=d.policy.name, params=dict(d.policy.params),
+                                                            table_json=d.policy.table_json))
+    if d.collection_enabled is not None:
+        out.collection_enabled = d.collection_enabled
+    if d.drafter is not None:
+        out.drafter = d.drafter
+    return out
+
+
+class GrpcWorkerClient:
+    """Thread-safe; `timeout_s` bounds every call (a busy CPU worker answers between engine steps)."""
+
+    def __init__(self, admin_token: str | None, timeout_s: float = 10.0) -> None:
+        self.admin_token, self.timeout_s = admin_token, timeout_s
+        self._stubs: dict[str, tuple[grpc.Channel, inference_pb2_grpc.InferenceServiceStub]] = {}
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> inference_pb2_grpc.InferenceServiceStub:
+        with self._lock:
+            if address not in self._stubs:
+                ch = grpcutil.channel(address, token=self.admin_token, actor=ACTOR)
+                self._stubs[address] = (ch, inference_pb2_grpc.InferenceServiceStub(ch))
+            return self._stubs[address][1]
+
+    def status(self, address: str) -> WorkerSnapshot:
+        try:
+            s = self._stub(address).GetStatus(inference_pb2.GetWorkerStatusRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise WorkerUnreachable(f"{e.code().name}: {e.details()}") from None
+        return WorkerSnapshot(s.worker_id, s.model_id, s.last_decision_id, s.uptime_s)
+
+    def apply(self, address: str, decision: Decision) -> PushResult:
+        try:
+            r = self._stub(address).ApplyDecision(decision_pb(decision), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                return PushResult("rejected", f"{e.code().name}: {e.details()} (check TIDE_ADMIN_TOKEN)")
+            raise WorkerUnreachable(f"{e.code().name}: {e.details()}") from None
+        return PushResult(_OUTCOMES.get(r.outcome, "rejected"), r.detail)
+
+    def close(self) -> None:
+        with self._lock:
+            for ch, _ in self._stubs.values():
+                ch.close()
+            self._stubs.clear()
