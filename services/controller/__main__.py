@@ -34,7 +34,11 @@ def main() -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
-    service = build(settings)
+    try:
+        service = build(settings)
+    except Exception:
+        log.exception("start-up failed")
+        return 1
     if settings.metrics_port:
         from prometheus_client import start_http_server
 

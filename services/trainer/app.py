@@ -1,0 +1,95 @@
+"""Wiring: settings -> object storage (waits for it), manifest, chunk intake, training runner ->
+gRPC server. `build(settings)` returns a running `TrainerService`; `__main__` adds signals, logs and
+metrics. Outcomes go to the controller (ReportTrainingOutcome) when TIDE_CONTROLLER_ADDR is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from services.trainer.ingest import ChunkIngest, ChunkReader
+from services.trainer.manifest import Manifest
+from services.trainer.runs import TrainingOutcome, TrainingRunner
+from services.trainer.server import outcome_pb, serve
+from services.trainer.settings import TrainerSettings
+from tide import blobs, grpcutil, streams
+from tide.grpcutil import GrpcServer
+from tide.proto.tide.v1 import controller_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def controller_reporter(address: str, token: str | None, attempts: int = 3) -> Callable[[TrainingOutcome], None]:
+    """Reports outcomes with ReportTrainingOutcome (idempotent by run id, so retries are safe)."""
+    stub = controller_pb2_grpc.ControllerServiceStub(grpcutil.channel(address, token=token, actor="trainer"))
+
+    def report(outcome: TrainingOutcome) -> None:
+        for attempt in range(attempts):
+            try:
+                r = stub.ReportTrainingOutcome(outcome_pb(outcome), timeout=10)
+                log.info("outcome of %s reported to the controller (recorded=%s)", outcome.run_id, r.recorded)
+                return
+            except grpc.RpcError as e:
+                log.warning("reporting %s to the controller at %s failed (%s: %s), attempt %d/%d", outcome.run_id,
+                            address, e.code().name, e.details(), attempt + 1, attempts)
+                time.sleep(2**attempt)
+
+    return report
+
+
+def wait_for_storage(settings: TrainerSettings, timeout_s: float = 60.0):
+    """The S3 client once the bucket exists (created if needed); raises after `timeout_s`."""
+    s3, deadline, delay = settings.storage.s3_client(), time.monotonic() + timeout_s, 0.2
+    while True:
+        try:
+            blobs.ensure_bucket(s3, settings.storage.s3_bucket)
+            return s3
+        except Exception as e:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("object storage not ready (%s); retrying", e)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+@dataclass
+class TrainerService:
+    settings: TrainerSettings
+    manifest: Manifest
+    ingest: ChunkIngest
+    reader: ChunkReader
+    runner: TrainingRunner
+    server: GrpcServer | None = None
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """NOT_SERVING, in-flight RPCs finish, intake stops (unacked entries stay pending). A run in
+        progress is abandoned: nothing is recorded, its chunks stay buffered for the next run."""
+        if self.server is not None:
+            self.server.stop(grace_s)
+        self.reader.stop()
+
+
+def build(settings: TrainerSettings, *, storage_timeout_s: float = 60.0) -> TrainerService:
+    s3 = wait_for_storage(settings, storage_timeout_s)
+    manifest = Manifest(s3, settings.storage.s3_bucket, settings.prefix).load()
+    ingest = ChunkIngest(s3, manifest)
+    rclient = settings.storage.redis_client(socket_connect_timeout=2.0, socket_timeout=5.0)
+    reader = ChunkReader(rclient, streams.StreamNames(settings.storage.stream_prefix), settings.consumer, ingest,
+                         claim_idle_ms=settings.claim_idle_ms)
+    report = controller_reporter(settings.controller_addr, settings.admin_token) if settings.controller_addr else None
+    runner = TrainingRunner(settings, s3, manifest, report)
+    service = TrainerService(settings, manifest, ingest, reader, runner)
+    reader.start()
+    service.server = serve(service, settings.listen, settings.admin_token)
+    log.info("trainer serving on %s (target %s, bucket %s, prefix %s)", service.server.target, settings.target,
+             settings.storage.s3_bucket, settings.prefix)
+    return service

@@ -1,0 +1,117 @@
+"""Chunk intake: read chunk references (consumer group "trainer"), verify, validate, record. No gRPC.
+
+For each `ChunkRef` (tide.streams), in order:
+1. a chunk id already in the manifest is a duplicate (at-least-once delivery): counted, acked;
+2. the blob is downloaded and its SHA-256 checked against the reference and the stored one
+   (tide.blobs.get_bytes), its size against the reference;
+3. it is decoded and validated (tide.chunks.decode_chunk: tensors, dtypes, shapes, segments,
+   finite values, the reference's target model) and must carry the reference's chunk id and token
+   count;
+4. it is recorded in the manifest (manifest.py) and only then acked.
+A chunk failing 2-3 (or whose blob is gone) raises `tide.streams.Reject`: the consumer writes it
+to the dead-letter stream with the reason and acks it; it is counted and never trained on. S3 or
+Redis being unreachable is not the chunk's fault: the entry stays pending and is retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import redis
+from minio import Minio
+from minio.error import S3Error
+
+from services.trainer.manifest import Manifest, ManifestEntry
+from tide import blobs, streams
+from tide.blobs import ChecksumMismatch
+from tide.chunks import ChunkInvalid, decode_chunk
+from tide.streams import ChunkRef, Consumer, Message, Reject
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK_BYTES = 1 << 30  # a reference announcing more is refused before downloading
+_GONE = ("NoSuchKey", "NoSuchBucket")
+
+
+@dataclass
+class IngestStats:
+    accepted: int = 0  # new chunks recorded in the manifest
+    deduplicated: int = 0  # references to chunk ids already recorded
+    accepted_tokens: int = 0
+
+
+class ChunkIngest:
+    """The stream handler (thread-confined: called by one consumer thread)."""
+
+    def __init__(self, s3: Minio, manifest: Manifest) -> None:
+        self.s3, self.manifest = s3, manifest
+        self.stats = IngestStats()
+
+    def handle(self, msg: Message[ChunkRef]) -> None:
+        ref = msg.payload
+        if self.manifest.seen(ref.chunk_id):
+            self.stats.deduplicated += 1
+            log.info("chunk %s already recorded (delivery %d of entry %s): skipped", ref.chunk_id, msg.deliveries,
+                     msg.entry_id)
+            return
+        if ref.size_bytes > MAX_CHUNK_BYTES:
+            raise Reject(f"chunk {ref.chunk_id}: {ref.size_bytes} bytes exceeds the limit of {MAX_CHUNK_BYTES}")
+        try:
+            data = blobs.get_bytes(self.s3, ref.bucket, ref.key, expected_sha256=ref.sha256)
+        except ChecksumMismatch as e:
+            raise Reject(f"checksum mismatch: {e}") from None
+        except S3Error as e:
+            if e.code in _GONE:
+                raise Reject(f"blob s3://{ref.bucket}/{ref.key} not found ({e.code})") from None
+            raise
+        if len(data) != ref.size_bytes:
+            raise Reject(f"chunk {ref.chunk_id}: blob has {len(data)} bytes, the reference says {ref.size_bytes}")
+        try:
+            chunk = decode_chunk(data, expected_target=ref.target_model)
+        except ChunkInvalid as e:
+            raise Reject(f"invalid chunk: {e}") from None
+        if chunk.meta.chunk_id != ref.chunk_id:
+            raise Reject(f"blob holds chunk {chunk.meta.chunk_id!r}, the reference names {ref.chunk_id!r}")
+        if chunk.num_tokens != ref.num_tokens:
+            raise Reject(f"chunk {ref.chunk_id}: {chunk.num_tokens} tokens, the reference says {ref.num_tokens}")
+        if self.manifest.add(ManifestEntry.from_ref(ref)):
+            self.stats.accepted += 1
+            self.stats.accepted_tokens += ref.num_tokens
+            log.info("chunk %s accepted: %d tokens of %s from %s", ref.chunk_id, ref.num_tokens, ref.target_model,
+                     ref.worker_id)
+        else:  # another replica recorded it between our check and our write
+            self.stats.deduplicated += 1
+
+
+class ChunkReader:
+    """Runs the chunk consumer in a thread until `stop()`; unacked entries stay pending on exit."""
+
+    def __init__(self, client: redis.Redis, names: streams.StreamNames, consumer: str, ingest: ChunkIngest,
+                 claim_idle_ms: int = 120_000, block_ms: int = 500, reclaim_every_s: float = 5.0) -> None:
+        self.ingest = ingest
+        self.consumer = Consumer(client, names.chunks, streams.TRAINER_GROUP, consumer, ChunkRef,
+                                 dead_letter_stream=names.dead_letter, claim_idle_ms=claim_idle_ms,
+                                 block_ms=block_ms, reclaim_every_s=min(reclaim_every_s, claim_idle_ms / 1000),
+                                 count=4)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.consumer.run(self.ingest.handle, self._stop)
+            except Exception:  # never let intake die: log, back off, go on
+                log.exception("chunk reader failed; restarting in 1 s")
+                self._stop.wait(1.0)
+
+    def start(self) -> ChunkReader:
+        self._thread = threading.Thread(target=self._run, name="chunk-reader", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)

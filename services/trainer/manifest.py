@@ -1,0 +1,150 @@
+"""The durable training-set manifest in object storage: which chunks the trainer accepted, and
+which training run used them. No gRPC; S3 through the `minio` client and tide.blobs.
+
+Layout under `<prefix>/targets/<target>/` in the trainer's bucket (target and chunk ids quoted):
+
+    chunks/<chunk id>.json   one entry per accepted chunk (where its blob is, SHA-256, tokens, ...)
+    runs/<run id>.json       one record per finished run: the chunk ids it trained on, its outcome
+
+An entry is created with a conditional write (`If-None-Match: *`, tide.blobs.put_pointer), so a
+chunk id is recorded exactly once however many times its reference is delivered, and by whichever
+trainer replica gets there first: that is the dedupe. The trainer acks a stream entry only after
+its manifest entry exists, so an accepted chunk is never lost. A chunk is *buffered* from its entry
+until a run record lists it, so a trainer killed mid-run trains on it again, never twice after a
+recorded run. One object per chunk keeps every write O(1); `load()` lists the keys and reads only
+the run records and the still-buffered entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+from minio import Minio
+
+from tide import blobs
+from tide.blobs import PointerConflict
+from tide.streams import ChunkRef
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """An accepted chunk: its stream reference plus when the trainer accepted it."""
+
+    chunk_id: str
+    bucket: str
+    key: str
+    sha256: str
+    size_bytes: int
+    num_tokens: int
+    target_model: str
+    draft_version: str
+    workload: str
+    worker_id: str
+    created_unix_s: float
+    added_unix_s: float
+
+    @classmethod
+    def from_ref(cls, ref: ChunkRef, now: float | None = None) -> ManifestEntry:
+        fields = {f.name: getattr(ref, f.name) for f in dataclasses.fields(ChunkRef)}
+        return cls(**fields, added_unix_s=time.time() if now is None else now)
+
+
+class Manifest:
+    """Thread-safe view of the manifest; the in-memory index mirrors what was written or loaded."""
+
+    def __init__(self, s3: Minio, bucket: str, prefix: str = "trainer") -> None:
+        self.s3, self.bucket, self.prefix = s3, bucket, prefix.strip("/")
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._buffered: dict[str, dict[str, ManifestEntry]] = {}  # target -> chunk id -> entry
+        self.runs: dict[str, dict[str, dict]] = {}  # target -> run id -> record
+
+    def _dir(self, target_model: str) -> str:
+        return f"{self.prefix}/targets/{quote(target_model, safe='')}"
+
+    def entry_key(self, target_model: str, chunk_id: str) -> str:
+        return f"{self._dir(target_model)}/chunks/{quote(chunk_id, safe='')}.json"
+
+    def run_key(self, target_model: str, run_id: str) -> str:
+        return f"{self._dir(target_model)}/runs/{quote(run_id, safe='')}.json"
+
+    def load(self) -> Manifest:
+        """Read the manifest from storage (at start; replaces the in-memory index)."""
+        chunk_keys: dict[str, dict[str, str]] = {}
+        runs: dict[str, dict[str, dict]] = {}
+        for key in blobs.list_keys(self.s3, self.bucket, f"{self.prefix}/targets/"):
+            parts = key[len(self.prefix) + 1:].split("/")
+            if len(parts) != 4 or not parts[3].endswith(".json"):
+                continue
+            target, kind, name = unquote(parts[1]), parts[2], unquote(parts[3][:-5])
+            if kind == "chunks":
+                chunk_keys.setdefault(target, {})[name] = key
+            elif kind == "runs":
+                pointer = blobs.get_pointer(self.s3, self.bucket, key)
+                if pointer is not None:
+                    runs.setdefault(target, {})[name] = pointer.value
+        buffered: dict[str, dict[str, ManifestEntry]] = {}
+        for target, keys in chunk_keys.items():
+            trained = {c for r in runs.get(target, {}).values() for c in r.get("chunk_ids", [])}
+            for chunk_id, key in keys.items():
+                if chunk_id in trained:
+                    continue
+                pointer = blobs.get_pointer(self.s3, self.bucket, key)
+                if pointer is not None:
+                    buffered.setdefault(target, {})[chunk_id] = ManifestEntry(**pointer.value)
+        with self._lock:
+            self._seen = {c for keys in chunk_keys.values() for c in keys}
+            self._buffered, self.runs = buffered, runs
+        log.info("manifest loaded: %d chunks (%d buffered), %d runs", len(self._seen),
+                 sum(len(b) for b in buffered.values()), sum(len(r) for r in runs.values()))
+        return self
+
+    def seen(self, chunk_id: str) -> bool:
+        with self._lock:
+            return chunk_id in self._seen
+
+    def add(self, entry: ManifestEntry) -> bool:
+        """Record an accepted chunk; False when its id was already recorded (a duplicate)."""
+        if self.seen(entry.chunk_id):
+            return False
+        key = self.entry_key(entry.target_model, entry.chunk_id)
+        try:
+            blobs.put_pointer(self.s3, self.bucket, key, dataclasses.asdict(entry), expected_etag=None)
+        except PointerConflict:
+            with self._lock:
+                self._seen.add(entry.chunk_id)
+            return False
+        with self._lock:
+            self._seen.add(entry.chunk_id)
+            self._buffered.setdefault(entry.target_model, {})[entry.chunk_id] = entry
+        return True
+
+    def buffered(self, target_model: str) -> list[ManifestEntry]:
+        """Accepted chunks of a target that no recorded run has trained on, oldest first."""
+        with self._lock:
+            entries = list(self._buffered.get(target_model, {}).values())
+        return sorted(entries, key=lambda e: (e.created_unix_s, e.chunk_id))
+
+    def buffered_totals(self, target_model: str | None = None) -> tuple[int, int]:
+        """(chunks, tokens) buffered for one target, or for all when None."""
+        with self._lock:
+            groups = self._buffered.values() if target_model is None else [self._buffered.get(target_model, {})]
+            entries = [e for g in groups for e in g.values()]
+        return len(entries), sum(e.num_tokens for e in entries)
+
+    def record_run(self, target_model: str, run_id: str, chunk_ids: list[str], record: dict) -> None:
+        """Write a finished run's record; its chunks stop being buffered."""
+        value = {**record, "run_id": run_id, "target_model": target_model, "chunk_ids": list(chunk_ids)}
+        blobs.put_pointer(self.s3, self.bucket, self.run_key(target_model, run_id), value, expected_etag=None)
+        with self._lock:
+            self.runs.setdefault(target_model, {})[run_id] = value
+            buffered = self._buffered.get(target_model, {})
+            for c in chunk_ids:
+                buffered.pop(c, None)

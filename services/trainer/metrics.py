@@ -1,0 +1,33 @@
+"""Prometheus metrics of the trainer service, read from the domain objects at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
+
+
+class TrainerCollector:
+    def __init__(self, service) -> None:  # services.trainer.app.TrainerService
+        self.service = service
+
+    def collect(self):
+        s = self.service
+        chunks = CounterMetricFamily("tide_trainer_chunks", "Chunk references by fate", labels=["fate"])
+        chunks.add_metric(["accepted"], s.ingest.stats.accepted)
+        chunks.add_metric(["deduplicated"], s.ingest.stats.deduplicated)
+        chunks.add_metric(["dead_lettered"], s.reader.consumer.stats.dead_lettered)
+        chunks.add_metric(["handler_errors"], s.reader.consumer.stats.handler_errors)
+        chunks.add_metric(["reclaimed"], s.reader.consumer.stats.reclaimed)
+        yield chunks
+        yield CounterMetricFamily("tide_trainer_accepted_tokens", "Tokens of accepted chunks",
+                                  value=s.ingest.stats.accepted_tokens)
+        n, tokens = s.manifest.buffered_totals()
+        yield GaugeMetricFamily("tide_trainer_buffered_chunks", "Accepted chunks not trained on yet", value=n)
+        yield GaugeMetricFamily("tide_trainer_buffered_tokens", "Tokens of buffered chunks", value=tokens)
+        yield GaugeMetricFamily("tide_trainer_training", "1 while a training run is going",
+                                value=1 if s.runner.status().state == "training" else 0)
+
+
+def register(service) -> TrainerCollector:
+    collector = TrainerCollector(service)
+    REGISTRY.register(collector)
+    return collector

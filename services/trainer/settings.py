@@ -1,0 +1,133 @@
+"""Trainer-service settings: one frozen object built once from the environment, passed explicitly.
+
+Environment variables (all optional; defaults in brackets):
+
+    TIDE_TRAINER_LISTEN          gRPC "host:port" (compose: 0.0.0.0:50054)                 [127.0.0.1:50054]
+    TIDE_TRAINER_METRICS_PORT    Prometheus HTTP port on the listen host; 0 = off         [9404]
+    TIDE_TARGET                  target whose drafts this trainer trains ("ref", a HF dir, a .gguf) [ref]
+    TIDE_TRAINER_DEVICE          auto | cpu | cuda | cuda:N (auto: CUDA when present)      [auto]
+    TIDE_TRAINER_CONSUMER        consumer name in the chunk stream's group                [hostname]
+    TIDE_TRAINER_CLAIM_IDLE_MS   take over chunk entries pending this long (> one chunk's handling) [120000]
+    TIDE_TRAINER_PREFIX          S3 key prefix of the manifest and run records            [trainer]
+    TIDE_TRAINER_WORK_DIR        local directory for run outputs                          [<tmp>/tide-trainer]
+    TIDE_TRAINER_MIN_TOKENS      buffered tokens a run needs unless forced                [16384]
+    TIDE_TRAINER_STEPS           optimizer steps per run; 0 = TIDE_TRAINER_EPOCHS passes    [0]
+    TIDE_TRAINER_EPOCHS          passes over the data when steps is 0                     [1]
+    TIDE_TRAINER_BATCH_ROWS      packed rows per batch                                    [8]
+    TIDE_TRAINER_MAX_LEN         tokens per packed row                                    [512]
+    TIDE_TRAINER_DRAFT_VOCAB     draft vocabulary of from-scratch drafts                  [8192]
+    TIDE_TRAINER_EVAL_FRACTION   share of the chunks held out for evaluation              [0.1]
+    TIDE_TRAINER_EVAL_GAMMA      γ at which the outcome's simulated accept length is read [3]
+    TIDE_TRAINER_SEED            training seed                                            [0]
+    TIDE_CONTROLLER_ADDR         controller host:port to report outcomes to; empty = none [none]
+    TIDE_ADMIN_TOKEN             bearer token for TriggerTraining and for reporting to the controller
+    TIDE_S3_* / TIDE_REDIS_URL / TIDE_STREAM_PREFIX   see tide.blobs.StorageSettings
+    TIDE_LOG_LEVEL               log level of the JSON logs                               [INFO]
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tide.blobs import StorageSettings
+from tide.grpcutil import ADMIN_TOKEN_ENV
+
+DEFAULT_LISTEN = "127.0.0.1:50054"
+TRAINER_ADDR_ENV = "TIDE_TRAINER_ADDR"  # how clients (tidectl, tests) reach the trainer
+
+
+def _address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    listen: str = DEFAULT_LISTEN
+    metrics_port: int = 9404
+    target: str = "ref"
+    device: str = "auto"
+    consumer: str = field(default_factory=socket.gethostname)
+    claim_idle_ms: int = 120_000
+    prefix: str = "trainer"
+    work_dir: str = field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "tide-trainer"))
+    min_tokens: int = 16_384
+    steps: int = 0
+    epochs: float = 1.0
+    batch_rows: int = 8
+    max_len: int = 512
+    draft_vocab: int = 8192
+    eval_fraction: float = 0.1
+    eval_gamma: int = 3
+    seed: int = 0
+    controller_addr: str = ""
+    admin_token: str | None = field(default=None, repr=False)
+    storage: StorageSettings = field(default_factory=StorageSettings)
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        _address(self.listen)
+        if self.controller_addr:
+            _address(self.controller_addr)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"TIDE_TRAINER_DEVICE must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("batch_rows", "max_len", "draft_vocab", "claim_idle_ms", "eval_gamma"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps", "min_tokens", "metrics_port"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.eval_fraction < 1 or self.epochs <= 0:
+            raise ValueError("eval fraction must be in (0, 1) and epochs > 0")
+        if not self.prefix.strip("/") or not self.consumer:
+            raise ValueError("the S3 prefix and the consumer name must not be empty")
+
+    @property
+    def listen_host(self) -> str:
+        return self.listen.rsplit(":", 1)[0]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TrainerSettings:
+        """Build from the environment (or `env`); raises ValueError naming the bad variable."""
+        env = os.environ if env is None else env
+        d = cls()
+
+        def get(key: str, name: str, conv=str):
+            raw = env.get(key)
+            if raw is None or raw.strip() == "":
+                return getattr(d, name)
+            try:
+                return conv(raw.strip())
+            except ValueError as e:
+                raise ValueError(f"{key}={raw!r}: {e}") from None
+
+        return cls(
+            listen=get("TIDE_TRAINER_LISTEN", "listen"),
+            metrics_port=get("TIDE_TRAINER_METRICS_PORT", "metrics_port", int),
+            target=get("TIDE_TARGET", "target"),
+            device=get("TIDE_TRAINER_DEVICE", "device"),
+            consumer=get("TIDE_TRAINER_CONSUMER", "consumer"),
+            claim_idle_ms=get("TIDE_TRAINER_CLAIM_IDLE_MS", "claim_idle_ms", int),
+            prefix=get("TIDE_TRAINER_PREFIX", "prefix").strip("/"),
+            work_dir=get("TIDE_TRAINER_WORK_DIR", "work_dir"),
+            min_tokens=get("TIDE_TRAINER_MIN_TOKENS", "min_tokens", int),
+            steps=get("TIDE_TRAINER_STEPS", "steps", int),
+            epochs=get("TIDE_TRAINER_EPOCHS", "epochs", float),
+            batch_rows=get("TIDE_TRAINER_BATCH_ROWS", "batch_rows", int),
+            max_len=get("TIDE_TRAINER_MAX_LEN", "max_len", int),
+            draft_vocab=get("TIDE_TRAINER_DRAFT_VOCAB", "draft_vocab", int),
+            eval_fraction=get("TIDE_TRAINER_EVAL_FRACTION", "eval_fraction", float),
+            eval_gamma=get("TIDE_TRAINER_EVAL_GAMMA", "eval_gamma", int),
+            seed=get("TIDE_TRAINER_SEED", "seed", int),
+            controller_addr=get("TIDE_CONTROLLER_ADDR", "controller_addr"),
+            admin_token=env.get(ADMIN_TOKEN_ENV) or None,
+            storage=StorageSettings.from_env(env),
+            log_level=get("TIDE_LOG_LEVEL", "log_level").upper(),
+        )
