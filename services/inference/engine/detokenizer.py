@@ -17,6 +17,7 @@ class IncrementalText:
         self.stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # all text decoded so far (truncated at a stop string once hit)
+        self.matched: str | None = None  # the stop string that was hit
         self._emitted = 0  # chars of `text` already returned
         self._prefix_offset = 0
         self._read_offset = 0
@@ -33,9 +34,10 @@ class IncrementalText:
             self.text += full[len(prefix):]
             self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
             if self.stop:
-                hits = [h for h in (self.text.find(s, search_from) for s in self.stop) if h >= 0]
+                hits = [(h, s) for s in self.stop if (h := self.text.find(s, search_from)) >= 0]
                 if hits:
-                    self.text = self.text[:min(hits)]
+                    cut, self.matched = min(hits)
+                    self.text = self.text[:cut]
                     return self.flush(), True
         safe_end = max(self._emitted, len(self.text) - self._hold) if self.stop else len(self.text)
         delta = self.text[self._emitted:safe_end]

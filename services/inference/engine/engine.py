@@ -61,6 +61,7 @@ class CapturedRows:
 
     request_id: str
     workload: str
+    num_prompt: int  # rows at positions < num_prompt are prompt tokens, the rest generated
     start: int
     token_ids: list[int]
     aux: torch.Tensor
@@ -290,7 +291,7 @@ class LLMEngine:
             for i, seq in enumerate(seqs):
                 self.features.write(seq.slot, starts[i], out.aux[i, :counts[i]])
         if self.capture_listeners:
-            rows = [CapturedRows(seq.request_id, seq.workload, starts[i], tokens[i][:counts[i]],
+            rows = [CapturedRows(seq.request_id, seq.workload, seq.num_prompt, starts[i], tokens[i][:counts[i]],
                                  out.aux[i, :counts[i]], out.final[i, :counts[i]])
                     for i, seq in enumerate(seqs)]
             for listener in self.capture_listeners:
@@ -307,7 +308,9 @@ class LLMEngine:
         for tok in tokens:
             seq.token_ids.append(tok)
             added.append(tok)
-            if (tok in self.eos_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
+            if tok in seq.params.stop_token_ids:
+                reason, seq.matched_stop = FinishReason.STOP, tok
+            elif tok in self.eos_ids and not seq.params.ignore_eos:
                 reason = FinishReason.STOP
             elif seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.config.max_seq_len:
                 reason = FinishReason.LENGTH
@@ -315,7 +318,7 @@ class LLMEngine:
                 piece, hit = text.update(seq.output_ids)
                 delta += piece
                 if hit:
-                    reason = FinishReason.STOP
+                    reason, seq.matched_stop = FinishReason.STOP, text.matched
             if reason is not None:
                 break
         if text is not None and not text.stop:

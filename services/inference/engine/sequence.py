@@ -74,7 +74,9 @@ class Sequence:
     # Speculation accounting, for the per-response `speculation` stats.
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    verify_steps: int = 0
+    verify_steps: int = 0  # decode steps that drafted (γ > 0)
+    plain_steps: int = 0  # decode steps without drafts (γ = 0)
+    matched_stop: str | int | None = None  # the stop string or stop token id that ended it
     # Recent per-step history for the γ policy: (gamma, accepted) pairs, newest last.
     recent: list[tuple[int, int]] = field(default_factory=list)
     last_gamma: int = 0
@@ -95,13 +97,16 @@ class Sequence:
 
     @property
     def accept_length(self) -> float:
-        """Mean tokens emitted per verification step, bonus included (1.0 for plain decode)."""
+        """Mean tokens emitted per speculative step, bonus included (0.0 if it never speculated)."""
         if self.verify_steps == 0:
             return 0.0
         return (self.accepted_tokens + self.verify_steps) / self.verify_steps
 
     def record_step(self, gamma: int, accepted: int) -> None:
-        self.verify_steps += 1
+        if gamma > 0:
+            self.verify_steps += 1
+        else:
+            self.plain_steps += 1
         self.draft_tokens += gamma
         self.accepted_tokens += accepted
         self.last_gamma = gamma

@@ -100,7 +100,7 @@ def test_buffers_full_drops_rows_and_memory_stays_bounded(tiny_model):
                         chunk_tokens=16, buffers=2, flush_interval_s=60).start()
     h = 8
     for step in range(10):  # 10 x 8 rows = 80 rows into 2 x 16-row buffers
-        rows = CapturedRows("r", "", step * 8, list(range(8)), torch.zeros(8, 3 * h), torch.zeros(8, h))
+        rows = CapturedRows("r", "", 4, step * 8, list(range(8)), torch.zeros(8, 3 * h), torch.zeros(8, h))
         exp.add([rows], {"r": 4})
     assert exp.stats.tokens_dropped_full >= 80 - 3 * 16  # at most one buffer in upload + two filled
     release.set()
