@@ -157,3 +157,10 @@ def load_head_tensors(target: TargetFiles, dtype: torch.dtype = torch.float32) -
     if LM_HEAD_TENSOR not in found:  # tied embeddings (SmolLM2)
         found[LM_HEAD_TENSOR] = found[EMBED_TENSOR]
     return found
+
+
+def load_tokenizer(target: TargetFiles):
+    """The target's tokenizer (with its chat template) from the local directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target.path)
