@@ -116,6 +116,9 @@ class Fleet:
                 if w.reachable:
                     log.warning("worker %s (%s) unreachable: %s", w.worker_id or "?", address, e)
                 w.reachable = False
+                decision = self.decision_for(w.target_model) if w.target_model else None
+                if decision is not None and w.last_decision_id != decision.decision_id:
+                    self.decisions.failed(decision, w.worker_id or address)  # owed, not deliverable now
             return
         with self._lock:
             w = self._workers[address]

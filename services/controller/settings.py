@@ -35,9 +35,10 @@ DEFAULT_LISTEN = "127.0.0.1:50053"
 CONTROLLER_ADDR_ENV = "TIDE_CONTROLLER_ADDR"  # how other services (the trainer) reach the controller
 
 
-def _address(value: str) -> str:
+def _address(value: str, allow_zero: bool = False) -> str:
+    """`value` if it is host:port (port 0 = any free port, only where `allow_zero`)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not (0 if allow_zero else 1) <= int(port) < 65536:
         raise ValueError(f"expected host:port, got {value!r}")
     return value
 
@@ -64,7 +65,7 @@ class ControllerSettings:
     def __post_init__(self) -> None:
         for a in self.workers:
             _address(a)
-        _address(self.listen)
+        _address(self.listen, allow_zero=True)
         if self.reconcile_s <= 0 or self.rpc_timeout_s <= 0 or self.load_window_s <= 0:
             raise ValueError("reconcile, RPC timeout and load window must be > 0 seconds")
         if not 0 < self.ema_short < self.ema_long:

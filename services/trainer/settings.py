@@ -41,9 +41,10 @@ DEFAULT_LISTEN = "127.0.0.1:50054"
 TRAINER_ADDR_ENV = "TIDE_TRAINER_ADDR"  # how clients (tidectl, tests) reach the trainer
 
 
-def _address(value: str) -> str:
+def _address(value: str, allow_zero: bool = False) -> str:
+    """`value` if it is host:port (port 0 = any free port, only where `allow_zero`)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not (0 if allow_zero else 1) <= int(port) < 65536:
         raise ValueError(f"expected host:port, got {value!r}")
     return value
 
@@ -73,7 +74,7 @@ class TrainerSettings:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        _address(self.listen)
+        _address(self.listen, allow_zero=True)
         if self.controller_addr:
             _address(self.controller_addr)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
