@@ -49,6 +49,7 @@ class TrainConfig:
     log_every: int = 10
     progress: bool = True  # tqdm bar on rank 0
     device: str = "auto"  # "auto": cuda:<LOCAL_RANK> when CUDA is there, else cpu
+    autocast: bool = False  # bf16 autocast for the forward (fp32 master weights and optimizer)
 
 
 @dataclass
@@ -130,7 +131,8 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
             step = progress["step"]
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(cfg, step, total)
-            loss, stats = model(batch.to(device))
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast):
+                loss, stats = model(batch.to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
