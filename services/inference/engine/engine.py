@@ -223,7 +223,7 @@ class LLMEngine:
             if seq.params.greedy:
                 token = int(out.logits[-1].argmax())
             else:
-                token = sample(target_probs(out.logits[-1:], seq.params)[0], self._generators[seq.request_id])
+                token = sample(target_probs(out.logits[-1:].cpu(), seq.params)[0], self._generators[seq.request_id])
             seq.status = SequenceStatus.RUNNING
             self._emit(seq, [token], outputs)
         return sum(n for _, n in items)
@@ -253,7 +253,8 @@ class LLMEngine:
             if seq.params.greedy:
                 k, nxt = verify_greedy(greedy_rows[lo:hi], drafts[i])
             else:
-                probs = target_probs(out.logits[lo:hi], seq.params)
+                # Sampling runs on the CPU, where the per-request generators live (small rows).
+                probs = target_probs(out.logits[lo:hi].cpu(), seq.params)
                 k, nxt = verify_sampling(probs, drafts[i], draft_probs[i], self._generators[seq.request_id])
             results.append(_Decoded(seq, len(drafts[i]), k, drafts[i][:k] + [nxt]))
         self._hand_off(seqs, starts, [d.accepted + 1 for d in results], new_tokens, out)

@@ -87,8 +87,8 @@ class Eagle3Drafter:
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=device)
         out = self.draft.step(ids.to(device), self.draft.project(aux), pos.to(device),
                               self._attend_fn(slots, pos.to(device)))
-        last = out[torch.arange(B, device=device), torch.tensor([e - s - 1 for s, e in zip(starts, ends,
-                                                                                             strict=True)])]
+        last_rows = torch.tensor([e - s - 1 for s, e in zip(starts, ends, strict=True)], device=device)
+        last = out[torch.arange(B, device=device), last_rows]
         for seq, end in zip(seqs, ends, strict=True):
             self._consumed[seq.request_id] = end
 
@@ -116,11 +116,12 @@ class Eagle3Drafter:
         for i, seq in enumerate(seqs):
             if seq.params.greedy:
                 continue
-            q = torch.softmax(logits[i] / seq.params.temperature, dim=-1)
+            # On the CPU, like the target's sampling: the request's generator lives there.
+            q = torch.softmax(logits[i].cpu() / seq.params.temperature, dim=-1)
             d = int(torch.multinomial(q, 1, generator=generators[i]))
             chosen[i] = self._d2t_ids[d]
-            full = torch.zeros(self.draft.cfg.vocab_size, dtype=torch.float32, device=q.device)
-            probs[i].append(full.index_copy_(0, self._d2t_ids, q))
+            full = torch.zeros(self.draft.cfg.vocab_size, dtype=torch.float32)
+            probs[i].append(full.index_copy_(0, self._d2t_ids.cpu(), q))
         return chosen
 
     def _attend_fn(self, slots: torch.Tensor, positions: torch.Tensor):
