@@ -38,6 +38,12 @@ class _Request(BaseModel):
     # field -> (is the value harmless?, why it is refused otherwise)
     unsupported_params: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        """OpenAI treats `"param": null` as "not given"; so do we (defaults apply, required ones are missing)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     def unsupported(self) -> OpenAIError | None:
         """The first set parameter we cannot honour without changing the result, as a 400."""
         for name, (harmless, why) in self.unsupported_params.items():

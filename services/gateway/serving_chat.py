@@ -58,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         finals = [s.final for s in states]
         usage = self.usage(len(prompt), finals)
         speculation = aggregate_speculation([f.speculation for f in finals])
-        self.record(usage, speculation)
+        self.record(response_id, usage, speculation, finals)
         choices = [
             ChatCompletionChoice(index=i, message=ResponseMessage(content=s.text), finish_reason=s.final.finish_reason)
             for i, s in enumerate(states)

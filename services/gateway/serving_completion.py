@@ -63,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = [s.final for s in states]
         usage = self.usage(prompt_tokens, finals)
         speculation = aggregate_speculation([f.speculation for f in finals])
-        self.record(usage, speculation)
+        self.record(response_id, usage, speculation, finals)
         choices = [
             CompletionChoice(index=i, text=s.text, finish_reason=s.final.finish_reason) for i, s in enumerate(states)
         ]

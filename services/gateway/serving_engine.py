@@ -204,7 +204,24 @@ class OpenAIServing:
             prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
         )
 
-    def record(self, usage: UsageInfo, speculation: SpeculationInfo) -> None:
+    def record(
+        self, response_id: str, usage: UsageInfo, speculation: SpeculationInfo, finals: list[GenerationFinal]
+    ) -> None:
+        """Count a finished response in the metrics and log one line about it."""
+        log.info(
+            "completion",
+            extra={
+                "request_id": response_id,
+                "endpoint": self.endpoint,
+                "choices": len(finals),
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "finish_reasons": [f.finish_reason for f in finals],
+                "workers": sorted({f.worker for f in finals}),
+                "accept_length": round(speculation.accept_length, 3),
+                "draft_version": speculation.draft_version,
+            },
+        )
         self.metrics.prompt_tokens.labels(self.endpoint).inc(usage.prompt_tokens)
         self.metrics.completion_tokens.labels(self.endpoint).inc(usage.completion_tokens)
         self.metrics.draft_tokens.inc(speculation.draft_tokens)
@@ -246,7 +263,7 @@ class OpenAIServing:
                     continue
                 usage = self.usage(prompt_tokens, list(finals.values()))
                 speculation = aggregate_speculation([f.speculation for f in finals.values()])
-                self.record(usage, speculation)
+                self.record(response_id, usage, speculation, list(finals.values()))
                 if include_usage:
                     yield chunk([finish_choice(index, event.finish_reason)])
                     yield chunk([], usage=usage, speculation=speculation)

@@ -137,17 +137,19 @@ class WorkerPool:
                 log.exception("worker poll failed")
             await asyncio.sleep(self.poll_interval_s)
 
-    async def poll(self) -> None:
-        """Ask every worker for its status once (concurrently)."""
+    async def poll(self, max_age_s: float = 0.0) -> None:
+        """Ask every worker for its status (concurrently), unless a poll finished within `max_age_s`
+        (checked under the lock, so a crowd of callers causes one poll, not one each)."""
         assert self._poll_lock is not None, "start() first"
         async with self._poll_lock:
+            if max_age_s and time.monotonic() - self._last_poll_s <= max_age_s:
+                return
             await asyncio.gather(*(self._poll_one(w) for w in self.workers))
             self._last_poll_s = time.monotonic()
 
     async def refresh(self, max_age_s: float = 0.25) -> None:
         """Poll now unless a poll finished within `max_age_s` (used when no worker looks healthy)."""
-        if time.monotonic() - self._last_poll_s > max_age_s:
-            await self.poll()
+        await self.poll(max_age_s)
 
     async def _poll_one(self, w: Worker) -> None:
         try:

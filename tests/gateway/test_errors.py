@@ -49,6 +49,7 @@ CASES = [
     ("chat-empty-messages", CHAT, chat(messages=[]), 400, "messages", "invalid_value"),
     ("chat-messages-not-list", CHAT, chat(messages="hi"), 400, "messages", "invalid_value"),
     ("chat-missing-model", CHAT, {"messages": MESSAGES}, 400, "model", "missing_required_parameter"),
+    ("chat-null-model", CHAT, chat(model=None), 400, "model", "missing_required_parameter"),
     ("chat-unknown-model", CHAT, chat(model="gpt-5"), 404, "model", "model_not_found"),
     ("chat-bad-role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role", None),
     (
@@ -223,6 +224,7 @@ def test_streaming_request_errors_before_the_stream_starts(client):
             ),
         ),
         (COMPLETIONS, completion(echo=False, best_of=1, logprobs=None, suffix=None, user="u1", unknown_knob=3)),
+        (CHAT, chat(n=None, stream=None, temperature=None, top_p=None, stop=None, seed=None, stream_options=None)),
     ],
 )
 def test_harmless_parameters_are_accepted(client, path, body):

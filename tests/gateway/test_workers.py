@@ -120,17 +120,21 @@ def test_no_healthy_worker_then_a_worker_appears(spawn_worker, tokenizer):
 
 
 def test_stream_disconnect_cancels_upstream(gateway, worker):
+    wait_for(lambda: running(worker.address) == 0, timeout_s=15, what="an idle worker")
     with (
         httpx.Client(base_url=gateway, timeout=60) as client,
         client.stream("POST", CHAT, json={**LONG, "stream": True}) as response,
     ):
-        first_content(response.iter_lines())
-        assert running(worker.address) == 1
+        lines = response.iter_lines()  # one iterator: dropping an httpx line iterator closes the stream
+        first_content(lines)
+        now = running(worker.address)
+        assert now == 1, f"{now} requests on the worker"
         # 3500 tokens take the worker ~10 s; a cancelled request leaves at once.
     wait_for(lambda: running(worker.address) == 0, timeout_s=3, what="the worker to drop the request")
 
 
 def test_non_streaming_disconnect_cancels_upstream(gateway, worker):
+    wait_for(lambda: running(worker.address) == 0, timeout_s=15, what="an idle worker")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{gateway}{CHAT}", json={**LONG, "n": 2}, timeout=1.0)
     wait_for(lambda: running(worker.address) == 0, timeout_s=3, what="the worker to drop both choices")
