@@ -7,7 +7,9 @@ import logging
 import sys
 import time
 
+# LogRecord's own attributes (not `extra` fields); uvicorn's color_message duplicates msg.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+_STANDARD.add("color_message")
 
 
 class JsonFormatter(logging.Formatter):
