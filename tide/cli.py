@@ -1,32 +1,43 @@
-"""The `tide` console script: one entry point, subcommands registered by the parts that own them."""
-
-from __future__ import annotations
+"""The `tide` console script; subcommands are added as the project grows (one `add_*_parser`
+function per subcommand, each setting `func`, the handler that returns the exit status)."""
 
 import argparse
 import sys
+from pathlib import Path
 
 
-def _bench(args) -> int:
-    if args.bench == "engine":
-        from services.inference.bench_engine import run_cli
+def add_up_parser(subparsers) -> None:
+    """`tide up`: the whole stack on loopback (see tide.launcher)."""
+    p = subparsers.add_parser("up", help="start the whole stack locally (no Docker); Ctrl-C stops it",
+                              description="Start Redis, S3 (SeaweedFS), registry, trainer, controller, inference "
+                                          "worker(s) and the gateway on 127.0.0.1, health-gated in order.")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free port) [8000]")
+    p.add_argument("--workers", type=int, default=1, help="inference workers [1]")
+    p.add_argument("--target", default="ref", help="target model: 'ref', a HF directory or a .gguf file [ref]")
+    p.add_argument("--drafter", default="ngram", choices=("ngram", "none", "eagle3"),
+                   help="drafter the workers start with [ngram]")
+    p.add_argument("--data-dir", type=Path, default=Path("var"),
+                   help="run logs (run-<time>/), S3 data and trainer outputs [var]")
+    p.add_argument("--no-collection", action="store_true", help="do not collect hidden states for training")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take to start")
+    p.set_defaults(func=_up)
 
-        return run_cli(args)
-    raise SystemExit(f"unknown benchmark {args.bench!r}")
 
+def _up(args) -> int:
+    from tide.launcher import StackConfig, up
 
-def add_bench_parser(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks that print JSON and a short table")
-    kinds = bench.add_subparsers(dest="bench", required=True)
-    from services.inference.bench_engine import add_arguments as engine_args
-
-    engine_args(kinds.add_parser("engine", help="latency table, speculative tokens/s, overheads"))
-    bench.set_defaults(func=_bench)
+    if args.workers < 1 or not 0 <= args.port < 65536:
+        print("tide up: --workers must be >= 1 and --port in [0, 65535]", file=sys.stderr)
+        return 2
+    return up(StackConfig(port=args.port, workers=args.workers, target=args.target, drafter=args.drafter,
+                          data_dir=args.data_dir, collection=not args.no_collection,
+                          startup_timeout_s=args.startup_timeout))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tide", description="TIDE: self-improving speculative decoding")
+    parser = argparse.ArgumentParser(prog="tide")
     subparsers = parser.add_subparsers(dest="command")
-    add_bench_parser(subparsers)
+    add_up_parser(subparsers)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -1,0 +1,77 @@
+"""The launcher's wiring without starting anything: every variable `service_env` sets is one the
+service reads, the addresses line up, the CLI parses, and the health probes answer truthfully."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from launcher.envkeys import SERVICES, keys_read
+
+from services.controller.decisions import StaticDecision
+from tide import cli
+from tide.grpcutil import GrpcServer
+from tide.launcher import SERVICES as LAUNCHED
+from tide.launcher import Endpoints, StackConfig, grpc_serving, http_ok, service_command, service_env
+from tide.servers import free_port
+
+EP = Endpoints(redis_url="redis://127.0.0.1:1/0", s3_endpoint="127.0.0.1:2", s3_access_key="a", s3_secret_key="s",
+               admin_token="t", registry="127.0.0.1:3", trainer="127.0.0.1:4", controller="127.0.0.1:5",
+               workers=("127.0.0.1:6", "127.0.0.1:7"), gateway_host="127.0.0.1", gateway_port=8000,
+               metrics={"registry": 9, "inference-1": 10})
+
+
+def test_every_variable_the_launcher_sets_is_read_by_its_service():
+    assert LAUNCHED == SERVICES
+    cfg = StackConfig(workers=2)
+    for name in SERVICES:
+        env = service_env(name, cfg, EP, index=1)
+        assert set(env) <= keys_read(name), (name, set(env) - keys_read(name))
+        assert all(isinstance(v, str) for v in env.values())
+        assert service_command(name)[1:] == ["-m", f"services.{name}"]
+    with pytest.raises(ValueError):
+        service_env("scheduler", cfg, EP)
+
+
+def test_the_services_point_at_each_other():
+    cfg = StackConfig(workers=2, collection=False, drafter="none", target="/models/x")
+    env = {name: service_env(name, cfg, EP, index=1) for name in SERVICES}
+    assert env["inference"]["TIDE_LISTEN"] == "127.0.0.1:7" and env["inference"]["TIDE_METRICS_PORT"] == "10"
+    assert env["inference"]["TIDE_COLLECTION"] == "0" and env["inference"]["TIDE_DRAFTER"] == "none"
+    assert env["gateway"]["TIDE_WORKERS"] == env["controller"]["TIDE_CONTROLLER_WORKERS"] == "127.0.0.1:6,127.0.0.1:7"
+    assert env["trainer"]["TIDE_CONTROLLER_ADDR"] == env["controller"]["TIDE_CONTROLLER_LISTEN"]
+    assert {env[n]["TIDE_TARGET"] for n in ("inference", "gateway", "trainer")} == {"/models/x"}
+    assert env["registry"]["TIDE_REGISTRY_METRICS_PORT"] == "9" and env["trainer"]["TIDE_TRAINER_METRICS_PORT"] == "0"
+    decision = StaticDecision.from_json(env["controller"]["TIDE_CONTROLLER_DECISION"])  # valid for the controller
+    assert (decision.collection_enabled, decision.drafter, decision.policy) == (False, "none", None)
+    for name in ("registry", "trainer", "controller", "inference"):
+        assert env[name]["TIDE_ADMIN_TOKEN"] == "t"
+    assert "TIDE_ADMIN_TOKEN" not in env["gateway"] and json.dumps(env)  # the gateway needs no admin token
+
+
+def test_cli_parses_up(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("tide.launcher.up", lambda cfg: seen.setdefault("cfg", cfg) and 0)
+    assert cli.main(["up", "--port", "0", "--workers", "2", "--target", "t", "--no-collection",
+                     "--data-dir", "/tmp/x"]) == 0
+    cfg = seen["cfg"]
+    assert (cfg.port, cfg.workers, cfg.target, cfg.collection, str(cfg.data_dir)) == (0, 2, "t", False, "/tmp/x")
+    assert cli.main(["up", "--workers", "0"]) == 2
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--drafter", "medusa"])
+
+
+def test_probes_tell_the_truth():
+    closed = f"127.0.0.1:{free_port()}"
+    assert not grpc_serving(closed, timeout_s=0.5) and not http_ok(f"http://{closed}/ready", timeout_s=0.5)
+    with GrpcServer() as server:
+        assert grpc_serving(server.target)
+        probe = [sys.executable, "-m", "tide.launcher", "probe", "grpc"]
+        assert subprocess.run([*probe, server.target], timeout=30).returncode == 0
+        server.set_serving("", False)
+        assert not grpc_serving(server.target)
+    assert subprocess.run([*probe, closed], timeout=30).returncode == 1
+    assert subprocess.run([sys.executable, "-m", "tide.launcher", "probe"], timeout=30,
+                          capture_output=True).returncode == 2

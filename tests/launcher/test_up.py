@@ -1,0 +1,150 @@
+"""`tide up` end to end, as an operator runs it: a tiny target with the reference tokenizer (each
+step takes milliseconds), real Redis and S3, every service a process. The stack answers /ready, a
+completion works with speculation on, the controller's decision reached the worker, Ctrl-C
+(SIGINT) stops every process; a service that cannot start takes the ones started before it down."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from support.engine import save_tiny_target
+
+from tide.grpcutil import channel
+from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
+from tide.servers import free_port
+from tide.target import resolve_target
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("up-target")
+    save_tiny_target(path, vocab=49152, layers=8, max_position_embeddings=4096)  # 8: distinct aux layers
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(resolve_target("ref").path / name, path / name)
+    return path
+
+
+class Up:
+    """`python -m tide.cli up ...` with its output collected line by line."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tide.cli", "up", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_line(self, pattern: str, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if m := re.search(pattern, self.text):
+                return m
+            assert self.proc.poll() is None, f"tide up exited with {self.proc.returncode}:\n{self.text}"
+            time.sleep(0.2)
+        raise AssertionError(f"no line matching {pattern!r} after {timeout_s} s:\n{self.text}")
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in re.findall(r"pid (\d+)", self.text)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(600)
+def test_tide_up_serves_and_ctrl_c_stops_everything(chat_target, tmp_path):
+    port, data = free_port(), tmp_path / "var"
+    up = Up("--target", str(chat_target), "--port", str(port), "--data-dir", str(data))
+    try:
+        m = up.wait_for_line(r"stack ready in ([\d.]+) s: (\S+)", 420)
+        base = m.group(2)
+        assert base == f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, timeout=60) as client:
+            assert client.get("/ready").status_code == 200
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            r = client.post("/v1/completions", json={"model": model, "prompt": "The capital of France is",
+                                                     "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert 1 <= body["usage"]["completion_tokens"] <= 12 and body["choices"][0]["text"]
+        (run_dir,) = data.glob("run-*")
+        state = json.loads((run_dir / "stack.json").read_text())
+        assert set(state["pids"]) == {"redis", "s3", "registry", "trainer", "controller", "inference-0", "gateway"}
+        for name in ("registry", "trainer", "controller", "inference-0", "gateway"):
+            first = (run_dir / f"{name}.log").read_text().splitlines()[0]
+            assert json.loads(first)  # JSON logs, one file per service
+        worker = inference_pb2_grpc.InferenceServiceStub(channel(state["endpoints"]["workers"][0]))
+        st = worker.GetStatus(inference_pb2.GetWorkerStatusRequest(), timeout=10)
+        assert st.drafter == "ngram" and st.collection_enabled  # speculation on, collecting
+        deadline = time.monotonic() + 30
+        while not st.last_decision_id.startswith("static-") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            st = worker.GetStatus(inference_pb2.GetWorkerStatusRequest(), timeout=10)
+        assert st.last_decision_id.startswith("static-")  # the controller pushed its decision
+        pids = list(state["pids"].values())
+        assert all(alive(p) for p in pids)
+
+        up.proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert up.proc.wait(90) == 0, up.text
+        assert "stopped" in up.text
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+@pytest.mark.timeout(300)
+def test_a_service_that_cannot_start_stops_the_others(tmp_path):
+    bad_target = tmp_path / "not-a-model"
+    bad_target.mkdir()
+    up = Up("--target", str(bad_target), "--port", str(free_port()), "--data-dir", str(tmp_path / "var"))
+    try:
+        assert up.proc.wait(240) == 1, up.text
+        time.sleep(0.5)
+        assert "inference-0 exited with status" in up.text and "config.json" in up.text  # the log tail says why
+        pids = up.pids()
+        assert len(pids) == 6  # redis, s3, registry, trainer, controller, inference-0
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_launcher_leaves_nothing_behind(tmp_path):
+    up = Up("--target", str(tmp_path / "unused"), "--port", str(free_port()), "--data-dir", str(tmp_path / "var"))
+    try:
+        up.wait_for_line(r"controller ready", 240)
+        assert all(alive(p) for p in up.pids()[:5])  # redis, s3, registry, trainer, controller
+        up.proc.kill()  # SIGKILL: no chance to clean up; PR_SET_PDEATHSIG does it
+        up.proc.wait(10)
+        time.sleep(0.5)  # the output reader has every line
+        pids = up.pids()
+        assert len(pids) >= 5
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()

@@ -1,0 +1,324 @@
+"""`tide up`: the whole stack on loopback without Docker, as processes, health-gated in order.
+
+Real Redis (`tide.servers.RedisServer`) and a real S3-compatible server (SeaweedFS, `S3Server`),
+then registry, trainer, controller, inference worker(s) and gateway, each `python -m services.<name>`
+configured only by environment variables. `service_env` is the one place that says which variables
+each service gets; docker-compose.yml sets the same ones (tests/compose checks it). A service counts
+as started when its gRPC health check says SERVING (the gateway: `GET /ready` answers 200, i.e. a
+worker can serve). Logs go to `<data dir>/run-<time>/<service>.log`, with `stack.json` (addresses,
+pids) and `admin-token` beside them; S3 data persists in `<data dir>/s3`.
+
+If a service fails to start, those already started are stopped and the log tail is shown. SIGINT
+(Ctrl-C) or SIGTERM stops everything in reverse order (SIGTERM, then SIGKILL after a grace period);
+a service that dies while the stack runs brings the stack down too (exit status 1). Children get
+PR_SET_PDEATHSIG, so even a killed launcher leaves nothing behind.
+
+`python -m tide.launcher probe grpc HOST:PORT | probe http URL` exits 0 when the target is healthy:
+the same checks, used by docker-compose healthchecks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tide.servers import LOOPBACK, RedisServer, S3Server, ServerError, free_port
+
+SERVICES = ("registry", "trainer", "controller", "inference", "gateway")  # start order
+BUCKET, STREAM_PREFIX = "tide", "tide"
+
+
+class StackError(RuntimeError):
+    """The stack could not start (the message names the service and shows its log tail)."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What `tide up` was asked for. `port` 0 = any free port for the gateway."""
+
+    port: int = 8000
+    workers: int = 1
+    target: str = "ref"
+    drafter: str = "ngram"
+    data_dir: Path = Path("var")
+    collection: bool = True
+    startup_timeout_s: float = 600.0
+    stop_timeout_s: float = 15.0
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where everything listens (host:port), and the credentials services share."""
+
+    redis_url: str
+    s3_endpoint: str
+    s3_access_key: str
+    s3_secret_key: str
+    admin_token: str
+    registry: str
+    trainer: str
+    controller: str
+    workers: tuple[str, ...]
+    gateway_host: str
+    gateway_port: int
+    metrics: dict[str, int] = field(default_factory=dict)  # service (inference-<i>) -> Prometheus port
+    work_dir: str = "var/trainer"
+
+
+def service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int = 0) -> dict[str, str]:
+    """The `TIDE_*` environment of service `name` (worker `index` for inference): the single source
+    of truth for how the services are wired, also checked against docker-compose.yml."""
+    s3 = {"TIDE_S3_ENDPOINT": ep.s3_endpoint, "TIDE_S3_ACCESS_KEY": ep.s3_access_key,
+          "TIDE_S3_SECRET_KEY": ep.s3_secret_key, "TIDE_S3_BUCKET": BUCKET}
+    redis = {"TIDE_REDIS_URL": ep.redis_url, "TIDE_STREAM_PREFIX": STREAM_PREFIX}
+    admin = {"TIDE_ADMIN_TOKEN": ep.admin_token}
+    port = lambda key: str(ep.metrics.get(key, 0))  # noqa: E731
+    if name == "registry":
+        return {**s3, **admin, "TIDE_REGISTRY_LISTEN": ep.registry, "TIDE_REGISTRY_METRICS_PORT": port(name)}
+    if name == "trainer":
+        return {**s3, **redis, **admin, "TIDE_TRAINER_LISTEN": ep.trainer, "TIDE_TRAINER_METRICS_PORT": port(name),
+                "TIDE_TARGET": cfg.target, "TIDE_TRAINER_WORK_DIR": ep.work_dir, "TIDE_CONTROLLER_ADDR": ep.controller}
+    if name == "controller":
+        decision = {"speculation": True, "collection_enabled": cfg.collection, "drafter": cfg.drafter,
+                    "reason": "tide up: static decision"}
+        return {**redis, **admin, "TIDE_CONTROLLER_LISTEN": ep.controller, "TIDE_CONTROLLER_METRICS_PORT": port(name),
+                "TIDE_CONTROLLER_WORKERS": ",".join(ep.workers), "TIDE_CONTROLLER_DECISION": json.dumps(decision)}
+    if name == "inference":
+        return {**s3, **redis, **admin, "TIDE_LISTEN": ep.workers[index], "TIDE_TARGET": cfg.target,
+                "TIDE_METRICS_PORT": port(f"inference-{index}"), "TIDE_WORKER_ID": f"worker-{index}",
+                "TIDE_DRAFTER": cfg.drafter, "TIDE_COLLECTION": "1" if cfg.collection else "0"}
+    if name == "gateway":
+        return {"TIDE_GATEWAY_HOST": ep.gateway_host, "TIDE_GATEWAY_PORT": str(ep.gateway_port),
+                "TIDE_WORKERS": ",".join(ep.workers), "TIDE_TARGET": cfg.target}
+    raise ValueError(f"unknown service {name!r}; known: {', '.join(SERVICES)}")
+
+
+def service_command(name: str) -> list[str]:
+    """How a service is started (compose uses the same module with the image's python)."""
+    if name not in SERVICES:
+        raise ValueError(f"unknown service {name!r}")
+    return [sys.executable, "-m", f"services.{name}"]
+
+
+# --------------------------------------------------------------------------------------- probes
+
+
+def grpc_serving(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether the gRPC health check of `address` ("" = the whole server) says SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tide.grpcutil import channel
+
+    ch = channel(address)
+    try:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except Exception:
+        return False
+    finally:
+        ch.close()
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether GET `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+# -------------------------------------------------------------------------------------- process
+
+
+# Children ask Linux to SIGTERM them when the launcher dies (PR_SET_PDEATHSIG), then exec the service.
+# This runs in the child's own Python, not as a preexec_fn: a fork() of the launcher after it used
+# gRPC (the probes) can deadlock in gRPC's fork handlers; without preexec_fn, Python spawns with
+# vfork(), which runs no fork handlers.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def spawn_command(cmd: list[str]) -> list[str]:
+    """`cmd` wrapped so that it dies with this process (Linux; elsewhere `cmd` itself)."""
+    if not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+
+
+class ServiceProcess:
+    """One service: a subprocess in its own session (Ctrl-C reaches only the launcher), logging to a file."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, probe) -> None:
+        self.name, self.cmd, self.env, self.log_path, self.probe = name, cmd, env, log_path, probe
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(spawn_command(self.cmd), env={**os.environ, **self.env},
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait_ready(self, timeout_s: float, stop: threading.Event) -> None:
+        t0, deadline = time.monotonic(), time.monotonic() + timeout_s
+        while not self.probe():
+            if self.proc.poll() is not None:
+                raise StackError(f"{self.name} exited with status {self.proc.returncode} during start-up; "
+                                 f"log {self.log_path}:\n{self.log_tail()}")
+            if stop.is_set():
+                raise StackError(f"interrupted while {self.name} was starting")
+            if time.monotonic() > deadline:
+                raise StackError(f"{self.name} not ready after {timeout_s:.0f} s; log {self.log_path}:\n"
+                                 f"{self.log_tail()}")
+            stop.wait(0.2)
+        self.startup_s = time.monotonic() - t0
+
+    def stop(self, timeout_s: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+class Stack:
+    """Starts and stops the whole stack; `processes` in start order once `start()` returned."""
+
+    def __init__(self, cfg: StackConfig, stop: threading.Event | None = None, out=sys.stdout) -> None:
+        self.cfg, self.stop_event, self.out = cfg, stop or threading.Event(), out
+        self.run_dir = Path(cfg.data_dir) / time.strftime("run-%Y%m%d-%H%M%S")
+        self.servers: list = []
+        self.processes: list[ServiceProcess] = []
+        self.endpoints: Endpoints | None = None
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def start(self) -> Endpoints:
+        """Start everything in order; on any failure stop what was started and raise StackError."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            redis = RedisServer(workdir=self.run_dir / "redis").start()
+            self.servers.append(redis)
+            s3 = S3Server(workdir=Path(self.cfg.data_dir) / "s3").start()
+            self.servers.append(s3)
+            self.say(f"redis ready on {redis.url} ({redis.startup_s:.1f} s, pid {redis.pid})\n"
+                     f"s3 ready on {s3.url} ({s3.startup_s:.1f} s, pid {s3.pid}; data in {s3.workdir})")
+            self.endpoints = ep = self._endpoints(redis.url, s3.endpoint)
+            token_file = self.run_dir / "admin-token"
+            token_file.write_text(ep.admin_token)
+            token_file.chmod(0o600)
+            for name in SERVICES:
+                for i in range(self.cfg.workers if name == "inference" else 1):
+                    self._start_service(name, ep, i)
+        except BaseException:
+            self.stop()
+            raise
+        self._write_state()
+        return ep
+
+    def _endpoints(self, redis_url: str, s3_endpoint) -> Endpoints:
+        names = ["registry", "trainer", "controller"] + [f"inference-{i}" for i in range(self.cfg.workers)]
+        return Endpoints(
+            redis_url=redis_url, s3_endpoint=s3_endpoint.endpoint, s3_access_key=s3_endpoint.access_key,
+            s3_secret_key=s3_endpoint.secret_key, admin_token=secrets.token_urlsafe(24),
+            registry=f"{LOOPBACK}:{free_port()}", trainer=f"{LOOPBACK}:{free_port()}",
+            controller=f"{LOOPBACK}:{free_port()}",
+            workers=tuple(f"{LOOPBACK}:{free_port()}" for _ in range(self.cfg.workers)), gateway_host=LOOPBACK,
+            gateway_port=self.cfg.port or free_port(), metrics={n: free_port() for n in names},
+            work_dir=str(Path(self.cfg.data_dir).resolve() / "trainer"))
+
+    def _start_service(self, name: str, ep: Endpoints, index: int) -> None:
+        label = f"{name}-{index}" if name == "inference" else name
+        if name == "gateway":
+            address = f"http://{ep.gateway_host}:{ep.gateway_port}"
+            probe = lambda: http_ok(f"{address}/ready")  # noqa: E731
+        else:
+            address = {"registry": ep.registry, "trainer": ep.trainer, "controller": ep.controller}.get(
+                name) or ep.workers[index]
+            probe = lambda: grpc_serving(address)  # noqa: E731
+        p = ServiceProcess(label, service_command(name), service_env(name, self.cfg, ep, index),
+                           self.run_dir / f"{label}.log", probe)
+        self.processes.append(p)
+        p.start()
+        self.say(f"{label} starting (pid {p.proc.pid})")
+        p.wait_ready(self.cfg.startup_timeout_s, self.stop_event)
+        self.say(f"{label} ready on {address} ({p.startup_s:.1f} s)")
+
+    def _write_state(self) -> None:
+        ep = self.endpoints
+        state = {"endpoints": {k: v for k, v in asdict(ep).items() if "secret" not in k and k != "admin_token"},
+                 "pids": {p.name: p.proc.pid for p in self.processes} | {
+                     s.name: s.pid for s in self.servers}, "run_dir": str(self.run_dir)}
+        (self.run_dir / "stack.json").write_text(json.dumps(state, indent=2))
+
+    def dead(self) -> ServiceProcess | None:
+        return next((p for p in self.processes if p.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        """Stop services in reverse start order, then S3 and Redis (idempotent)."""
+        for p in reversed(self.processes):
+            p.stop(self.cfg.stop_timeout_s)
+        for s in reversed(self.servers):
+            s.stop()
+        self.processes, self.servers = [], []
+
+
+def up(cfg: StackConfig, out=sys.stdout) -> int:
+    """Run the stack until SIGINT/SIGTERM (0) or until a service dies (1); 1 if it cannot start."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stack, t0 = Stack(cfg, stop, out), time.monotonic()
+    try:
+        stack.say(f"starting the TIDE stack (target {cfg.target}, {cfg.workers} worker(s)); logs in {stack.run_dir}")
+        ep = stack.start()
+        base = f"http://{ep.gateway_host}:{ep.gateway_port}"
+        stack.say(f"stack ready in {time.monotonic() - t0:.1f} s: {base}\n"
+                  f"  OpenAI API base URL: {base}/v1\n"
+                  f"  admin: TIDE_REGISTRY_ADDR={ep.registry} TIDE_ADMIN_TOKEN=$(cat {stack.run_dir}/admin-token) "
+                  f"tidectl drafts list\n  Ctrl-C stops everything")
+        while not stop.wait(1.0):
+            if (p := stack.dead()) is not None:
+                stack.say(f"{p.name} exited with status {p.proc.returncode}; stopping the stack. Log tail:\n"
+                          f"{p.log_tail()}")
+                return 1
+        stack.say("stopping")
+        return 0
+    except (StackError, ServerError) as e:
+        stack.say(f"tide up failed: {e}")
+        return 1
+    finally:
+        stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stack.say("stopped")
+
+
+def _probe_main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "probe" and argv[1] in ("grpc", "http"):
+        return 0 if (grpc_serving if argv[1] == "grpc" else http_ok)(argv[2]) else 1
+    print("usage: python -m tide.launcher probe grpc HOST:PORT | probe http URL", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_probe_main(sys.argv[1:]))
