@@ -12,7 +12,6 @@ import argparse
 import json
 import statistics
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,84 +20,11 @@ from services.inference.engine.drafters import NgramDrafter
 from services.inference.engine.drafters.eagle3 import Eagle3Drafter
 from services.inference.engine.engine import CapturedRows, EngineConfig, LLMEngine
 from services.inference.engine.llama import LlamaModel
-from services.inference.engine.model_runner import ModelRunner
-from services.inference.engine.sequence import SamplingParams, Sequence
-from tide.eagle3 import Eagle3Config, Eagle3Draft
+from services.inference.engine.sequence import SamplingParams
+from services.inference.profiling import CONTEXT, profile_draft, profile_target, random_draft
 from tide.policies import FixedGamma
 from tide.prompts import encode_prompt, load_prompts
 from tide.target import load_tokenizer, resolve_target
-
-CONTEXT = 128  # cached tokens per sequence when timing forwards (a typical chat prompt length)
-
-
-def _median_ms(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def _fake_seqs(batch: int, length: int) -> list[Sequence]:
-    seqs = []
-    for i in range(batch):
-        s = Sequence(f"b{i}", [1] * length, length, SamplingParams())
-        s.slot, s.num_cached = i, length - 1
-        seqs.append(s)
-    return seqs
-
-
-def profile_target(model: LlamaModel, batches, ns, reps: int) -> dict:
-    """T(b, n) in ms: one forward of n new tokens for each of b sequences at CONTEXT cached tokens."""
-    runner = ModelRunner(model, max(batches), CONTEXT + max(ns) + 8, max(ns) + 1)
-    table: dict[int, dict[int, float]] = {}
-    for b in batches:
-        seqs = _fake_seqs(b, CONTEXT)
-        table[b] = {}
-        for n in ns:
-            toks = [[7] * n for _ in range(b)]
-            fwd = partial(runner.run, seqs, toks, [CONTEXT] * b, [0] * b, False)
-            table[b][n] = round(_median_ms(fwd, reps), 3)
-    return table
-
-
-def random_draft(model: LlamaModel, draft_vocab: int = 8192) -> Eagle3Draft:
-    """A random EAGLE-3 draft of the production shape: right for latency, useless for acceptance."""
-    cfg = model.cfg
-    target = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-              "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-              "max_position_embeddings": cfg.max_position_embeddings}
-    draft = Eagle3Draft(Eagle3Config.for_target(target, draft_vocab_size=draft_vocab)).to(model.dtype)
-    draft.set_embedding(model.embed)
-    return draft
-
-
-def profile_draft(drafter: Eagle3Drafter, model: LlamaModel, batches, lags, reps: int) -> tuple[dict, dict]:
-    """(D(b) ms: one draft step with one new feature row; catch-up ms: extra cost of a lag)."""
-    from services.inference.engine.features import FeatureStore
-
-    width = 3 * model.cfg.hidden_size
-    store = FeatureStore(max(batches), CONTEXT + max(lags) + 16, width, model.dtype, model.device)
-    store.rows.normal_()
-    step_ms, catchup = {}, {}
-    for b in batches:
-        seqs = _fake_seqs(b, CONTEXT + max(lags))
-        for s in seqs:
-            drafter.add_sequence(s)
-
-        def run(lag: int, seqs=seqs) -> None:
-            for s in seqs:
-                drafter._consumed[s.request_id] = s.num_cached - lag
-            drafter.propose(seqs, [1] * len(seqs), store, [None] * len(seqs))
-
-        step_ms[b] = round(_median_ms(partial(run, 1), reps), 3)
-        catchup[b] = {lag: round(max(0.0, _median_ms(partial(run, lag), reps) - step_ms[b]), 3) for lag in lags}
-    return step_ms, catchup
 
 
 def throughput(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:

@@ -1,0 +1,109 @@
+"""profile_latency / cached_profile / LiveProfile on the tiny target (shapes and plumbing, no timing claims)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.inference.control import DecisionError, PolicySpec, build_policy
+from services.inference.engine.drafters import NgramDrafter
+from services.inference.engine.drafters.eagle3 import Eagle3Drafter
+from services.inference.profiling import (
+    LiveProfile,
+    cached_profile,
+    default_grid,
+    profile_latency,
+    random_draft,
+    wants_profile,
+)
+from tide.policies import RequestView, StepContext, StepFeedback
+from tide.policies.profile import LatencyProfile, synthetic_profile
+from tide.policies.registry import make_policy
+
+BATCHES, NS, LAGS = [1, 2, 4], [1, 2, 3, 4], [1, 4]
+
+
+def _ctx(b: int) -> StepContext:
+    return StepContext(batch_size=b, requests=tuple(RequestView(f"r{i}") for i in range(b)), max_gamma=3)
+
+
+def _finite_positive(values) -> bool:
+    return all(math.isfinite(v) and v >= 0 for v in values)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "none"])
+def test_profile_is_well_formed_and_drives_policies(tiny_model, kind):
+    drafter = {"ngram": NgramDrafter(), "none": None,
+               "eagle3": Eagle3Drafter(random_draft(tiny_model, tiny_model.cfg.vocab_size), "rand", 4, 256)}[kind]
+    prof = profile_latency(tiny_model, drafter, BATCHES, NS, LAGS, reps=1)
+    assert sorted(prof.T_ms) == BATCHES and all(sorted(row) == NS for row in prof.T_ms.values())
+    assert _finite_positive(v for row in prof.T_ms.values() for v in row.values())
+    assert all(v > 0 for row in prof.T_ms.values() for v in row.values())
+    assert sorted(prof.D_ms) == BATCHES and _finite_positive(prof.D_ms.values())
+    assert prof.D0_ms == prof.D_ms[1] and prof.prefill_ms_per_token > 0
+    if kind == "eagle3":
+        assert sorted(prof.C_ms) == BATCHES and all(sorted(r) == LAGS for r in prof.C_ms.values())
+    else:
+        assert prof.C_ms == {} and (kind != "none" or set(prof.D_ms.values()) == {0.0})
+    assert prof.meta["drafter"]["algorithm"] == kind
+    again = LatencyProfile.from_json(prof.to_json())  # JSON round trip (what decisions and the cache carry)
+    assert again.T_ms == prof.T_ms and again.D_ms == prof.D_ms and again.C_ms == prof.C_ms
+    # interpolation stays inside the grid's envelope (well-formed: no negative or runaway values)
+    assert min(min(r.values()) for r in prof.T_ms.values()) <= prof.target_ms(3, 2.5) <= max(
+        max(r.values()) for r in prof.T_ms.values())
+    for name in ("tide", "adaptive", "nightjar", "dsd", "onthefly", "vllm"):
+        pol = make_policy(name, {}, again)
+        for b in (1, 3, 4):
+            gammas = pol.decide(_ctx(b))
+            assert len(gammas) == b and all(0 <= g <= 3 for g in gammas)
+            pol.observe(StepFeedback(batch_size=b, gammas=tuple(gammas), accepted=tuple(min(g, 1) for g in gammas),
+                                     step_ms=1.0, draft_ms=0.1, verify_ms=0.9))
+
+
+def test_cache_hit_on_second_call_and_keyed_by_drafter(tiny_model, tmp_path):
+    kw = dict(model_id="tiny", batches=[1, 2], ns=[1, 2], lags=[1], reps=1, directory=tmp_path)
+    first, path, hit = cached_profile(tiny_model, NgramDrafter(), **kw)
+    assert not hit and path.exists() and path.parent == tmp_path
+    second, path2, hit2 = cached_profile(tiny_model, NgramDrafter(), **kw)
+    assert hit2 and path2 == path and second.T_ms == first.T_ms and second.D_ms == first.D_ms
+    other, path3, hit3 = cached_profile(tiny_model, NgramDrafter(max_n=5), **kw)  # another drafter shape
+    assert not hit3 and path3 != path
+    threads = torch.get_num_threads()
+    try:  # the thread count is part of the key
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert cached_profile(tiny_model, NgramDrafter(), **kw)[1] != path
+    finally:
+        torch.set_num_threads(threads)
+    _, path4, hit4 = cached_profile(tiny_model, NgramDrafter(), refresh=True, **kw)
+    assert not hit4 and path4 == path
+    path.write_text("{not json")  # a corrupt cache file is re-measured, not fatal
+    assert not cached_profile(tiny_model, NgramDrafter(), **kw)[2]
+
+
+def test_live_profile_refresh_in_place_and_reprofile_decision():
+    calls = []
+
+    def remeasure() -> LatencyProfile:
+        calls.append(1)
+        return synthetic_profile(d0_ms=9.0)
+
+    live = LiveProfile.wrap(synthetic_profile(), remeasure)
+    assert live.draft_ms(1) == pytest.approx(1.7)
+    pol = build_policy(PolicySpec("adaptive", {"reprofile": 1.0}), live)
+    assert calls == [1] and live.draft_ms(1) == pytest.approx(9.0) and pol.profile is live
+    build_policy(PolicySpec("adaptive", {}), live)
+    assert calls == [1]
+    with pytest.raises(DecisionError, match="reprofile"):
+        build_policy(PolicySpec("tide", {"reprofile": 1.0}), synthetic_profile())
+
+
+def test_wants_profile_and_grid():
+    assert wants_profile("adaptive", "auto") and wants_profile("tide", "") and not wants_profile("static", "auto")
+    assert wants_profile("static", "1") and not wants_profile("adaptive", "0")
+    with pytest.raises(ValueError):
+        wants_profile("tide", "sometimes")
+    batches, ns, lags = default_grid(16, 6)
+    assert batches == [1, 2, 4, 8, 16] and ns[0] == 1 and ns[-1] == 7 and lags
+    assert default_grid(12, 3)[0] == [1, 2, 4, 8, 12] and default_grid(12, 3)[1] == [1, 2, 3, 4]
