@@ -11,13 +11,15 @@ import json
 import logging
 import numbers
 from dataclasses import dataclass
+from pathlib import Path
 
 import urllib3
 from minio import Minio
 
-from services.inference.control import PolicySpec
+from services.inference.control import DecisionError, PolicySpec, make_drafter
 from services.inference.engine.engine import EngineConfig, LLMEngine
 from services.inference.exporter import ChunkExporter
+from services.inference.profiling import PROFILE_POLICIES, LiveProfile, cached_profile, default_grid, wants_profile
 from services.inference.server import serve
 from services.inference.settings import InferenceSettings
 from services.inference.telemetry import TelemetryPublisher
@@ -52,6 +54,31 @@ def policy_spec(name: str, params) -> PolicySpec:
     scalars = {k: float(v) for k, v in params.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
     rest = {k: v for k, v in params.items() if k not in scalars}
     return PolicySpec(name, scalars, json.dumps(rest, sort_keys=True) if rest else "")
+
+
+def start_profile(settings: InferenceSettings, model, model_id: str) -> LatencyProfile | None:
+    """The worker's latency profile: TIDE_LATENCY_PROFILE's file, else (TIDE_PROFILE_AT_START) one
+    measured here — from the disk cache when this target/dtype/device/threads/drafter was profiled
+    before — as a `LiveProfile` that a `reprofile` decision re-measures. None: no profile."""
+    if settings.latency_profile:
+        return LatencyProfile.load(settings.latency_profile)
+    if not wants_profile(settings.policy, settings.profile_at_start):
+        return None
+    try:
+        drafter = make_drafter(settings.drafter)
+    except DecisionError:  # a drafter this worker cannot build fails the worker anyway; time the target
+        drafter = None
+    batches, ns, lags = default_grid(settings.max_batch, settings.max_gamma)
+    cache = Path(settings.profile_cache_dir) if settings.profile_cache_dir else None
+
+    def measure(refresh: bool) -> LatencyProfile:
+        prof, path, hit = cached_profile(model, drafter, model_id=model_id, batches=batches, ns=ns, lags=lags,
+                                         directory=cache, refresh=refresh)
+        log.info("latency profile %s (%s): %s", path, "cached" if hit else f"measured in {prof.meta['profile_s']} s",
+                 json.dumps({k: v for k, v in prof.to_dict().items() if k != "meta"}, sort_keys=True))
+        return prof
+
+    return LiveProfile.wrap(measure(False), lambda: measure(True))
 
 
 def s3_client(settings: InferenceSettings) -> Minio:
@@ -110,8 +137,11 @@ def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: 
                              chunk_tokens=settings.chunk_tokens, buffers=settings.chunk_buffers,
                              flush_interval_s=settings.flush_interval_s, key_prefix=settings.chunk_prefix,
                              pin_memory=model.device.type == "cuda")
-    profile = LatencyProfile.load(settings.latency_profile) if settings.latency_profile else None
-    worker = Worker(engine, policy=policy_spec(settings.policy, settings.policy_params), drafter=settings.drafter,
+    profile = start_profile(settings, model, model_id)
+    params = dict(settings.policy_params)
+    if profile is not None and settings.policy in PROFILE_POLICIES:
+        params.setdefault("profile", profile.to_dict())  # GetStatus shows the table the policy runs on
+    worker = Worker(engine, policy=policy_spec(settings.policy, params), drafter=settings.drafter,
                     tokenizer=tokenizer, exporter=exporter, collection=settings.collection,
                     max_queue=settings.max_queue, forced_gamma=settings.forced_gamma, profile=profile,
                     device=str(model.device))

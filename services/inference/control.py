@@ -129,10 +129,17 @@ def _param(value: Any) -> Any:
 def build_policy(spec: PolicySpec, profile: LatencyProfile | None = None) -> GammaPolicy:
     """A fresh policy from `spec`. `table_json` is a JSON object: its key "profile" (optional) is a
     LatencyProfile (`LatencyProfile.to_dict()` shape) used instead of the worker's `profile`; every
-    other key is a structured keyword argument of the policy (e.g. vLLM's per-batch-size table)."""
+    other key is a structured keyword argument of the policy (e.g. vLLM's per-batch-size table).
+    The scalar param `reprofile` = 1 first re-measures the worker's profile (a
+    `services.inference.profiling.LiveProfile`) in place; it is not passed to the policy."""
     if spec.name not in POLICY_NAMES:
         raise DecisionError(f"unknown gamma policy {spec.name!r}; known: {', '.join(POLICY_NAMES)}")
     params = {str(k): _param(v) for k, v in spec.params.items()}
+    if params.pop("reprofile", 0):  # re-measure the worker's profile in place (blocks this step)
+        if not hasattr(profile, "refresh"):
+            raise DecisionError("reprofile: this worker has no measured latency profile "
+                                "(start it with TIDE_PROFILE_AT_START=1)")
+        profile.refresh()
     if spec.table_json:
         try:
             table = json.loads(spec.table_json)

@@ -17,6 +17,9 @@ Environment variables (all optional; defaults in brackets):
     TIDE_POLICY               γ policy name (tide.policies.registry.POLICY_NAMES)              [static]
     TIDE_POLICY_PARAMS        JSON object: the policy's keyword arguments                      [{"gamma": 3}]
     TIDE_LATENCY_PROFILE      path of a LatencyProfile JSON for policies that need one        [none]
+    TIDE_PROFILE_AT_START     auto | 1 | 0: measure T(b, n), D(b) at start when no profile file is
+                              given (auto: for policies that take a profile; see profiling.py)  [auto]
+    TIDE_PROFILE_CACHE_DIR    where measured profiles are cached                [~/.cache/tide/profiles]
     TIDE_FORCED_GAMMA         γ for requests with speculative=true where the policy says 0     [3]
     TIDE_COLLECTION           1/0: hidden-state export on at start                             [0]
     TIDE_CHUNK_TOKENS         rows per hidden-state chunk                                      [2048]
@@ -76,6 +79,8 @@ class InferenceSettings:
     policy: str = "static"
     policy_params: Mapping[str, Any] = field(default_factory=lambda: {"gamma": 3})
     latency_profile: str = ""
+    profile_at_start: str = "auto"
+    profile_cache_dir: str = ""
     forced_gamma: int = 3
     collection: bool = False
     chunk_tokens: int = 2048
@@ -103,6 +108,9 @@ class InferenceSettings:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.flush_interval_s <= 0 or self.telemetry_interval_s <= 0:
             raise ValueError("flush and telemetry intervals must be > 0 seconds")
+        if self.profile_at_start.strip().lower() not in ("auto", "", "1", "0", "true", "false", "yes", "no", "on",
+                                                          "off"):
+            raise ValueError(f"TIDE_PROFILE_AT_START must be auto, 1 or 0, got {self.profile_at_start!r}")
         if not isinstance(self.policy_params, Mapping):
             raise ValueError("TIDE_POLICY_PARAMS must be a JSON object")
         # A read-only copy: the settings object is shared and must never change.
@@ -149,6 +157,8 @@ class InferenceSettings:
             policy=get("policy", "TIDE_POLICY"),
             policy_params=get("policy_params", "TIDE_POLICY_PARAMS", json.loads),
             latency_profile=get("latency_profile", "TIDE_LATENCY_PROFILE"),
+            profile_at_start=get("profile_at_start", "TIDE_PROFILE_AT_START"),
+            profile_cache_dir=get("profile_cache_dir", "TIDE_PROFILE_CACHE_DIR"),
             forced_gamma=get("forced_gamma", "TIDE_FORCED_GAMMA", int),
             collection=get("collection", "TIDE_COLLECTION", _bool),
             chunk_tokens=get("chunk_tokens", "TIDE_CHUNK_TOKENS", int),
