@@ -34,10 +34,35 @@ def _up(args) -> int:
                           startup_timeout_s=args.startup_timeout))
 
 
+def _bench(args) -> int:
+    if args.bench == "engine":
+        from services.inference.bench_engine import run_cli
+
+        return run_cli(args)
+    if args.bench == "policies":
+        from services.inference.bench_policies import run_cli
+
+        return run_cli(args)
+    raise SystemExit(f"unknown benchmark {args.bench!r}")
+
+
+def add_bench_parser(subparsers) -> None:
+    """`tide bench engine|policies`: benchmarks that print a short table and write JSON."""
+    bench = subparsers.add_parser("bench", help="benchmarks that print JSON and a short table")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    from services.inference.bench_engine import add_arguments as engine_args
+    from services.inference.bench_policies import add_arguments as policies_args
+
+    engine_args(kinds.add_parser("engine", help="latency table, speculative tokens/s, overheads"))
+    policies_args(kinds.add_parser("policies", help="every γ policy on the real engine over a load trace"))
+    bench.set_defaults(func=_bench)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tide")
     subparsers = parser.add_subparsers(dest="command")
     add_up_parser(subparsers)
+    add_bench_parser(subparsers)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -1,0 +1,368 @@
+"""`tide bench policies`: every γ policy on the real engine, one seeded load trace (seed 001 Table 2's shape).
+
+One process, one model (the reference target in bf16 unless `--target`), one drafter (EAGLE-3 from
+`--draft DIR`, else the n-gram drafter), one profiled LatencyProfile (services.inference.profiling,
+disk-cached) given to every policy that takes one. The trace is wall-clock: phases of open-loop
+arrivals — Poisson at several rates and a bursty phase (geometric bursts, mean `burst` requests at
+once) — carrying prompts mixed from ../shared/data (Spec-Bench, GSM8K, HumanEval, Alpaca; greedy,
+max_tokens drawn per request). The same trace replays for: no speculation (static γ = 0), static
+γ ∈ {1..5}, the peers (vllm, sglang, dsd, nightjar, onthefly, fsm, cache-fsm) and ours (tide,
+adaptive), each on a fresh engine.
+
+Per policy and phase (requests belong to the phase they arrive in; tokens to the phase in which
+they are emitted; tokens emitted after the trace ends count only in `overall`):
+  tok_s           output tokens emitted in the phase / phase seconds  (overall: all tokens / makespan)
+  mean_latency_s  p99_latency_s   arrival → last token, completed requests, seconds
+  tpot_ms         mean (finish − first token) / (output tokens − 1), ms
+  mean_gamma      mean γ over the phase's decode rows;  accept_length: mean tokens per speculative row
+The oracle per phase is the best static γ (0 included) by tok_s in that phase. `--quick` runs
+3 phases × 10 s and drops static γ = 2 and 4 (oracle over {0, 1, 3, 5}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from services.inference.engine.drafters import NgramDrafter
+from services.inference.engine.drafters.eagle3 import Eagle3Drafter
+from services.inference.engine.engine import EngineConfig, LLMEngine
+from services.inference.engine.sequence import SamplingParams
+from services.inference.profiling import cached_profile, default_grid
+from tide.policies import FixedGamma
+from tide.policies.profile import LatencyProfile
+from tide.policies.registry import make_policy
+from tide.prompts import encode_prompt, load_prompts
+
+PEERS = ("vllm", "sglang", "dsd", "nightjar", "onthefly", "fsm", "cache-fsm")
+OURS = ("tide", "adaptive")
+PROMPT_FILES = ("spec_bench_questions.jsonl", "gsm8k_test.jsonl", "humaneval.jsonl.gz", "alpaca_seed_tasks.jsonl")
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """`rate_rps` Poisson arrivals for `duration_s` s; `burst` > 1: arrivals come in geometric bursts of that mean."""
+
+    name: str
+    duration_s: float
+    rate_rps: float
+    burst: float = 1.0
+
+
+QUICK_PHASES = (PhaseSpec("low", 10, 0.3), PhaseSpec("high", 10, 4.0), PhaseSpec("bursty", 10, 1.0, burst=6))
+FULL_PHASES = (PhaseSpec("low", 30, 0.3), PhaseSpec("mid", 30, 1.2), PhaseSpec("high", 30, 4.0),
+               PhaseSpec("bursty", 30, 1.0, burst=6), PhaseSpec("low-2", 30, 0.3))
+
+
+@dataclass(frozen=True)
+class Arrival:
+    t_s: float
+    phase: int
+    prompt: int
+    max_tokens: int
+
+
+def make_trace(phases, n_prompts: int, seed: int, tokens: tuple[int, int]) -> list[Arrival]:
+    """Seeded arrivals (times in s from the trace start), each with a prompt index and max_tokens."""
+    rng, out, start = random.Random(seed), [], 0.0
+    for i, ph in enumerate(phases):
+        t = start
+        while ph.rate_rps > 0:
+            t += rng.expovariate(ph.rate_rps / ph.burst)
+            if t >= start + ph.duration_s:
+                break
+            k = 1 if ph.burst <= 1 else 1 + int(math.log(1 - rng.random()) / math.log(1 - 1 / ph.burst))
+            out += [Arrival(t, i, rng.randrange(n_prompts), rng.randint(*tokens)) for _ in range(k)]
+        start += ph.duration_s
+    return out
+
+
+def policy_list(quick: bool) -> list[tuple[str, str, dict]]:
+    """(label, registry name, params) in run order."""
+    statics = (1, 3, 5) if quick else (1, 2, 3, 4, 5)
+    return ([("none", "static", {"gamma": 0})] + [(f"static-{g}", "static", {"gamma": g}) for g in statics]
+            + [(p, p, {}) for p in PEERS + OURS])
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))] if s else math.nan
+
+
+class _Acc:
+    def __init__(self) -> None:
+        self.tokens = self.rows = self.gamma = self.spec_rows = self.spec_tokens = self.steps = self.batch = 0
+
+
+def _stats(acc: _Acc, seconds: float, reqs: list[dict]) -> dict:
+    done = [r for r in reqs if r["finish"] is not None]
+    lat = [r["finish"] - r["arrival"] for r in done]
+    tpot = [(r["finish"] - r["first"]) / (r["n"] - 1) * 1e3 for r in done if r["n"] > 1]
+    mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else math.nan  # noqa: E731
+    return {"tok_s": round(acc.tokens / seconds, 2) if seconds > 0 else math.nan, "tokens": acc.tokens,
+            "seconds": round(seconds, 2), "requests": len(reqs), "completed": len(done),
+            "mean_latency_s": mean(lat), "p99_latency_s": round(_pct(lat, 0.99), 4), "tpot_ms": mean(tpot),
+            "mean_gamma": round(acc.gamma / acc.rows, 3) if acc.rows else 0.0,
+            "accept_length": round(acc.spec_tokens / acc.spec_rows, 3) if acc.spec_rows else 1.0,
+            "mean_batch": round(acc.batch / acc.steps, 2) if acc.steps else 0.0, "steps": acc.steps}
+
+
+def run_policy(model, drafter, policy, prompts: list[list[int]], trace: list[Arrival], phases, cfg: EngineConfig,
+               drain_s: float, bin_s: float = 0.5) -> dict:
+    """Replay `trace` in wall-clock time on a fresh engine under `policy`; stats per phase and overall."""
+    engine = LLMEngine(model, cfg, drafter=drafter, policy=policy)
+    starts = [sum(p.duration_s for p in phases[:i]) for i in range(len(phases))]
+    end = sum(p.duration_s for p in phases)
+    accs, drain = [_Acc() for _ in phases], _Acc()
+    reqs = [{"arrival": a.t_s, "phase": a.phase, "first": None, "finish": None, "n": 0} for a in trace]
+    bins: dict[int, list[float]] = {}
+    t0 = time.perf_counter()
+    now = lambda: time.perf_counter() - t0  # noqa: E731
+    acc_at = lambda t: drain if t >= end else accs[max(i for i, s in enumerate(starts) if s <= t)]  # noqa: E731
+
+    def on_step(rec) -> None:
+        if not rec.batch_size:
+            return
+        t, a = now(), None
+        a = acc_at(t)
+        g = sum(rec.gammas)
+        a.steps, a.batch, a.rows, a.gamma = a.steps + 1, a.batch + rec.batch_size, a.rows + rec.batch_size, a.gamma + g
+        spec = [v + 1 for gg, v in zip(rec.gammas, rec.accepted, strict=True) if gg > 0]
+        a.spec_rows, a.spec_tokens = a.spec_rows + len(spec), a.spec_tokens + sum(spec)
+        b = bins.setdefault(int(t / bin_s), [0, 0, 0])
+        b[0], b[1], b[2] = b[0] + 1, b[1] + rec.batch_size, b[2] + g / rec.batch_size
+
+    engine.step_listeners.append(on_step)
+    nxt = 0
+    while True:
+        t = now()
+        while nxt < len(trace) and trace[nxt].t_s <= t:
+            a = trace[nxt]
+            engine.add_request(f"r{nxt}", prompts[a.prompt], SamplingParams(max_tokens=a.max_tokens))
+            nxt += 1
+        if engine.has_work():
+            if t > end + drain_s:
+                break
+            outs = engine.step()
+            t = now()
+            for o in outs:
+                r = reqs[int(o.request_id[1:])]
+                if o.new_token_ids and r["first"] is None:
+                    r["first"] = t
+                r["n"] += len(o.new_token_ids)
+                acc_at(t).tokens += len(o.new_token_ids)
+                if o.finished:
+                    r["finish"] = t
+        elif nxt < len(trace):
+            time.sleep(min(max(trace[nxt].t_s - t, 0.0), 0.05))
+        else:
+            break
+    makespan = now()
+    total = _Acc()
+    for a in [*accs, drain]:
+        for k in vars(total):
+            setattr(total, k, getattr(total, k) + getattr(a, k))
+    by_phase = [[r for r in reqs if r["phase"] == i] for i in range(len(phases))]
+    return {"phases": {ph.name: _stats(accs[i], ph.duration_s, by_phase[i]) for i, ph in enumerate(phases)},
+            "overall": _stats(total, makespan, reqs), "unfinished": sum(r["finish"] is None for r in reqs),
+            "timeline": [[round(k * bin_s, 2), round(v[1] / v[0], 2), round(v[2] / v[0], 3)]
+                         for k, v in sorted(bins.items())]}
+
+
+def oracle(results: dict, phases) -> dict:
+    """Best static γ (0 = none included) per phase by tok_s."""
+    statics = {k: v for k, v in results.items() if k == "none" or k.startswith("static-")}
+    out = {}
+    for ph in phases:
+        best = max(statics, key=lambda k: statics[k]["phases"][ph.name]["tok_s"])
+        out[ph.name] = {"policy": best, "gamma": 0 if best == "none" else int(best.split("-")[1]),
+                        "tok_s": statics[best]["phases"][ph.name]["tok_s"]}
+    return out
+
+
+def checks(results: dict, orc: dict, low: str = "low", high: str = "high") -> dict:
+    """The issue's done-when ratios for each of our policies (and which one is best overall)."""
+    tok = lambda k, ph=None: results[k]["overall"]["tok_s"] if ph is None else results[k]["phases"][ph]["tok_s"]  # noqa: E731
+    ratio = lambda a, b: round(a / b, 3) if b > 0 else math.nan  # noqa: E731
+    out = {}
+    for ours in [p for p in OURS if p in results]:
+        r = {"vs_static3_overall": ratio(tok(ours), tok("static-3")),
+             "vs_none_high": ratio(tok(ours, high), tok("none", high)),
+             "vs_oracle_low": ratio(tok(ours, low), orc[low]["tok_s"]),
+             "vs_peers_overall": {p: ratio(tok(ours), tok(p)) for p in PEERS if p in results}}
+        r["meets"] = {"static3_x1.10": r["vs_static3_overall"] >= 1.10, "none_high_x0.97": r["vs_none_high"] >= 0.97,
+                      "oracle_low_x0.97": r["vs_oracle_low"] >= 0.97,
+                      "beats_all_peers": all(v > 1.0 for v in r["vs_peers_overall"].values())}
+        out[ours] = r
+    if out:
+        out["best"] = max(out, key=lambda k: tok(k))
+    return out
+
+
+def plots(res: dict, out_dir: Path) -> list[str]:
+    """throughput.png (tok/s per phase per policy) and gamma.png (γ and batch over time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pols, phases = list(res["policies"]), [p["name"] for p in res["trace"]["phases"]]
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(pols) * len(phases) / 2), 4.5))
+    w = 0.8 / len(pols)
+    for j, p in enumerate(pols):
+        ax.bar([i + j * w for i in range(len(phases))], [res["policies"][p]["phases"][ph]["tok_s"] for ph in phases],
+               w, label=p)
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(phases))], phases)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"throughput per phase ({res['drafter']} drafter)")
+    ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput.png", dpi=110)
+    plt.close(fig)
+    fig, (top, bot) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for p in pols:
+        tl = res["policies"][p]["timeline"]
+        if p == "none":
+            top.plot([x[0] for x in tl], [x[1] for x in tl], color="k", label="batch (none)")
+        if not p.startswith("static") and p != "none":
+            bot.plot([x[0] for x in tl], [x[2] for x in tl], label=p, lw=1.2 if p in OURS else 0.7)
+    edge = 0.0
+    for ph in res["trace"]["phases"]:
+        for a in (top, bot):
+            a.axvline(edge, color="grey", ls=":", lw=0.8)
+        top.text(edge + 0.2, 0.5, ph["name"], fontsize=8)
+        edge += ph["duration_s"]
+    top.set_ylabel("running batch")
+    bot.set_ylabel("mean γ per step")
+    bot.set_xlabel("seconds since trace start")
+    bot.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "gamma.png", dpi=110)
+    plt.close(fig)
+    return [str(out_dir / "throughput.png"), str(out_dir / "gamma.png")]
+
+
+def load_prompt_mix(tokenizer, files, per_file: int, max_len: int, seed: int) -> list[list[int]]:
+    """Token ids of up to `per_file` prompts from each file (≤ max_len tokens), shuffled with `seed`."""
+    enc = []
+    for f in files:
+        enc += [ids for ids in (encode_prompt(tokenizer, p) for p in load_prompts(f, limit=per_file))
+                if len(ids) <= max_len]
+    random.Random(seed).shuffle(enc)
+    return enc
+
+
+def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
+    """The benchmark; `model`/`tokenizer`/`model_id` may be passed in (tests), else `args.target` is loaded."""
+    t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if model is None:
+        from services.inference.engine.llama import LlamaModel
+        from tide.target import load_tokenizer, resolve_target
+
+        target = resolve_target(args.target)
+        model = LlamaModel.load(target, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+        tokenizer, model_id = load_tokenizer(target), target.model_id
+    phases = args.phases or (QUICK_PHASES if args.quick else FULL_PHASES)
+    cfg = EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_prompt + args.max_tokens + 8,
+                       max_gamma=args.max_gamma, seed=args.seed)
+    prompts = args.prompt_ids or load_prompt_mix(tokenizer, args.prompts, 60, args.max_prompt, args.seed)
+    if args.draft:
+        base = Eagle3Drafter.from_checkpoint(args.draft, model, Path(args.draft).name, cfg.max_batch, cfg.max_seq_len)
+        new_drafter = lambda: Eagle3Drafter(base.draft, base.version, cfg.max_batch, cfg.max_seq_len)  # noqa: E731
+        drafter_name = f"eagle3:{args.draft}"
+    else:
+        new_drafter, drafter_name = NgramDrafter, "ngram"
+    batches, ns, lags = default_grid(cfg.max_batch, cfg.max_gamma)
+    prof, prof_path, hit = cached_profile(model, new_drafter(), model_id=model_id or "model", batches=batches, ns=ns,
+                                          lags=lags, reps=args.profile_reps, directory=args.profile_cache)
+    print(f"profile {'from cache' if hit else 'measured'}: {prof_path}", flush=True)
+    trace = make_trace(phases, len(prompts), args.seed, (args.min_tokens, args.max_tokens))
+    LLMEngine(model, cfg, drafter=new_drafter(), policy=FixedGamma(2)).generate(  # warm-up: batch shapes
+        prompts[: cfg.max_batch], SamplingParams(max_tokens=4))
+    res: dict = {"target": model_id, "dtype": str(model.dtype).removeprefix("torch."), "drafter": drafter_name,
+                 "threads": torch.get_num_threads(), "quick": bool(args.quick), "max_batch": cfg.max_batch,
+                 "max_gamma": cfg.max_gamma, "profile": {"path": str(prof_path), "cached": hit, **prof.to_dict()},
+                 "trace": {"seed": args.seed, "requests": len(trace), "phases": [asdict(p) for p in phases],
+                           "tokens": [args.min_tokens, args.max_tokens], "prompts": len(prompts)},
+                 "policies": {}}
+    for label, name, params in (args.policies or policy_list(args.quick)):
+        pol = FixedGamma(params["gamma"]) if name == "static" else make_policy(name, params, _copy(prof))
+        load = os.getloadavg()[0]
+        r = run_policy(model, new_drafter(), pol, prompts, trace, phases, cfg, args.drain_s)
+        r["loadavg_1m"] = round(load, 2)
+        res["policies"][label] = r
+        o = r["overall"]
+        print(f"  {label:10s} {o['tok_s']:7.1f} tok/s  lat {o['mean_latency_s']:6.2f}s  γ {o['mean_gamma']:.2f}  "
+              f"acc {o['accept_length']:.2f}  " + "  ".join(f"{k} {v['tok_s']:.1f}" for k, v in r["phases"].items())
+              + f"  (load {load:.1f})", flush=True)
+    res["oracle"] = oracle(res["policies"], phases)
+    names = [p.name for p in phases]
+    high = max(phases, key=lambda p: p.rate_rps).name
+    res["checks"] = checks(res["policies"], res["oracle"], names[0], high) if "static-3" in res["policies"] else {}
+    res["wall_s"] = round(time.perf_counter() - t_start, 1)
+    return res
+
+
+def _copy(prof: LatencyProfile) -> LatencyProfile:
+    return LatencyProfile.from_dict(prof.to_dict())  # policies must not share memo state
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="3 phases x 10 s, static γ ∈ {1, 3, 5} (< 10 min)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plots", type=Path, help="directory for throughput.png and gamma.png")
+    parser.add_argument("--target", default="ref")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--draft", help="EAGLE-3 checkpoint dir (default: the n-gram drafter)")
+    parser.add_argument("--prompts", nargs="+", default=list(PROMPT_FILES), help="prompt files mixed into the trace")
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--max-gamma", type=int, default=6)
+    parser.add_argument("--max-prompt", type=int, default=192, help="prompts longer than this are skipped")
+    parser.add_argument("--min-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--drain-s", type=float, default=20.0, help="most seconds to finish requests after the trace")
+    parser.add_argument("--profile-reps", type=int, default=5)
+    parser.add_argument("--profile-cache", type=Path, default=None, help="profile cache dir [$TIDE_PROFILE_CACHE_DIR]")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.set_defaults(phases=None, policies=None, prompt_ids=None)
+
+
+def print_table(res: dict) -> None:
+    phases = [p["name"] for p in res["trace"]["phases"]]
+    print(f"\n{'policy':11s}{'overall':>9s}" + "".join(f"{p:>9s}" for p in phases) + "  lat_s  p99_s  tpot  γ    acc")
+    for k, r in res["policies"].items():
+        o = r["overall"]
+        print(f"{k:11s}{o['tok_s']:9.1f}" + "".join(f"{r['phases'][p]['tok_s']:9.1f}" for p in phases)
+              + f"  {o['mean_latency_s']:5.2f}  {o['p99_latency_s']:5.2f}  {o['tpot_ms']:4.0f}  "
+              f"{o['mean_gamma']:.2f} {o['accept_length']:.2f}")
+    print("oracle: " + ", ".join(f"{p}: {v['policy']} {v['tok_s']:.1f}" for p, v in res["oracle"].items()))
+    print("checks: " + json.dumps(res["checks"]))
+
+
+def run_cli(args) -> int:
+    res = run(args)
+    if args.plots:
+        res["plots"] = plots(res, args.plots)
+    print_table(res)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tide bench policies", description=__doc__)
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
