@@ -34,6 +34,9 @@ from pathlib import Path
 from tide.servers import LOOPBACK, RedisServer, S3Server, ServerError, free_port
 
 SERVICES = ("registry", "trainer", "controller", "inference", "gateway")  # start order
+# Services of one phase are spawned together, then each is awaited. The gateway's /ready already
+# waits for a worker that can serve, so it loads while the workers load their model.
+PHASES = (("registry",), ("trainer",), ("controller",), ("inference", "gateway"))
 BUCKET, STREAM_PREFIX = "tide", "tide"
 
 
@@ -158,19 +161,21 @@ def spawn_command(cmd: list[str]) -> list[str]:
 class ServiceProcess:
     """One service: a subprocess in its own session (Ctrl-C reaches only the launcher), logging to a file."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, probe) -> None:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, address: str, probe) -> None:
         self.name, self.cmd, self.env, self.log_path, self.probe = name, cmd, env, log_path, probe
+        self.address = address
         self.proc: subprocess.Popen | None = None
-        self.startup_s: float | None = None
+        self.startup_s: float | None = None  # spawn -> healthy
 
     def start(self) -> None:
+        self._t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(spawn_command(self.cmd), env={**os.environ, **self.env},
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
     def wait_ready(self, timeout_s: float, stop: threading.Event) -> None:
-        t0, deadline = time.monotonic(), time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s
         while not self.probe():
             if self.proc.poll() is not None:
                 raise StackError(f"{self.name} exited with status {self.proc.returncode} during start-up; "
@@ -181,7 +186,7 @@ class ServiceProcess:
                 raise StackError(f"{self.name} not ready after {timeout_s:.0f} s; log {self.log_path}:\n"
                                  f"{self.log_tail()}")
             stop.wait(0.2)
-        self.startup_s = time.monotonic() - t0
+        self.startup_s = time.monotonic() - self._t0
 
     def stop(self, timeout_s: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -227,9 +232,12 @@ class Stack:
             token_file = self.run_dir / "admin-token"
             token_file.write_text(ep.admin_token)
             token_file.chmod(0o600)
-            for name in SERVICES:
-                for i in range(self.cfg.workers if name == "inference" else 1):
-                    self._start_service(name, ep, i)
+            for phase in PHASES:
+                spawned = [self._spawn(name, ep, i) for name in phase
+                           for i in range(self.cfg.workers if name == "inference" else 1)]
+                for p in spawned:
+                    p.wait_ready(self.cfg.startup_timeout_s, self.stop_event)
+                    self.say(f"{p.name} ready on {p.address} ({p.startup_s:.1f} s)")
         except BaseException:
             self.stop()
             raise
@@ -247,7 +255,7 @@ class Stack:
             gateway_port=self.cfg.port or free_port(), metrics={n: free_port() for n in names},
             work_dir=str(Path(self.cfg.data_dir).resolve() / "trainer"))
 
-    def _start_service(self, name: str, ep: Endpoints, index: int) -> None:
+    def _spawn(self, name: str, ep: Endpoints, index: int) -> ServiceProcess:
         label = f"{name}-{index}" if name == "inference" else name
         if name == "gateway":
             address = f"http://{ep.gateway_host}:{ep.gateway_port}"
@@ -257,12 +265,11 @@ class Stack:
                 name) or ep.workers[index]
             probe = lambda: grpc_serving(address)  # noqa: E731
         p = ServiceProcess(label, service_command(name), service_env(name, self.cfg, ep, index),
-                           self.run_dir / f"{label}.log", probe)
+                           self.run_dir / f"{label}.log", address, probe)
         self.processes.append(p)
         p.start()
         self.say(f"{label} starting (pid {p.proc.pid})")
-        p.wait_ready(self.cfg.startup_timeout_s, self.stop_event)
-        self.say(f"{label} ready on {address} ({p.startup_s:.1f} s)")
+        return p
 
     def _write_state(self) -> None:
         ep = self.endpoints

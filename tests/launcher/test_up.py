@@ -123,7 +123,7 @@ def test_a_service_that_cannot_start_stops_the_others(tmp_path):
         time.sleep(0.5)
         assert "inference-0 exited with status" in up.text and "config.json" in up.text  # the log tail says why
         pids = up.pids()
-        assert len(pids) == 6  # redis, s3, registry, trainer, controller, inference-0
+        assert len(pids) == 7  # redis, s3, registry, trainer, controller, inference-0, gateway (spawned with it)
         assert [p for p in pids if alive(p)] == []
     finally:
         if up.proc.poll() is None:
@@ -145,6 +145,28 @@ def test_a_killed_launcher_leaves_nothing_behind(tmp_path):
         while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert [p for p in pids if alive(p)] == []
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+@pytest.mark.timeout(600)
+def test_readme_command_serves_the_reference_model(tmp_path):
+    """`tide up` with its defaults (the reference SmolLM2 target, speculation on), on a free port."""
+    up = Up("--port", "0", "--data-dir", str(tmp_path / "var"))
+    try:
+        m = up.wait_for_line(r"stack ready in ([\d.]+) s: (\S+)", 500)
+        print(f"reference stack ready in {m.group(1)} s")  # shown with -s; the README quotes it
+        with httpx.Client(base_url=m.group(2), timeout=120) as client:
+            r = client.post("/v1/chat/completions", json={
+                "model": "SmolLM2-135M-Instruct", "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert "Paris" in body["choices"][0]["message"]["content"]
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(90) == 0, up.text
+        assert [p for p in up.pids() if alive(p)] == []
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
