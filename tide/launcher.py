@@ -8,13 +8,11 @@ as started when its gRPC health check says SERVING (the gateway: `GET /ready` an
 worker can serve). Logs go to `<data dir>/run-<time>/<service>.log`, with `stack.json` (addresses,
 pids) and `admin-token` beside them; S3 data persists in `<data dir>/s3`.
 
-If a service fails to start, those already started are stopped and the log tail is shown. SIGINT
-(Ctrl-C) or SIGTERM stops everything in reverse order (SIGTERM, then SIGKILL after a grace period);
-a service that dies while the stack runs brings the stack down too (exit status 1). Children get
-PR_SET_PDEATHSIG, so even a killed launcher leaves nothing behind.
-
-`python -m tide.launcher probe grpc HOST:PORT | probe http URL` exits 0 when the target is healthy:
-the same checks, used by docker-compose healthchecks.
+If a service fails to start, those already started are stopped and its log tail is shown. Ctrl-C
+(SIGINT) or SIGTERM stops everything in reverse order (SIGTERM, SIGKILL after a grace period); a
+service dying while the stack runs brings it down too (exit 1). Children get PR_SET_PDEATHSIG, so
+even a killed launcher leaves nothing behind. `python -m tide.launcher probe grpc HOST:PORT | probe
+http URL` exits 0 when the target is healthy: the same checks, used by docker-compose healthchecks.
 """
 
 from __future__ import annotations
@@ -38,6 +36,9 @@ SERVICES = ("registry", "trainer", "controller", "inference", "gateway")  # star
 # waits for a worker that can serve, so it loads while the workers load their model.
 PHASES = (("registry",), ("trainer",), ("controller",), ("inference", "gateway"))
 BUCKET, STREAM_PREFIX = "tide", "tide"
+# The controller's static decision (docker-compose.yml pushes the same): speculation on at every batch
+# size; drafter, γ policy and collection stay as each worker was configured (TIDE_DRAFTER, ...).
+DECISION = {"speculation": True, "reason": "static decision (tide up / compose)"}
 
 
 class StackError(RuntimeError):
@@ -91,10 +92,8 @@ def service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int = 0) -> d
         return {**s3, **redis, **admin, "TIDE_TRAINER_LISTEN": ep.trainer, "TIDE_TRAINER_METRICS_PORT": port(name),
                 "TIDE_TARGET": cfg.target, "TIDE_TRAINER_WORK_DIR": ep.work_dir, "TIDE_CONTROLLER_ADDR": ep.controller}
     if name == "controller":
-        decision = {"speculation": True, "collection_enabled": cfg.collection, "drafter": cfg.drafter,
-                    "reason": "tide up: static decision"}
         return {**redis, **admin, "TIDE_CONTROLLER_LISTEN": ep.controller, "TIDE_CONTROLLER_METRICS_PORT": port(name),
-                "TIDE_CONTROLLER_WORKERS": ",".join(ep.workers), "TIDE_CONTROLLER_DECISION": json.dumps(decision)}
+                "TIDE_CONTROLLER_WORKERS": ",".join(ep.workers), "TIDE_CONTROLLER_DECISION": json.dumps(DECISION)}
     if name == "inference":
         return {**s3, **redis, **admin, "TIDE_LISTEN": ep.workers[index], "TIDE_TARGET": cfg.target,
                 "TIDE_METRICS_PORT": port(f"inference-{index}"), "TIDE_WORKER_ID": f"worker-{index}",
@@ -143,10 +142,9 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
 # -------------------------------------------------------------------------------------- process
 
 
-# Children ask Linux to SIGTERM them when the launcher dies (PR_SET_PDEATHSIG), then exec the service.
-# This runs in the child's own Python, not as a preexec_fn: a fork() of the launcher after it used
-# gRPC (the probes) can deadlock in gRPC's fork handlers; without preexec_fn, Python spawns with
-# vfork(), which runs no fork handlers.
+# Children ask Linux to SIGTERM them when the launcher dies (PR_SET_PDEATHSIG), then exec the service,
+# in their own Python: a preexec_fn would make Python fork() the launcher, which deadlocked in gRPC's
+# fork handlers once the probes had used gRPC; without one, Python spawns with vfork() (no handlers).
 _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
                     "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
 
@@ -233,6 +231,8 @@ class Stack:
             token_file.write_text(ep.admin_token)
             token_file.chmod(0o600)
             for phase in PHASES:
+                if self.stop_event.is_set():
+                    raise StackError("interrupted during start-up")
                 spawned = [self._spawn(name, ep, i) for name in phase
                            for i in range(self.cfg.workers if name == "inference" else 1)]
                 for p in spawned:
@@ -244,11 +244,11 @@ class Stack:
         self._write_state()
         return ep
 
-    def _endpoints(self, redis_url: str, s3_endpoint) -> Endpoints:
+    def _endpoints(self, redis_url: str, s3) -> Endpoints:  # s3: tide.servers.S3Endpoint
         names = ["registry", "trainer", "controller"] + [f"inference-{i}" for i in range(self.cfg.workers)]
         return Endpoints(
-            redis_url=redis_url, s3_endpoint=s3_endpoint.endpoint, s3_access_key=s3_endpoint.access_key,
-            s3_secret_key=s3_endpoint.secret_key, admin_token=secrets.token_urlsafe(24),
+            redis_url=redis_url, s3_endpoint=s3.endpoint, s3_access_key=s3.access_key, s3_secret_key=s3.secret_key,
+            admin_token=secrets.token_urlsafe(24),
             registry=f"{LOOPBACK}:{free_port()}", trainer=f"{LOOPBACK}:{free_port()}",
             controller=f"{LOOPBACK}:{free_port()}",
             workers=tuple(f"{LOOPBACK}:{free_port()}" for _ in range(self.cfg.workers)), gateway_host=LOOPBACK,

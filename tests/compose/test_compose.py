@@ -5,6 +5,7 @@ offline) when it is installed."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ import yaml
 from launcher.envkeys import SERVICES, keys_read
 
 from services.controller.decisions import StaticDecision
-from tide.launcher import Endpoints, StackConfig, service_command, service_env
+from tide.launcher import DECISION, Endpoints, StackConfig, service_command, service_env
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -78,7 +79,9 @@ def test_addresses_and_health_checks_line_up(compose):
     assert "local/tide" in compose["createbuckets"]["command"][0]
     for name in ("trainer", "controller", "inference"):
         assert e[name]["TIDE_REDIS_URL"].startswith("redis://redis:")
-    StaticDecision.from_json(e["controller"]["TIDE_CONTROLLER_DECISION"])  # the controller accepts it
+    decision = e["controller"]["TIDE_CONTROLLER_DECISION"]
+    assert json.loads(decision) == DECISION  # what tide up pushes
+    StaticDecision.from_json(decision)  # and the controller accepts it
 
 
 def test_start_order_matches_the_launcher(compose):

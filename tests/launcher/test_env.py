@@ -45,7 +45,8 @@ def test_the_services_point_at_each_other():
     assert {env[n]["TIDE_TARGET"] for n in ("inference", "gateway", "trainer")} == {"/models/x"}
     assert env["registry"]["TIDE_REGISTRY_METRICS_PORT"] == "9" and env["trainer"]["TIDE_TRAINER_METRICS_PORT"] == "0"
     decision = StaticDecision.from_json(env["controller"]["TIDE_CONTROLLER_DECISION"])  # valid for the controller
-    assert (decision.collection_enabled, decision.drafter, decision.policy) == (False, "none", None)
+    assert decision.speculation[0].enabled and (decision.collection_enabled, decision.drafter, decision.policy) == (
+        None, None, None)  # the workers' own settings stay
     for name in ("registry", "trainer", "controller", "inference"):
         assert env[name]["TIDE_ADMIN_TOKEN"] == "t"
     assert "TIDE_ADMIN_TOKEN" not in env["gateway"] and json.dumps(env)  # the gateway needs no admin token
