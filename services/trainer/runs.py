@@ -95,7 +95,9 @@ class TrainingRunner:
         self._thread: threading.Thread | None = None
         self.last_outcome: TrainingOutcome | None = None
         # The target's model id names its chunks; resolving "ref" may convert the GGUF once (~20 s).
-        self._target = concurrent.futures.ThreadPoolExecutor(1, "resolve-target").submit(self._resolve)
+        pool = concurrent.futures.ThreadPoolExecutor(1, "resolve-target")
+        self._target = pool.submit(self._resolve)
+        pool.shutdown(wait=False)
 
     def _resolve(self) -> str:
         from tide.target import resolve_target
