@@ -29,7 +29,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tide.servers import LOOPBACK, RedisServer, S3Server, ServerError, free_port
+from tide.servers import LOOPBACK, RedisServer, S3Server, ServerError, die_with_parent_command, free_port
 
 SERVICES = ("registry", "trainer", "controller", "inference", "gateway")  # start order
 # Services of one phase are spawned together, then each is awaited. The gateway's /ready already
@@ -142,18 +142,9 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
 # -------------------------------------------------------------------------------------- process
 
 
-# Children ask Linux to SIGTERM them when the launcher dies (PR_SET_PDEATHSIG), then exec the service,
-# in their own Python: a preexec_fn would make Python fork() the launcher, which deadlocked in gRPC's
-# fork handlers once the probes had used gRPC; without one, Python spawns with vfork() (no handlers).
-_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
-                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
-
-
 def spawn_command(cmd: list[str]) -> list[str]:
-    """`cmd` wrapped so that it dies with this process (Linux; elsewhere `cmd` itself)."""
-    if not sys.platform.startswith("linux"):
-        return cmd
-    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+    """`cmd` wrapped so that it dies with the launcher (see tide.servers.die_with_parent_command)."""
+    return die_with_parent_command(cmd)
 
 
 class ServiceProcess:

@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import io
 import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,19 +151,21 @@ def _listens_on(pid: int, port: int) -> bool:
     return False
 
 
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGTERM the child when its parent thread dies, or None.
+# The child asks Linux to SIGTERM it when its parent dies (PR_SET_PDEATHSIG), checks the parent did
+# not die before that, then execs the real command. Done in a small Python wrapper rather than a
+# preexec_fn: a preexec_fn makes Python fork() the whole parent, which can deadlock inside gRPC's
+# fork handlers once the parent has used gRPC; without one, Python spawns with vfork().
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
 
-    libc's prctl is resolved here, in the parent, so the child (between fork and exec, where
-    only async-signal-safe work is safe) makes one foreign call and nothing else.
-    """
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+def die_with_parent_command(cmd: list[str]) -> list[str]:
+    """`cmd` wrapped so that it dies with this process (Linux; elsewhere `cmd` itself).
+
+    `cmd[0]` must be a path (it is exec'd without a PATH search)."""
+    if not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 class _ManagedProcess:
@@ -237,6 +236,8 @@ class _ManagedProcess:
     def _spawn_and_wait(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)  # stop() may have removed it
         cmd = self._command()
+        if self.die_with_parent:
+            cmd = die_with_parent_command(cmd)
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -246,7 +247,6 @@ class _ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C in a terminal goes to us, we stop it cleanly
-                preexec_fn=_pdeathsig_preexec() if self.die_with_parent else None,
             )
         atexit.register(self.stop)
         deadline = t0 + self.startup_timeout_s

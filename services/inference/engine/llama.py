@@ -66,8 +66,12 @@ class LlamaConfig:
 
     @property
     def aux_layers(self) -> tuple[int, int, int]:
-        """Layers whose outputs EAGLE-3 drafts consume: SGLang's and vLLM's default choice."""
+        """Layers whose outputs EAGLE-3 drafts consume: SGLang's and vLLM's default choice.
+
+        Needs at least 4 layers (L - 4 >= 0); entries may repeat for small L (e.g. L = 6)."""
         n = self.num_layers
+        if n < 4:
+            raise ValueError(f"EAGLE-3 capture needs a target with >= 4 layers, this one has {n}")
         return (1, n // 2 - 1, n - 4)
 
 
@@ -137,7 +141,7 @@ class LlamaModel:
             ))
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.ensure_positions(cfg.max_position_embeddings)
-        self._aux = set(cfg.aux_layers)
+        self._aux = cfg.aux_layers if cfg.num_layers >= 4 else ()
 
     def ensure_positions(self, n: int) -> None:
         """Make the RoPE tables cover positions [0, n) (the cache may hold slack rows past the context)."""
@@ -187,7 +191,7 @@ class LlamaModel:
         if single:
             s0, p0 = fb.slot_range[0], int(fb.positions[0, 0])
         a, b = fb.slot_range if fb.slot_range is not None else (0, 0)
-        aux = []
+        aux: dict[int, torch.Tensor] = {}
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = rms_norm(x, ln1, cfg.rms_norm_eps)
             qkv = qkv_proj(h)
@@ -215,11 +219,13 @@ class LlamaModel:
             gate, up = gate_up_proj(h).chunk(2, dim=-1)
             x = x + down_proj(F.silu(gate) * up)
             if fb.capture and i in self._aux:
-                aux.append(x)
+                aux[i] = x
         final = rms_norm(x, self.norm, cfg.rms_norm_eps)
         flat = final.view(B * q, -1)
         rows = flat if fb.logits_rows is None else flat.index_select(0, fb.logits_rows)
         logits = F.linear(rows, self.lm_head)
         if not fb.capture:
             return logits, None, None
-        return logits, final, torch.cat(aux, dim=-1)
+        if len(self._aux) != 3:
+            raise ValueError("hidden-state capture needs a target with >= 4 layers")
+        return logits, final, torch.cat([aux[i] for i in self._aux], dim=-1)
