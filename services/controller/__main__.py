@@ -15,9 +15,9 @@ import sys
 import threading
 
 from services.controller.app import build
-from services.controller.logs import configure_logging
 from services.controller.metrics import register
 from services.controller.settings import ControllerSettings
+from tide.logs import configure_logging
 
 log = logging.getLogger("services.controller")
 

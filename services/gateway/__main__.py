@@ -10,8 +10,8 @@ import uvicorn
 
 from services.gateway.app import create_app
 from services.gateway.engine_client import GrpcEngineClient
-from services.gateway.logs import configure_logging
 from services.gateway.settings import GatewaySettings
+from tide.logs import configure_logging
 
 log = logging.getLogger("services.gateway")
 
@@ -22,7 +22,7 @@ def main() -> int:
     except ValueError as err:
         print(f"tide gateway: bad configuration: {err}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, reroute=("uvicorn", "uvicorn.error", "uvicorn.access"))
     engine = GrpcEngineClient.from_addresses(settings.workers, settings.poll_interval_s, settings.status_timeout_s)
     app = create_app(settings, engine)
     uvicorn.run(

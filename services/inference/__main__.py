@@ -8,7 +8,6 @@ On a signal the worker stops taking requests (health NOT_SERVING), lets running 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -18,31 +17,13 @@ import time
 
 from services.inference.app import build
 from services.inference.settings import InferenceSettings
+from tide.logs import configure_logging
 
 log = logging.getLogger("services.inference")
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time (unix s), level, logger, message (+ exception)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"time": round(record.created, 3), "level": record.levelname, "logger": record.name,
-               "message": record.getMessage(), "thread": record.threadName}
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
-
-
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-
-
 def main() -> int:
-    setup_logging(os.environ.get("TIDE_LOG_LEVEL", "INFO"))
+    configure_logging(os.environ.get("TIDE_LOG_LEVEL", "INFO"))
     try:
         settings = InferenceSettings.from_env()
     except ValueError as e:

@@ -8,7 +8,6 @@ reconnect with backoff), let in-flight calls finish within a grace period, exit 
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import sys
@@ -22,33 +21,9 @@ from services.registry.settings import RegistrySettings
 from services.registry.store import RegistryStore
 from services.registry.watch import WatchHub
 from tide.blobs import ensure_bucket
+from tide.logs import configure_logging
 
 log = logging.getLogger("tide.registry")
-_RECORD_KEYS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, any `extra=` fields, exception."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": round(record.created, 3),
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-            **{k: v for k, v in vars(record).items() if k not in _RECORD_KEYS},
-        }
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def configure_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    logging.basicConfig(level=level, handlers=[handler], force=True)
-
-
 def _wait_for_storage(settings: RegistrySettings, timeout_s: float = 60.0):
     s3, deadline, delay = settings.storage.s3_client(), time.monotonic() + timeout_s, 0.2
     while True:

@@ -16,9 +16,9 @@ import sys
 import threading
 
 from services.trainer.app import build
-from services.trainer.logs import configure_logging
 from services.trainer.metrics import register
 from services.trainer.settings import TrainerSettings
+from tide.logs import configure_logging
 
 log = logging.getLogger("services.trainer")
 

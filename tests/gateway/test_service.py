@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.harness import MODEL_NAME, REPO, free_port, serve_gateway
-from services.gateway.logs import JsonFormatter
 from services.gateway.settings import GatewaySettings
+from tide.logs import JsonFormatter
 
 CHAT_BODY = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 

@@ -63,7 +63,7 @@ def test_process_serves_and_stops_on_sigterm(tiny_target, redis_server, s3_serve
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
-        messages = [rec["message"] for rec in lines]
+        messages = [rec["msg"] for rec in lines]
         assert any("serving" in m for m in messages) and messages[-1] == "stopped"
     finally:
         if proc.poll() is None:

@@ -115,7 +115,7 @@ def test_process_serves_metrics_and_stops_on_sigterm(tiny_dir, trainer_storage, 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
         lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
-        assert any(line["message"] == "stopped" for line in lines)
+        assert any(line["msg"] == "stopped" for line in lines)
     finally:
         if proc.poll() is None:
             proc.kill()
