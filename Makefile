@@ -25,7 +25,7 @@ run: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
