@@ -10,23 +10,28 @@ max_tokens drawn per request). The same trace replays for: no speculation (stati
 adaptive), each on a fresh engine.
 
 Per policy and phase (requests belong to the phase they arrive in; tokens to the phase in which
-they are emitted; tokens emitted after the trace ends count only in `overall`):
-  tok_s           output tokens emitted in the phase / phase seconds  (overall: all tokens / makespan)
-  mean_latency_s  p99_latency_s   arrival → last token, completed requests, seconds
+they are emitted; `overall` is the whole trace window; tokens of the drain after it are only counted
+in `drain` — a policy that leaves a backlog behind gets no credit for it):
+  tok_s           output tokens emitted in the phase / phase seconds
+  mean_latency_s  p99_latency_s   arrival → last token, seconds (requests unfinished when the drain
+                  ends, `completed` < `requests`, count with their latency so far: a lower bound)
   tpot_ms         mean (finish − first token) / (output tokens − 1), ms
   mean_gamma      mean γ over the phase's decode rows;  accept_length: mean tokens per speculative row
 The oracle per phase is the best static γ (0 included) by tok_s in that phase. `--quick` runs
-3 phases × 10 s and drops static γ = 2 and 4 (oracle over {0, 1, 3, 5}).
+3 phases × 10 s and drops static γ = 2 and 4 (oracle over {0, 1, 3, 5}). `--clock cpu --threads 1`
+replaces wall time by this thread's CPU time (arrivals in virtual time): for shared, loaded machines.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
 import time
+import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,7 +41,7 @@ from services.inference.engine.drafters import NgramDrafter
 from services.inference.engine.drafters.eagle3 import Eagle3Drafter
 from services.inference.engine.engine import EngineConfig, LLMEngine
 from services.inference.engine.sequence import SamplingParams
-from services.inference.profiling import cached_profile, default_grid
+from services.inference.profiling import cached_profile, cpu_timer, default_grid
 from tide.policies import FixedGamma
 from tide.policies.profile import LatencyProfile
 from tide.policies.registry import make_policy
@@ -102,9 +107,10 @@ class _Acc:
         self.tokens = self.rows = self.gamma = self.spec_rows = self.spec_tokens = self.steps = self.batch = 0
 
 
-def _stats(acc: _Acc, seconds: float, reqs: list[dict]) -> dict:
+def _stats(acc: _Acc, seconds: float, reqs: list[dict], censor_s: float) -> dict:
+    """Requests still unfinished at `censor_s` count with latency censor_s − arrival (a lower bound)."""
     done = [r for r in reqs if r["finish"] is not None]
-    lat = [r["finish"] - r["arrival"] for r in done]
+    lat = [(r["finish"] if r["finish"] is not None else censor_s) - r["arrival"] for r in reqs]
     tpot = [(r["finish"] - r["first"]) / (r["n"] - 1) * 1e3 for r in done if r["n"] > 1]
     mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else math.nan  # noqa: E731
     return {"tok_s": round(acc.tokens / seconds, 2) if seconds > 0 else math.nan, "tokens": acc.tokens,
@@ -115,25 +121,59 @@ def _stats(acc: _Acc, seconds: float, reqs: list[dict]) -> dict:
             "mean_batch": round(acc.batch / acc.steps, 2) if acc.steps else 0.0, "steps": acc.steps}
 
 
+class Clock:
+    """Seconds since the trace start. "wall": perf_counter; idle waits sleep. "cpu": this thread's CPU
+    time plus the idle gaps it skips (virtual arrivals): other processes on a shared machine barely
+    move it. cpu needs torch threads = 1 (all compute in this thread); the engine's step timer is
+    switched to the same clock (`engine_clock`) so the policies' step_ms feedback agrees with it."""
+
+    def __init__(self, kind: str = "wall") -> None:
+        self.kind, self.fn = kind, time.perf_counter if kind == "wall" else time.thread_time
+        self.t0, self.skipped = self.fn(), 0.0
+
+    def __call__(self) -> float:
+        return self.fn() - self.t0 + self.skipped
+
+    def wait_until(self, t: float) -> None:
+        gap = t - self()
+        if gap > 0 and self.kind == "wall":
+            time.sleep(min(gap, 0.05))
+        elif gap > 0:
+            self.skipped += gap
+
+
+@contextlib.contextmanager
+def engine_clock(kind: str):
+    """For the cpu clock: the engine times its draft/verify phases in thread CPU time too."""
+    import services.inference.engine.engine as engine_module
+
+    saved = engine_module.time
+    if kind == "cpu":
+        engine_module.time = types.SimpleNamespace(perf_counter=time.thread_time, monotonic=time.monotonic,
+                                                   time=time.time)
+    try:
+        yield
+    finally:
+        engine_module.time = saved
+
+
 def run_policy(model, drafter, policy, prompts: list[list[int]], trace: list[Arrival], phases, cfg: EngineConfig,
-               drain_s: float, bin_s: float = 0.5) -> dict:
-    """Replay `trace` in wall-clock time on a fresh engine under `policy`; stats per phase and overall."""
+               drain_s: float, clock: str = "wall", bin_s: float = 0.5) -> dict:
+    """Replay `trace` on a fresh engine under `policy`; stats per phase and overall (the trace window)."""
     engine = LLMEngine(model, cfg, drafter=drafter, policy=policy)
     starts = [sum(p.duration_s for p in phases[:i]) for i in range(len(phases))]
     end = sum(p.duration_s for p in phases)
     accs, drain = [_Acc() for _ in phases], _Acc()
     reqs = [{"arrival": a.t_s, "phase": a.phase, "first": None, "finish": None, "n": 0} for a in trace]
     bins: dict[int, list[float]] = {}
-    t0 = time.perf_counter()
-    now = lambda: time.perf_counter() - t0  # noqa: E731
+    now = Clock(clock)
     acc_at = lambda t: drain if t >= end else accs[max(i for i, s in enumerate(starts) if s <= t)]  # noqa: E731
 
     def on_step(rec) -> None:
         if not rec.batch_size:
             return
-        t, a = now(), None
-        a = acc_at(t)
-        g = sum(rec.gammas)
+        t = now()
+        a, g = acc_at(t), sum(rec.gammas)
         a.steps, a.batch, a.rows, a.gamma = a.steps + 1, a.batch + rec.batch_size, a.rows + rec.batch_size, a.gamma + g
         spec = [v + 1 for gg, v in zip(rec.gammas, rec.accepted, strict=True) if gg > 0]
         a.spec_rows, a.spec_tokens = a.spec_rows + len(spec), a.spec_tokens + sum(spec)
@@ -142,37 +182,38 @@ def run_policy(model, drafter, policy, prompts: list[list[int]], trace: list[Arr
 
     engine.step_listeners.append(on_step)
     nxt = 0
-    while True:
-        t = now()
-        while nxt < len(trace) and trace[nxt].t_s <= t:
-            a = trace[nxt]
-            engine.add_request(f"r{nxt}", prompts[a.prompt], SamplingParams(max_tokens=a.max_tokens))
-            nxt += 1
-        if engine.has_work():
-            if t > end + drain_s:
-                break
-            outs = engine.step()
+    with engine_clock(clock):
+        while True:
             t = now()
-            for o in outs:
-                r = reqs[int(o.request_id[1:])]
-                if o.new_token_ids and r["first"] is None:
-                    r["first"] = t
-                r["n"] += len(o.new_token_ids)
-                acc_at(t).tokens += len(o.new_token_ids)
-                if o.finished:
-                    r["finish"] = t
-        elif nxt < len(trace):
-            time.sleep(min(max(trace[nxt].t_s - t, 0.0), 0.05))
-        else:
-            break
-    makespan = now()
+            while nxt < len(trace) and trace[nxt].t_s <= t:
+                a = trace[nxt]
+                engine.add_request(f"r{nxt}", prompts[a.prompt], SamplingParams(max_tokens=a.max_tokens))
+                nxt += 1
+            if engine.has_work() and t <= end + drain_s:
+                outs = engine.step()
+                t = now()
+                for o in outs:
+                    r = reqs[int(o.request_id[1:])]
+                    if o.new_token_ids and r["first"] is None:
+                        r["first"] = t
+                    r["n"] += len(o.new_token_ids)
+                    acc_at(t).tokens += len(o.new_token_ids)
+                    if o.finished:
+                        r["finish"] = t
+            elif nxt < len(trace):
+                now.wait_until(trace[nxt].t_s)
+            else:
+                break
+    stop = now()
     total = _Acc()
-    for a in [*accs, drain]:
+    for a in accs:
         for k in vars(total):
             setattr(total, k, getattr(total, k) + getattr(a, k))
     by_phase = [[r for r in reqs if r["phase"] == i] for i in range(len(phases))]
-    return {"phases": {ph.name: _stats(accs[i], ph.duration_s, by_phase[i]) for i, ph in enumerate(phases)},
-            "overall": _stats(total, makespan, reqs), "unfinished": sum(r["finish"] is None for r in reqs),
+    return {"phases": {ph.name: _stats(accs[i], ph.duration_s, by_phase[i], stop) for i, ph in enumerate(phases)},
+            "overall": _stats(total, end, reqs, stop),
+            "drain": {"tokens": drain.tokens, "seconds": round(stop - end, 2)},
+            "unfinished": sum(r["finish"] is None for r in reqs),
             "timeline": [[round(k * bin_s, 2), round(v[1] / v[0], 2), round(v[2] / v[0], 3)]
                          for k, v in sorted(bins.items())]}
 
@@ -264,6 +305,8 @@ def load_prompt_mix(tokenizer, files, per_file: int, max_len: int, seed: int) ->
 def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
     """The benchmark; `model`/`tokenizer`/`model_id` may be passed in (tests), else `args.target` is loaded."""
     t_start = time.perf_counter()
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu needs --threads 1 (CPU time of one thread is the clock)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if model is None:
@@ -284,22 +327,25 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
     else:
         new_drafter, drafter_name = NgramDrafter, "ngram"
     batches, ns, lags = default_grid(cfg.max_batch, cfg.max_gamma)
-    prof, prof_path, hit = cached_profile(model, new_drafter(), model_id=model_id or "model", batches=batches, ns=ns,
-                                          lags=lags, reps=args.profile_reps, directory=args.profile_cache)
+    with cpu_timer() if args.clock == "cpu" else contextlib.nullcontext():
+        prof, prof_path, hit = cached_profile(model, new_drafter(), model_id=model_id or "model", batches=batches,
+                                              ns=ns, lags=lags, reps=args.profile_reps,
+                                              directory=args.profile_cache, refresh=args.reprofile)
     print(f"profile {'from cache' if hit else 'measured'}: {prof_path}", flush=True)
     trace = make_trace(phases, len(prompts), args.seed, (args.min_tokens, args.max_tokens))
     LLMEngine(model, cfg, drafter=new_drafter(), policy=FixedGamma(2)).generate(  # warm-up: batch shapes
         prompts[: cfg.max_batch], SamplingParams(max_tokens=4))
     res: dict = {"target": model_id, "dtype": str(model.dtype).removeprefix("torch."), "drafter": drafter_name,
-                 "threads": torch.get_num_threads(), "quick": bool(args.quick), "max_batch": cfg.max_batch,
-                 "max_gamma": cfg.max_gamma, "profile": {"path": str(prof_path), "cached": hit, **prof.to_dict()},
+                 "threads": torch.get_num_threads(), "clock": args.clock, "quick": bool(args.quick),
+                 "max_batch": cfg.max_batch, "max_gamma": cfg.max_gamma,
+                 "profile": {"path": str(prof_path), "cached": hit, **prof.to_dict()},
                  "trace": {"seed": args.seed, "requests": len(trace), "phases": [asdict(p) for p in phases],
                            "tokens": [args.min_tokens, args.max_tokens], "prompts": len(prompts)},
                  "policies": {}}
     for label, name, params in (args.policies or policy_list(args.quick)):
         pol = FixedGamma(params["gamma"]) if name == "static" else make_policy(name, params, _copy(prof))
         load = os.getloadavg()[0]
-        r = run_policy(model, new_drafter(), pol, prompts, trace, phases, cfg, args.drain_s)
+        r = run_policy(model, new_drafter(), pol, prompts, trace, phases, cfg, args.drain_s, args.clock)
         r["loadavg_1m"] = round(load, 2)
         res["policies"][label] = r
         o = r["overall"]
@@ -336,6 +382,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-cache", type=Path, default=None, help="profile cache dir [$TIDE_PROFILE_CACHE_DIR]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall: real time; cpu: one thread's CPU time, for shared machines (needs --threads 1)")
+    parser.add_argument("--reprofile", action="store_true", help="re-measure the profile even if cached")
     parser.set_defaults(phases=None, policies=None, prompt_ids=None)
 
 

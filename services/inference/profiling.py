@@ -20,6 +20,7 @@ which is how a worker re-profiles on request (a decision with the policy param `
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -49,15 +50,30 @@ PREFILL_CHUNK = 128  # tokens in the timed prefill forward
 PROFILE_POLICIES = ("tide", "adaptive", "nightjar", "onthefly", "vllm", "dsd")
 
 
+_TIMER: list[Callable[[], float]] = [time.perf_counter]  # what median_ms reads (see cpu_timer)
+
+
+@contextlib.contextmanager
+def cpu_timer():
+    """Inside: profiles are timed in this thread's CPU time (torch threads = 1), not wall time, so
+    other processes on a shared machine barely move them (bench_policies' --clock cpu)."""
+    _TIMER.append(time.thread_time)
+    try:
+        yield
+    finally:
+        _TIMER.pop()
+
+
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
-    """Median wall time of `fn()` in ms over `reps` runs after `warmup` untimed runs."""
+    """Median time of `fn()` in ms (wall, or CPU inside `cpu_timer`) over `reps` runs after `warmup`."""
+    timer = _TIMER[-1]
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(max(reps, 1)):
-        t0 = time.perf_counter()
+        t0 = timer()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((timer() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -181,6 +197,7 @@ def profile_latency(model: LlamaModel, drafter, batches: Seq[int], ns: Seq[int],
     else:
         d_ms = profile_lookup_draft(drafter, model.cfg.vocab_size, batches, reps)
     meta = {"context_tokens": CONTEXT, "reps": reps, "threads": torch.get_num_threads(),
+            "clock": "wall" if _TIMER[-1] is time.perf_counter else "cpu",
             "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
             "drafter": drafter_shape(drafter), "measured_unix_s": round(time.time(), 1)}
     prof = LatencyProfile(T_ms=t_ms, D0_ms=d_ms[batches[0]], D_ms=d_ms, C_ms=c_ms,
@@ -207,6 +224,7 @@ def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags) -> d
     """Everything a profile depends on; its SHA-256 names the cache file."""
     return {"target": model_id, "dtype": str(model.dtype), "device": str(model.device),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "context": CONTEXT,
+            "clock": "wall" if _TIMER[-1] is time.perf_counter else "cpu",
             "drafter": drafter_shape(drafter), "batches": sorted(set(batches)), "ns": sorted(set(ns)),
             "lags": sorted(set(lags)) if isinstance(drafter, Eagle3Drafter) else []}
 
