@@ -43,8 +43,10 @@ def test_bench_runs_end_to_end_on_tiny_model(tiny_model, tmp_path):
     threads = torch.get_num_threads()
     try:
         res = bp.run(args, model=tiny_model, model_id="tiny")
-        args.policies, args.clock = [("none", "static", {"gamma": 0})], "wall"
+        args.policies = [("none", "static", {"gamma": 0})]
         again = bp.run(args, model=tiny_model, model_id="tiny")
+        args.clock = "wall"
+        wall = bp.run(args, model=tiny_model, model_id="tiny")
     finally:
         torch.set_num_threads(threads)
     res["plots"] = bp.plots(res, plots)
@@ -70,6 +72,8 @@ def test_bench_runs_end_to_end_on_tiny_model(tiny_model, tmp_path):
     for name in ("throughput.png", "gamma.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert again["profile"]["cached"] and list(again["policies"]) == ["none"]  # the profile came from the cache
+    assert not wall["profile"]["cached"] and wall["profile"]["meta"]["clock"] == "wall"  # the clock is in the key
+    assert wall["policies"]["none"]["overall"]["tokens"] > 0
 
 
 @pytest.mark.parametrize("argv", [["--quick"], []])
