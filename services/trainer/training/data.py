@@ -89,21 +89,24 @@ def prefetch(items: Iterable, depth: int = 2, fn: Callable | None = None) -> Ite
     stop = threading.Event()
     done = object()
 
+    def put(entry) -> bool:
+        """Hand over `entry`, or give up once the consumer has stopped (never blocks for good)."""
+        while not stop.is_set():
+            try:
+                q.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def worker() -> None:
         try:
             for item in items:
-                out = (True, fn(item) if fn else item)
-                while not stop.is_set():
-                    try:
-                        q.put(out, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put((True, fn(item) if fn else item)):
                     return
-            q.put((True, done))
+            put((True, done))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            q.put((False, e))
+            put((False, e))
 
     thread = threading.Thread(target=worker, name="tide-prefetch", daemon=True)
     thread.start()

@@ -38,7 +38,10 @@ def save_state(path, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, progr
             else:
                 scalars.setdefault(str(idx), {})[key] = val
     weights = f"train_state-{int(progress['step'])}.safetensors"
-    save_file(tensors, str(path / weights))
+    fd, tmp = tempfile.mkstemp(prefix=".train_state.", suffix=".safetensors", dir=path)
+    os.close(fd)
+    save_file(tensors, tmp)
+    os.replace(tmp, path / weights)  # atomic: a crash never leaves a half-written file under this name
     doc = {
         "format_version": STATE_VERSION,
         "weights": weights,
