@@ -55,6 +55,13 @@ class _Buffer:
     opened_s: float = 0.0  # monotonic time of the first row
 
 
+def learnable_rows(start: int, n: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, loss_mask uint8) of `n` captured rows starting at position `start`: a row is
+    learnable when its next token is generated output (position >= prompt length - 1)."""
+    pos = torch.arange(start, start + n)
+    return pos, (pos >= prompt_len - 1).to(torch.uint8)
+
+
 class ChunkExporter:
     def __init__(self, s3, bucket: str, redis_client: redis.Redis, stream: str, *, target_model: str,
                  worker_id: str, hidden_size: int, chunk_tokens: int = 2048, buffers: int = 3,
@@ -87,8 +94,7 @@ class ChunkExporter:
         with self._lock:
             for r in rows:
                 n = len(r.token_ids)
-                pos = torch.arange(r.start, r.start + n)
-                mask = (pos >= prompt_lens.get(r.request_id, 0) - 1).to(torch.uint8)
+                pos, mask = learnable_rows(r.start, n, prompt_lens.get(r.request_id, 0))
                 off = 0
                 while off < n:
                     buf = self._active_locked()

@@ -30,6 +30,7 @@ class TrainConfig:
     step weights) and are scaled down for the small, online data sets TIDE trains on."""
 
     steps: int | None = None  # optimizer steps; None = `epochs` passes over the data
+    schedule_steps: int | None = None  # length of the LR schedule; None = `steps` (lets a run stop early and resume)
     epochs: float = 1.0
     batch_rows: int = 8  # packed rows per batch (per rank)
     max_len: int = 512  # tokens per packed row
@@ -120,6 +121,7 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
     if per_epoch == 0:
         raise ValueError(f"{len(lengths)} pieces make fewer batches than {world} ranks")
     total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * per_epoch))
+    horizon = cfg.schedule_steps or total  # the LR schedule's length
     result = TrainResult(progress["step"], progress["tokens"], progress["seconds"])
     bar = tqdm(total=total, initial=progress["step"], disable=not cfg.progress or rank != 0, desc="train", unit="step")
     window = torch.zeros(cfg.ttt_steps, 3)
@@ -130,7 +132,7 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
             t0 = time.perf_counter()
             step = progress["step"]
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(cfg, step, total)
+                group["lr"] = lr_at(cfg, step, horizon)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast):
                 loss, stats = model(batch.to(device))
             optimizer.zero_grad(set_to_none=True)
@@ -144,7 +146,7 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
             window_tokens += n
             if (step + 1) % cfg.log_every == 0 or step + 1 == total:
                 k = cfg.log_every if (step + 1) % cfg.log_every == 0 else (step + 1) % cfg.log_every
-                entry = {"step": step + 1, "lr": lr_at(cfg, step, total), "loss": loss.item(),
+                entry = {"step": step + 1, "lr": lr_at(cfg, step, horizon), "loss": loss.item(),
                          "grad_norm": float(grad_norm),
                          "step_loss": (window[:, 0] / k).tolist(),
                          "step_acc": (window[:, 1] / window[:, 2].clamp(min=1)).tolist(),

@@ -1,0 +1,712 @@
+"""Bootstrap a draft for a target from prompts alone: generate, capture, train from scratch, export.
+
+`tide draft bootstrap --target ref --prompts FILE... --minutes N --out DIR` runs, within a wall-time
+budget of N minutes (model loading, generation, training, evaluation and export included):
+
+1. **Generate.** Prompts (the formats of `tide.prompts`) are deduplicated, shuffled (seeded) and
+   the first `eval_prompts` are held out (never trained on). The engine decodes greedy
+   continuations (chat template via `encode_prompt`, `max_tokens` each) in groups of
+   2 x `batch` prompts with continuous batching over `batch` slots, with a capture listener as an
+   inference worker has: every committed row (prompt rows and generated tokens, their aux and
+   final states) becomes a chunk row, learnable when its next token is generated
+   (`services.inference.exporter.learnable_rows`). Chunks are the workers' format
+   (`tide.chunks`), each sequence kept whole in one chunk where it fits, and go to
+   `DIR/chunks/eval/` (held-out prompts, generated first) and `DIR/chunks/train/`. Generation
+   stops at the first of: `gen_fraction` of the budget spent, `gen_tokens` output tokens in the
+   training set, or no prompts left.
+2. **Train** a from-scratch draft (`training.run.build_draft`: vocabulary from the training data)
+   on the training chunks for the rest of the budget. The first `warmup_steps` steps measure the
+   step time; the LR schedule's length (warm-up + cosine) is then fixed so that training ends at
+   the deadline, capped at `max_epochs` passes. Training runs in segments (resuming from its
+   state in `DIR/train_state/`), each followed by an evaluation on the held-out chunks: the curve
+   of simulated acceptance length vs training tokens and minutes.
+3. **Export** the draft to `DIR/draft/` (checkpoint + training_record.json), evaluate the exported
+   (bf16-rounded) weights on the held-out chunks, and write `DIR/report.json` and `DIR/report.png`
+   (loss and acceptance over training).
+
+Resumable: `DIR/bootstrap.json` (the manifest, written atomically) records the prompts already
+generated (their chunks are written before the manifest names them; files no manifest names are
+removed at start), the time spent per phase, the schedule length and the curve. A rerun skips
+finished prompts, resumes training from its last segment and only re-exports when that is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.inference.exporter import learnable_rows
+from tide.chunks import ChunkBuilder, encode_chunk
+from tide.prompts import Prompt, encode_prompt, load_prompts
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "bootstrap.json"
+MANIFEST_VERSION = 1
+REPORT_JSON = "report.json"
+REPORT_PNG = "report.png"
+EXPORT_RESERVE_S = 5.0  # budget kept back for export + report, on top of one evaluation
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+
+def prompt_key(p: Prompt) -> str:
+    return hashlib.sha256(f"{p.source}\0{p.chat}\0{p.text}".encode()).hexdigest()[:16]
+
+
+def load_prompt_files(files: Iterable, limit: int | None = None) -> list[Prompt]:
+    """Prompts of every file (see tide.prompts), duplicates dropped, at most `limit` per file."""
+    seen, out = set(), []
+    for f in files:
+        for p in load_prompts(f, limit):
+            k = prompt_key(p)
+            if k not in seen:
+                seen.add(k)
+                out.append(p)
+    return out
+
+
+def split_prompts(prompts: list[Prompt], eval_prompts: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held-out): a seeded shuffle (sources mixed, so a budget cut keeps every domain), the
+    first `eval_prompts` held out. The split of a prompt does not depend on the budget."""
+    order = sorted(prompts, key=prompt_key)
+    random.Random(seed).shuffle(order)
+    n = min(eval_prompts, max(0, len(order) - 1))
+    return order[n:], order[:n]
+
+
+# ---- generation with capture ----------------------------------------------------------------------
+
+class SequenceChunks:
+    """Capture listener turning engine rows into chunk blobs, one whole sequence at a time.
+
+    Rows are collected per request while the engine runs; `close(request_ids)` appends each
+    finished sequence's rows, in order, to a `ChunkBuilder` (a new chunk starts when a sequence
+    does not fit the current one; longer sequences are split) and returns the encoded chunks with
+    deterministic ids `<prefix>-<k>` (a rerun of the same group rewrites the same files)."""
+
+    def __init__(self, hidden_size: int, target_model: str, chunk_tokens: int = 2048, worker_id: str = "bootstrap",
+                 workload: str = "bootstrap") -> None:
+        self.builder = ChunkBuilder(chunk_tokens, hidden_size, target_model, worker_id)
+        self.workload = workload
+        self.rows: dict[str, list] = {}
+        self.prompt_lens: dict[str, int] = {}
+
+    def __call__(self, rows) -> None:  # engine capture listener (CapturedRows)
+        for r in rows:
+            self.prompt_lens[r.request_id] = r.num_prompt
+            self.rows.setdefault(r.request_id, []).append(
+                (r.start, list(r.token_ids), r.aux.to("cpu", torch.bfloat16, copy=True),
+                 r.final.to("cpu", torch.bfloat16, copy=True)))
+
+    def close(self, request_ids: list[str], prefix: str) -> list[tuple[str, bytes]]:
+        out: list[tuple[str, bytes]] = []
+
+        def flush() -> None:
+            chunk = self.builder.flush(workload=self.workload, chunk_id=f"{prefix}-{len(out)}")
+            if chunk is not None:
+                out.append((chunk.meta.chunk_id, encode_chunk(chunk)))
+
+        for rid in request_ids:
+            parts = sorted(self.rows.pop(rid, []), key=lambda p: p[0])
+            if not parts:
+                continue
+            start = parts[0][0]
+            ids = [t for p in parts for t in p[1]]
+            aux = torch.cat([p[2] for p in parts])
+            final = torch.cat([p[3] for p in parts])
+            pos, mask = learnable_rows(start, len(ids), self.prompt_lens.pop(rid, 0))
+            if len(ids) > self.builder.free and self.builder.num_tokens:
+                flush()
+            done = 0
+            while done < len(ids):
+                done += self.builder.append(rid, ids[done:], pos[done:], aux[done:], final[done:], mask[done:])
+                if self.builder.free == 0:
+                    flush()
+        flush()
+        return out
+
+
+@dataclass
+class GroupResult:
+    keys: list[str]
+    chunks: list[tuple[str, bytes]]
+    output_tokens: list[int]  # per prompt
+    seconds: float
+    verify_steps: int = 0
+    accepted_tokens: int = 0
+
+
+def run_group(engine, sink: SequenceChunks, items: list[tuple[str, list[int]]], max_tokens: int,
+              prefix: str, speculative: bool = False) -> GroupResult:
+    """Greedy continuations of `items` ((key, prompt ids)) with the engine's continuous batching."""
+    from services.inference.engine.sequence import SamplingParams
+
+    t0 = time.perf_counter()
+    seqs = engine.generate([ids for _, ids in items], SamplingParams(max_tokens=max_tokens), speculative=speculative)
+    chunks = sink.close([s.request_id for s in seqs], prefix)
+    return GroupResult(
+        keys=[k for k, _ in items], chunks=chunks, output_tokens=[s.num_output for s in seqs],
+        seconds=time.perf_counter() - t0, verify_steps=sum(s.verify_steps for s in seqs),
+        accepted_tokens=sum(s.accepted_tokens for s in seqs))
+
+
+def write_blob(directory: Path, name: str, data: bytes) -> Path:
+    """Atomic write (temp file + rename): a crash never leaves a half-written chunk under `name`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    path = directory / name
+    os.replace(tmp, path)
+    return path
+
+
+def group_prefix(keys: list[str]) -> str:
+    return "boot-" + hashlib.sha256("\0".join(keys).encode()).hexdigest()[:12]
+
+
+def encode_prompts(tokenizer, prompts: list[Prompt], max_prompt_tokens: int) -> tuple[list[tuple[str, list[int]]], int]:
+    """[(key, ids)] of the prompts that fit `max_prompt_tokens`, and how many were too long."""
+    out, skipped = [], 0
+    for p in prompts:
+        ids = encode_prompt(tokenizer, p)
+        if not ids or len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        out.append((prompt_key(p), ids))
+    return out, skipped
+
+
+def make_engine(model, batch: int, max_prompt_tokens: int, max_tokens: int, drafter=None, gamma: int = 0):
+    from services.inference.engine.engine import EngineConfig, LLMEngine
+    from tide.policies import FixedGamma
+
+    max_len = min(max_prompt_tokens + max_tokens + 1, model.cfg.max_position_embeddings)
+    cfg = EngineConfig(max_batch=batch, max_seq_len=max_len, max_gamma=max(gamma, 1), worker_id="bootstrap")
+    return LLMEngine(model, cfg, drafter=drafter, policy=FixedGamma(gamma))
+
+
+# ---- configuration and manifest -----------------------------------------------------------------
+
+@dataclass
+class BootstrapConfig:
+    target: str = "ref"
+    prompts: list[str] = field(default_factory=list)
+    out: str = "bootstrap"
+    minutes: float = 30.0  # wall-time budget of the whole run (generation + training + export)
+    gen_fraction: float = 0.5  # share of the budget that generation may use (held-out prompts included)
+    gen_tokens: int | None = None  # stop generating once the training set holds this many output tokens
+    prompt_limit: int | None = None  # prompts read per file
+    eval_prompts: int = 32  # held-out prompts (evaluation only)
+    batch: int = 32  # engine slots during generation
+    max_tokens: int = 256  # output tokens per prompt
+    max_prompt_tokens: int = 768  # longer prompts are skipped
+    chunk_tokens: int = 2048  # rows per chunk file (the workers' default)
+    dtype: str = "bf16"  # target dtype for generation ("bf16" | "fp32")
+    draft_vocab: int = 8192
+    max_epochs: float = 20.0  # cap on passes over the training data
+    evals: int = 10  # evaluations on the held-out chunks during training (the curve)
+    lr: float = 3e-4
+    batch_rows: int = 8
+    max_len: int = 512
+    ttt_steps: int = 3
+    warmup_steps: int = 20
+    seed: int = 0
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
+    progress: bool = True
+
+    def train_config(self, state_dir: Path, steps: int, schedule_steps: int | None):
+        from services.trainer.training.loop import TrainConfig
+
+        return TrainConfig(steps=steps, schedule_steps=schedule_steps, batch_rows=self.batch_rows,
+                           max_len=self.max_len, lr=self.lr, warmup_steps=self.warmup_steps,
+                           ttt_steps=self.ttt_steps, seed=self.seed, checkpoint_dir=str(state_dir),
+                           log_every=max(1, min(10, steps)), progress=False)
+
+
+# Settings a resumed run must share with the first one (the rest may change, e.g. --minutes).
+_FIXED = ("target", "eval_prompts", "max_tokens", "max_prompt_tokens", "seed", "draft_vocab", "lr", "batch_rows",
+          "max_len", "ttt_steps", "warmup_steps")
+
+
+class Manifest:
+    def __init__(self, path: Path, doc: dict) -> None:
+        self.path, self.doc = path, doc
+
+    @classmethod
+    def open(cls, out: Path, cfg: BootstrapConfig) -> Manifest:
+        path = out / MANIFEST
+        fixed = {k: getattr(cfg, k) for k in _FIXED}
+        if path.exists():
+            doc = json.loads(path.read_text())
+            if doc.get("version") != MANIFEST_VERSION:
+                raise ValueError(f"{path}: manifest version {doc.get('version')}, expected {MANIFEST_VERSION}")
+            changed = {k: (doc["fixed"].get(k), v) for k, v in fixed.items() if doc["fixed"].get(k) != v}
+            if changed:
+                raise ValueError(f"{out} was bootstrapped with other settings {changed}; use another --out")
+            return cls(path, doc)
+        doc = {"version": MANIFEST_VERSION, "fixed": fixed, "prompts": {}, "chunks": {"train": [], "eval": []},
+               "skipped_long": 0, "spent_s": {"generate": 0.0, "train": 0.0, "eval": 0.0, "other": 0.0},
+               "runs": 0, "train": {"schedule_steps": None, "curve": [], "history": []}, "done": False}
+        return cls(path, doc)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".bootstrap.", dir=self.path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.doc, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+    def tokens(self, split: str) -> int:
+        return sum(v["tokens"] for v in self.doc["prompts"].values() if v["split"] == split)
+
+
+class Clock:
+    """Budget bookkeeping: seconds spent in earlier runs (from the manifest) + this run's."""
+
+    def __init__(self, manifest: Manifest, budget_s: float) -> None:
+        self.m, self.budget_s = manifest, budget_s
+        self.start = time.monotonic()
+        self.before = sum(manifest.doc["spent_s"].values())
+        self._mark = self.start
+
+    def elapsed(self) -> float:
+        return self.before + time.monotonic() - self.start
+
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
+
+    def charge(self, phase: str) -> float:
+        """Add the time since the last charge to `phase`; returns it."""
+        now = time.monotonic()
+        dt = now - self._mark
+        self.m.doc["spent_s"][phase] += dt
+        self._mark = now
+        return dt
+
+
+def _bar(total, desc: str, unit: str, enabled: bool, initial: int = 0):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True)
+
+
+# ---- the pipeline -----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Set torch's intra-op threads for the block (None: leave as is)."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def bootstrap(cfg: BootstrapConfig) -> dict:
+    """Run (or resume) the bootstrap of `cfg.out`; returns the report (also in DIR/report.json)."""
+    with torch_threads(cfg.threads):
+        return _bootstrap(cfg)
+
+
+def _bootstrap(cfg: BootstrapConfig) -> dict:
+    from tide.target import load_tokenizer, resolve_target
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest.open(out, cfg)
+    if manifest.doc["done"] and (out / REPORT_JSON).exists() and (out / "draft" / "config.json").exists():
+        log.info("%s: bootstrap already finished", out)
+        return json.loads((out / REPORT_JSON).read_text())
+    manifest.doc["runs"] += 1
+    clock = Clock(manifest, cfg.minutes * 60.0)
+    target = resolve_target(cfg.target)
+    _remove_unlisted_chunks(out, manifest)
+    prompts = load_prompt_files(cfg.prompts, cfg.prompt_limit)
+    train_prompts, eval_prompts = split_prompts(prompts, cfg.eval_prompts, cfg.seed)
+    log.info("%d prompts: %d for training, %d held out", len(prompts), len(train_prompts), len(eval_prompts))
+    generated = generate_phase(cfg, out, manifest, clock, target, load_tokenizer(target), train_prompts, eval_prompts)
+    manifest.save()
+    summary = train_phase(cfg, out, manifest, clock, target)
+    report = finish(cfg, out, manifest, clock, target, summary, generated)
+    return report
+
+
+def _remove_unlisted_chunks(out: Path, manifest: Manifest) -> None:
+    """Chunks written by a run that stopped before its manifest named them would be duplicates."""
+    for split in ("train", "eval"):
+        listed = set(manifest.doc["chunks"][split])
+        d = out / "chunks" / split
+        if d.exists():
+            for f in d.iterdir():
+                if f.name not in listed:
+                    f.unlink()
+
+
+def generate_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Clock, target, tokenizer,
+                   train_prompts: list[Prompt], eval_prompts: list[Prompt]) -> dict:
+    """Generate what is missing (held-out prompts first); returns this run's generation stats."""
+    from services.inference.engine.llama import LlamaModel
+
+    done = manifest.doc["prompts"]
+    gen_deadline = cfg.gen_fraction * clock.budget_s  # in clock.elapsed() seconds
+    todo = {"eval": [p for p in eval_prompts if prompt_key(p) not in done],
+            "train": [p for p in train_prompts if prompt_key(p) not in done]}
+    stats = {"prompts": 0, "output_tokens": 0, "seconds": 0.0}
+
+    def train_full() -> bool:
+        return cfg.gen_tokens is not None and manifest.tokens("train") >= cfg.gen_tokens
+
+    if not todo["eval"] and (not todo["train"] or train_full() or clock.elapsed() >= gen_deadline):
+        return stats
+    t0 = time.perf_counter()
+    model = LlamaModel.load(target, dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+    engine = make_engine(model, cfg.batch, cfg.max_prompt_tokens, cfg.max_tokens)
+    sink = SequenceChunks(model.cfg.hidden_size, target.model_id, cfg.chunk_tokens)
+    engine.capture_listeners.append(sink)
+    group = 2 * cfg.batch
+    rate = None  # seconds per prompt, measured
+    n_train_done = sum(1 for v in done.values() if v["split"] == "train")
+    for split in ("eval", "train"):
+        items, skipped = encode_prompts(tokenizer, todo[split], cfg.max_prompt_tokens)
+        manifest.doc["skipped_long"] += skipped
+        if not items:
+            continue
+        initial = n_train_done if split == "train" else len(eval_prompts) - len(todo["eval"])
+        bar = _bar(initial + len(items), f"generate ({split})", "prompt", cfg.progress, initial)
+        for a in range(0, len(items), group):
+            left = gen_deadline - clock.elapsed()
+            if split == "train" and (train_full() or left <= 0 or (rate and rate * min(group, len(items) - a) / 2 > left)):
+                break
+            part = items[a:a + group]
+            res = run_group(engine, sink, part, cfg.max_tokens, group_prefix([k for k, _ in part]))
+            for cid, blob in res.chunks:
+                write_blob(out / "chunks" / split, f"{cid}.safetensors", blob)
+            manifest.doc["chunks"][split] += [f"{cid}.safetensors" for cid, _ in res.chunks]
+            for (k, _), n in zip(part, res.output_tokens, strict=True):
+                done[k] = {"split": split, "tokens": n}
+            stats["prompts"] += len(part)
+            stats["output_tokens"] += sum(res.output_tokens)
+            rate = res.seconds / len(part)
+            clock.charge("generate")
+            manifest.save()
+            bar.update(len(part))
+            if split == "train":
+                fit = bar.n + int(max(0.0, gen_deadline - clock.elapsed()) / rate)
+                bar.total = min(initial + len(items), fit)
+                bar.refresh()
+            bar.set_postfix(tok=manifest.tokens(split), tok_s=f"{sum(res.output_tokens) / max(res.seconds, 1e-9):.0f}")
+        bar.close()
+    stats["seconds"] = time.perf_counter() - t0
+    log.info("generation: %d prompts, %d output tokens in %.0f s", stats["prompts"], stats["output_tokens"],
+             stats["seconds"])
+    return stats
+
+
+def _eval_entry(draft, eval_set, head, cfg: BootstrapConfig) -> dict:
+    from services.trainer.training.evaluate import evaluate
+
+    r = evaluate(draft, eval_set, head, ttt_steps=cfg.ttt_steps, max_len=cfg.max_len)
+    return {"acceptance": {str(k): v for k, v in r.acceptance.items()}, "top1": r.ttt_top1,
+            "chain_accuracy": r.chain_accuracy, "ttt_loss": r.ttt_loss, "coverage": r.coverage}
+
+
+def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Clock, target) -> dict:
+    """Train (or resume) for the rest of the budget in segments, evaluating after each."""
+    from services.trainer.training.data import load_dataset, plan_batches
+    from services.trainer.training.head import TargetHead
+    from services.trainer.training.loop import train
+    from services.trainer.training.run import build_draft
+    from services.trainer.training.state import load_state
+
+    head = TargetHead.load(target)
+    train_set = load_dataset(out / "chunks" / "train", head, cfg.max_len, expected_target=head.model_id)
+    eval_set = load_dataset(out / "chunks" / "eval", head, cfg.max_len, expected_target=head.model_id)
+    if not train_set.pieces:
+        raise RuntimeError(f"no training data in {out / 'chunks' / 'train'} (budget or prompts too small?)")
+    if not eval_set.pieces:
+        raise RuntimeError(f"no held-out data in {out / 'chunks' / 'eval'} (--eval-prompts 0?)")
+    tr = manifest.doc["train"]
+    state_dir = out / "train_state"
+    draft = build_draft(head, train_set, None, cfg.draft_vocab, cfg.seed)
+    state = load_state(state_dir)
+    step = int(state["doc"]["progress"]["step"]) if state else 0
+    tokens = int(state["doc"]["progress"]["tokens"]) if state else 0
+    del state
+    per_epoch = len(plan_batches([len(p) for p in train_set.pieces], cfg.batch_rows, cfg.max_len, cfg.seed, 0))
+    max_steps = max(1, math.floor(cfg.max_epochs * per_epoch))
+    clock.charge("other")
+    t_eval = tr.get("eval_s") or 0.0
+    t_step = tr.get("step_s")
+
+    def evaluate_now(step: int, tokens: int, loss: float | None) -> None:
+        t = time.monotonic()
+        entry = _eval_entry(draft, eval_set, head, cfg)
+        nonlocal t_eval
+        t_eval = time.monotonic() - t
+        tr["eval_s"] = t_eval
+        clock.charge("eval")
+        entry.update(step=step, train_tokens=tokens, data_tokens=train_set.num_tokens, loss=loss,
+                     train_minutes=manifest.doc["spent_s"]["train"] / 60, wall_minutes=clock.elapsed() / 60)
+        tr["curve"].append(entry)
+        manifest.save()
+        log.info("step %d: acceptance@3 %.3f, top1 %s", step, entry["acceptance"].get("3", float("nan")),
+                 [round(x, 3) for x in entry["top1"]])
+
+    def segment(end: int, schedule: int | None) -> None:
+        nonlocal step, tokens
+        t = time.monotonic()
+        res = train(draft, head, train_set, cfg.train_config(state_dir, end, schedule))
+        seconds = time.monotonic() - t
+        clock.charge("train")
+        tr["history"] += res.history
+        if end > step:
+            nonlocal t_step
+            t_step = seconds / (end - step)
+            tr["step_s"] = t_step
+        step, tokens = res.steps, res.tokens
+        loss = res.history[-1]["loss"] if res.history else None
+        evaluate_now(step, tokens, loss)
+
+    reserve = lambda: t_eval + EXPORT_RESERVE_S  # noqa: E731 - final evaluation + export
+    if step == 0 and not tr["curve"]:
+        evaluate_now(0, 0, None)  # the untrained draft: the curve's origin
+    if tr["schedule_steps"] is None:  # calibration: warm-up steps do not depend on the schedule's length
+        segment(min(cfg.warmup_steps, max_steps), None)
+        evals_left = max(1, cfg.evals - 1)
+        left = clock.left() - reserve() - evals_left * t_eval
+        tr["schedule_steps"] = int(min(max_steps, max(step, step + left / max(t_step, 1e-6))))
+        manifest.save()
+    total = tr["schedule_steps"]
+    bar = _bar(total, "train", "step", cfg.progress, step)
+    n_seg = max(1, cfg.evals - max(0, len(tr["curve"]) - 2))
+    stopped_early = False
+    while step < total:
+        end = min(total, step + max(1, math.ceil((total - step) / n_seg)))
+        n_seg = max(1, n_seg - 1)
+        fit = int((clock.left() - reserve() - t_eval) / max(t_step or 1e-6, 1e-6))
+        if fit < 1:
+            stopped_early = True
+            break
+        end = min(end, step + fit)
+        segment(end, total)
+        bar.update(step - bar.n)
+        bar.set_postfix(acc3=f"{tr['curve'][-1]['acceptance'].get('3', 0):.3f}", loss=f"{tr['curve'][-1]['loss']:.3f}")
+    bar.close()
+    tr["stopped_early"] = stopped_early or step < total
+    manifest.save()
+    return {"steps": step, "schedule_steps": total, "tokens": tokens, "per_epoch": per_epoch,
+            "epochs": step / max(per_epoch, 1), "train_chunks": train_set.chunk_ids, "eval_set": eval_set,
+            "head": head, "draft": draft, "data_tokens": train_set.num_tokens}
+
+
+def finish(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Clock, target, summary: dict,
+           generated: dict) -> dict:
+    from services.trainer.training.export import export_draft
+    from tide.eagle3 import load_checkpoint
+
+    head, draft, tr = summary["head"], summary["draft"], manifest.doc["train"]
+    draft_dir = out / "draft"
+    args = {**dataclasses.asdict(cfg), "target": str(cfg.target), "target_model": head.model_id}
+    export_draft(draft_dir, draft.cpu(), args, summary["train_chunks"], {"curve": tr["curve"]},
+                 target_model=head.model_id)
+    exported = load_checkpoint(draft_dir, head.embed, head.config, dtype=torch.float32)  # as served (bf16-rounded)
+    final = _eval_entry(exported, summary["eval_set"], head, cfg)
+    clock.charge("eval")
+    doc = manifest.doc
+    eval_tokens, train_tokens = manifest.tokens("eval"), manifest.tokens("train")
+    gen_s = doc["spent_s"]["generate"]
+    report = {
+        "target": head.model_id, "draft": str(draft_dir), "created_at": time.time(),
+        "accept_length": final["acceptance"], "top1": final["top1"], "evaluation": final,
+        "budget_minutes": cfg.minutes, "wall_minutes": clock.elapsed() / 60,
+        "spent_minutes": {k: v / 60 for k, v in doc["spent_s"].items()},
+        "runs": doc["runs"],
+        "generation": {
+            "prompts_train": sum(1 for v in doc["prompts"].values() if v["split"] == "train"),
+            "prompts_eval": sum(1 for v in doc["prompts"].values() if v["split"] == "eval"),
+            "output_tokens_train": train_tokens, "output_tokens_eval": eval_tokens,
+            "chunks_train": len(doc["chunks"]["train"]), "chunks_eval": len(doc["chunks"]["eval"]),
+            "skipped_long": doc["skipped_long"],
+            "tokens_per_s": (train_tokens + eval_tokens) / gen_s if gen_s else None,
+            "this_run": generated,
+        },
+        "training": {"steps": summary["steps"], "schedule_steps": summary["schedule_steps"],
+                     "tokens": summary["tokens"], "data_rows": summary["data_tokens"],
+                     "epochs": summary["epochs"], "stopped_early": tr.get("stopped_early", False),
+                     "seconds_per_step": tr.get("step_s")},
+        "curve": tr["curve"],
+        "loss_history": tr["history"],
+        "config": dataclasses.asdict(cfg),
+    }
+    # the training record carries the final evaluation too
+    record_path = draft_dir / "training_record.json"
+    record = json.loads(record_path.read_text())
+    record["evaluation"] = {"held_out": final, "curve": tr["curve"], "report": REPORT_JSON}
+    record_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    plot_report(report, out / REPORT_PNG)
+    clock.charge("other")
+    report["wall_minutes"] = clock.elapsed() / 60
+    report["spent_minutes"] = {k: v / 60 for k, v in doc["spent_s"].items()}
+    write_blob(out, REPORT_JSON, (json.dumps(report, indent=2) + "\n").encode())
+    doc["done"] = True
+    manifest.save()
+    log.info("bootstrap done: acceptance %s (held-out), draft in %s", final["acceptance"], draft_dir)
+    return report
+
+
+def plot_report(report: dict, path: Path) -> None:
+    """Loss over training tokens; held-out acceptance length (each γ) over training tokens and minutes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve, hist = report["curve"], report["loss_history"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    if hist:
+        ax.plot([h["step"] for h in hist], [h["loss"] for h in hist], lw=1, label="train loss")
+    pts = [c for c in curve if c.get("loss") is not None]
+    ax.plot([c["step"] for c in pts], [c["ttt_loss"][0] for c in pts], "o-", ms=3, label="held-out loss (step 1)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss")
+    ax.legend()
+    gammas = sorted(curve[-1]["acceptance"], key=int) if curve else []
+    for ax, xkey, xlabel in ((axes[1], "train_tokens", "training tokens processed"),
+                             (axes[2], "wall_minutes", "wall minutes (generation + training)")):
+        for g in gammas:
+            ax.plot([c[xkey] for c in curve], [c["acceptance"][g] for c in curve], "o-", ms=3, label=f"γ={g}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out acceptance length")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[1].set_title("acceptance vs tokens")
+    axes[2].set_title("acceptance vs minutes")
+    fig.suptitle(f"bootstrap of {report['target']}: {report['generation']['output_tokens_train']} training tokens, "
+                 f"{report['training']['steps']} steps, {report['wall_minutes']:.1f} min")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".report.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ---- evaluation of a draft on prompts -------------------------------------------------------------------
+
+def resolve_draft_dir(path) -> Path:
+    """A checkpoint directory, or a bootstrap output directory (its `draft/`)."""
+    p = Path(path)
+    if (p / "config.json").exists():
+        return p
+    if (p / "draft" / "config.json").exists():
+        return p / "draft"
+    raise FileNotFoundError(f"{p} is neither a draft checkpoint nor a bootstrap directory")
+
+
+def draft_target(draft_dir: Path) -> str:
+    """The target a draft was trained for, from its training record ("ref" when unknown)."""
+    try:
+        return json.loads((draft_dir / "training_record.json").read_text())["args"]["target"]
+    except (OSError, KeyError, ValueError):
+        return "ref"
+
+
+def evaluate_on_prompts(draft, prompt_files: list, target: str | None = None, gammas=(1, 2, 3, 4, 5),
+                        limit: int | None = None, max_tokens: int = 256, batch: int = 32,
+                        max_prompt_tokens: int = 768, dtype: str = "bf16", engine_gamma: int = 0,
+                        ttt_steps: int = 3, chunks_dir=None, progress: bool = True,
+                        threads: int | None = None) -> dict:
+    """Generate greedy continuations of the prompts with capture (with `engine_gamma` > 0: served
+    speculatively by the draft at that γ, which also measures the engine's acceptance length), then
+    evaluate the draft on those chunks (simulated acceptance length per γ, per-step top-1).
+    `chunks_dir`: keep the chunks there (default: a temporary directory, removed)."""
+    with torch_threads(threads):
+        return _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens, batch, max_prompt_tokens,
+                                    dtype, engine_gamma, ttt_steps, chunks_dir, progress)
+
+
+def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens, batch, max_prompt_tokens, dtype,
+                         engine_gamma, ttt_steps, chunks_dir, progress) -> dict:
+    from services.inference.engine.drafters.eagle3 import Eagle3Drafter
+    from services.inference.engine.llama import LlamaModel
+    from services.trainer.training.data import load_dataset
+    from services.trainer.training.evaluate import evaluate
+    from services.trainer.training.head import TargetHead
+    from tide.eagle3 import load_checkpoint
+    from tide.target import load_tokenizer, resolve_target
+
+    draft_dir = resolve_draft_dir(draft)
+    tfiles = resolve_target(target or draft_target(draft_dir))
+    model = LlamaModel.load(tfiles, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    prompts = load_prompt_files(prompt_files, limit)
+    items, skipped = encode_prompts(load_tokenizer(tfiles), prompts, max_prompt_tokens)
+    if not items:
+        raise ValueError("no usable prompts")
+    drafter = None
+    if engine_gamma > 0:
+        max_len = min(max_prompt_tokens + max_tokens + engine_gamma + 2, model.cfg.max_position_embeddings)
+        drafter = Eagle3Drafter.from_checkpoint(draft_dir, model, draft_dir.name, batch, max_len)
+    engine = make_engine(model, batch, max_prompt_tokens, max_tokens, drafter, engine_gamma)
+    sink = SequenceChunks(model.cfg.hidden_size, tfiles.model_id, 2048, workload="eval")
+    engine.capture_listeners.append(sink)
+    tmp = None
+    if chunks_dir is None:
+        tmp = tempfile.mkdtemp(prefix="tide-draft-eval-")
+        chunks_dir = tmp
+    chunks_dir = Path(chunks_dir)
+    try:
+        out_tokens = steps = accepted = 0
+        t0 = time.perf_counter()
+        bar = _bar(len(items), "generate", "prompt", progress)
+        for a in range(0, len(items), 2 * batch):
+            part = items[a:a + 2 * batch]
+            res = run_group(engine, sink, part, max_tokens, group_prefix([k for k, _ in part]),
+                            speculative=engine_gamma > 0)
+            for cid, blob in res.chunks:
+                write_blob(chunks_dir, f"{cid}.safetensors", blob)
+            out_tokens += sum(res.output_tokens)
+            steps += res.verify_steps
+            accepted += res.accepted_tokens
+            bar.update(len(part))
+        bar.close()
+        gen_s = time.perf_counter() - t0
+        head = TargetHead.load(tfiles)
+        max_len = max_prompt_tokens + max_tokens + 1  # one piece per sequence: the whole context, as served
+        data = load_dataset(chunks_dir, head, max_len, expected_target=tfiles.model_id)
+        d = load_checkpoint(draft_dir, head.embed, head.config, dtype=torch.float32)
+        r = evaluate(d, data, head, gammas=tuple(gammas), ttt_steps=ttt_steps, max_len=max_len)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    result = {
+        "draft": str(draft_dir), "target": tfiles.model_id,
+        "accept_length": {str(k): v for k, v in r.acceptance.items()},
+        "top1": r.ttt_top1, "chain_accuracy": r.chain_accuracy, "ttt_loss": r.ttt_loss, "coverage": r.coverage,
+        "chains": r.chains, "rows": r.tokens, "prompts": len(items), "skipped_long": skipped,
+        "output_tokens": out_tokens, "generation_seconds": gen_s, "max_tokens": max_tokens,
+    }
+    if engine_gamma > 0:
+        result["engine"] = {"gamma": engine_gamma, "verify_steps": steps,
+                            "accept_length": (accepted + steps) / steps if steps else None}
+    return result
