@@ -58,11 +58,19 @@ def add_bench_parser(subparsers) -> None:
     bench.set_defaults(func=_bench)
 
 
+def add_draft_parser(subparsers) -> None:
+    """`tide draft bootstrap|eval|finetune` (see services.trainer.draft_cli)."""
+    from services.trainer.draft_cli import add_draft_parser as add
+
+    add(subparsers)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tide")
     subparsers = parser.add_subparsers(dest="command")
     add_up_parser(subparsers)
     add_bench_parser(subparsers)
+    add_draft_parser(subparsers)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -393,7 +393,8 @@ def generate_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: C
         bar = _bar(initial + len(items), f"generate ({split})", "prompt", cfg.progress, initial)
         for a in range(0, len(items), group):
             left = gen_deadline - clock.elapsed()
-            if split == "train" and (train_full() or left <= 0 or (rate and rate * min(group, len(items) - a) / 2 > left)):
+            half_group_s = rate * min(group, len(items) - a) / 2 if rate else 0.0
+            if split == "train" and (train_full() or left <= 0 or half_group_s > left):
                 break
             part = items[a:a + group]
             res = run_group(engine, sink, part, cfg.max_tokens, group_prefix([k for k, _ in part]))
@@ -424,7 +425,8 @@ def _eval_entry(draft, eval_set, head, cfg: BootstrapConfig) -> dict:
     from services.trainer.training.evaluate import evaluate
 
     r = evaluate(draft, eval_set, head, ttt_steps=cfg.ttt_steps, max_len=cfg.max_len)
-    return {"acceptance": {str(k): v for k, v in r.acceptance.items()}, "top1": r.ttt_top1,
+    return {"acceptance": {str(k): v for k, v in r.served.items()},
+            "acceptance_all_rows": {str(k): v for k, v in r.acceptance.items()}, "top1": r.ttt_top1,
             "chain_accuracy": r.chain_accuracy, "ttt_loss": r.ttt_loss, "coverage": r.coverage}
 
 
@@ -701,7 +703,8 @@ def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens,
             shutil.rmtree(tmp, ignore_errors=True)
     result = {
         "draft": str(draft_dir), "target": tfiles.model_id,
-        "accept_length": {str(k): v for k, v in r.acceptance.items()},
+        "accept_length": {str(k): v for k, v in r.served.items()},
+        "accept_length_all_rows": {str(k): v for k, v in r.acceptance.items()},
         "top1": r.ttt_top1, "chain_accuracy": r.chain_accuracy, "ttt_loss": r.ttt_loss, "coverage": r.coverage,
         "chains": r.chains, "rows": r.tokens, "prompts": len(items), "skipped_long": skipped,
         "output_tokens": out_tokens, "generation_seconds": gen_s, "max_tokens": max_tokens,

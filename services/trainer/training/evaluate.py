@@ -10,11 +10,19 @@ stored state: valid while the data itself followed the target's greedy path (tru
 serving; with sampled data a chain stops being checkable at the first non-greedy token, which is
 counted as the chain's end, so acceptance is then slightly under-estimated). Acceptance length at
 γ = 1 + number of leading matches among the first γ draft tokens (the 1 is the bonus token).
+
+`acceptance` averages that over every start row. A serving engine only drafts at the rows its
+verifications land on: after accepting a tokens it skips a rows, so easy stretches (long accepts)
+get fewer steps than hard ones and its tokens per step is the row-weighted harmonic mean, not the
+arithmetic one (with uneven difficulty it is clearly lower). `served` replays that walk on every
+piece (from the first row whose next token was generated, the engine's first draft, then jumping
+by each step's accepted length + 1) and reports tokens per verification: what the engine measures
+at a fixed γ on the same data (greedy), up to the few short-γ steps at the very end of a sequence.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -28,17 +36,19 @@ GAMMAS = (1, 2, 3, 4, 5)
 
 @dataclass
 class EvalResult:
-    acceptance: dict[int, float]  # γ -> mean acceptance length (tokens per target forward)
+    acceptance: dict[int, float]  # γ -> mean acceptance length over all start rows
     chain_accuracy: list[float]  # step j: P(draft token j+1 right | tokens 1..j right)
     ttt_top1: list[float]  # teacher-forced top-1 per TTT step (the training metric)
     ttt_loss: list[float]  # objective per TTT step
     coverage: float  # share of the target's greedy next tokens that the draft vocabulary holds
     chains: int  # start rows simulated
     tokens: int  # rows evaluated
+    served: dict[int, float] = field(default_factory=dict)  # γ -> tokens per verification on the engine's walk
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["acceptance"] = {str(k): v for k, v in self.acceptance.items()}
+        d["served"] = {str(k): v for k, v in self.served.items()}
         return d
 
 
@@ -58,6 +68,7 @@ def evaluate(draft: Eagle3Draft, data: Dataset, head: TargetHead, gammas=GAMMAS,
     judged, right = torch.zeros(G), torch.zeros(G)
     ttt = torch.zeros(ttt_steps, 3)
     chains = covered = counted = tokens = 0
+    walk = {g: [0, 0] for g in gammas}  # γ -> [tokens, verifications]
     plan = plan_batches([len(p) for p in data.pieces], batch_rows, max_len, seed=0, epoch=0)
     for rows in plan:
         b = collate(data.pieces, rows).to(device)
@@ -91,6 +102,7 @@ def evaluate(draft: Eagle3Draft, data: Dataset, head: TargetHead, gammas=GAMMAS,
             alive = hit
             if j + 1 in accepted:
                 accepted[j + 1] += float((run + 1)[start].sum())
+                _walk(walk[j + 1], start & b.loss_mask, b.seg, run)
             tok, hidden = guess, out
     w = max(tokens, 1)
     return EvalResult(
@@ -101,7 +113,28 @@ def evaluate(draft: Eagle3Draft, data: Dataset, head: TargetHead, gammas=GAMMAS,
         coverage=covered / max(counted, 1),
         chains=chains,
         tokens=tokens,
+        served={g: t / s if s else 1.0 for g, (t, s) in walk.items()},
     )
+
+
+def _walk(acc: list[int], start: torch.Tensor, seg: torch.Tensor, run: torch.Tensor) -> None:
+    """Add the engine's walk over every piece of a batch to acc = [tokens, verifications]: from a
+    piece's first start row (whose own token was generated, so not the one predicting the first
+    output token, which the target's prefill emits), jump by run + 1 while on start rows."""
+    start, seg, run = start.cpu().tolist(), seg.cpu().tolist(), run.cpu().tolist()
+    for srow, grow, rrow in zip(start, seg, run, strict=True):
+        c, n = 0, len(srow)
+        while c < n:
+            if not srow[c]:
+                c += 1
+                continue
+            piece = grow[c]
+            while c < n and grow[c] == piece and srow[c]:
+                acc[0] += rrow[c] + 1
+                acc[1] += 1
+                c += rrow[c] + 1
+            while c < n and grow[c] == piece:  # the rest of this piece is past the walk's end
+                c += 1
 
 
 def compare(draft_a: Eagle3Draft, draft_b: Eagle3Draft, data: Dataset, head: TargetHead, gamma: int = 3,
