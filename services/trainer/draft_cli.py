@@ -108,7 +108,7 @@ def add_draft_parser(subparsers) -> None:
     """`tide draft bootstrap|eval|finetune`."""
     draft = subparsers.add_parser("draft", help="bootstrap, evaluate or fine-tune an EAGLE-3 draft",
                                   description=__doc__.splitlines()[0])
-    kinds = draft.add_subparsers(dest="draft", required=True)
+    kinds = draft.add_subparsers(dest="draft_command", required=True)
     add_bootstrap_arguments(kinds.add_parser(
         "bootstrap", help="generate with the target, train a draft from scratch, export it with its eval report"))
     add_eval_arguments(kinds.add_parser(
@@ -120,16 +120,16 @@ def add_draft_parser(subparsers) -> None:
 def run_cli(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.draft == "bootstrap":
+        if args.draft_command == "bootstrap":
             return _bootstrap(args)
-        if args.draft == "eval":
+        if args.draft_command == "eval":
             return _eval(args)
-        if args.draft == "finetune":
+        if args.draft_command == "finetune":
             return _finetune(args)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"tide draft {args.draft}: {e}", file=sys.stderr)
+        print(f"tide draft {args.draft_command}: {e}", file=sys.stderr)
         return 1
-    raise SystemExit(f"unknown draft command {args.draft!r}")
+    raise SystemExit(f"unknown draft command {args.draft_command!r}")
 
 
 def _bootstrap(args) -> int:

@@ -45,3 +45,29 @@ def write_prompt_file(path: Path, n: int, seed: int = 0, words: int = 6) -> Path
         lines.append(json.dumps({"prompt": text}))
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+_CACHE: dict = {}
+
+
+def tiny_bootstrap(tmp_path_factory, **overrides):
+    """One small bootstrap per test session (shared by the test modules that need a trained draft):
+    returns (BootstrapConfig, report, paths) with paths = {"target", "prompts", "heldout", "out"}."""
+    if "run" in _CACHE:
+        return _CACHE["run"]
+    from services.trainer.bootstrap import BootstrapConfig, bootstrap
+
+    root = tmp_path_factory.mktemp("bootstrap")
+    save_tiny_chat_target(root / "target", layers=4, init_std=0.05)
+    paths = {"target": root / "target", "prompts": write_prompt_file(root / "prompts.jsonl", 56),
+             "heldout": write_prompt_file(root / "heldout.jsonl", 16, seed=7), "out": root / "out"}
+    cfg = BootstrapConfig(**{**TINY_BOOTSTRAP, "target": str(paths["target"]), "prompts": [str(paths["prompts"])],
+                             "out": str(paths["out"]), **overrides})
+    _CACHE["run"] = (cfg, bootstrap(cfg), paths)
+    return _CACHE["run"]
+
+
+# Settings sized for the tiny target: a few seconds of generation, training capped by epochs.
+TINY_BOOTSTRAP = dict(minutes=0.3, gen_fraction=0.4, eval_prompts=8, batch=16, max_tokens=40, draft_vocab=64,
+                      evals=3, max_len=256, batch_rows=4, warmup_steps=10, max_epochs=12, dtype="fp32", threads=1,
+                      progress=False)
