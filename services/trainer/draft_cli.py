@@ -101,6 +101,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.1, help="chunks held out to compare before/after [0.1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    p.add_argument("--threads", type=int, default=None, help="torch threads [torch's default]")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -173,7 +174,7 @@ def _eval(args) -> int:
 
 
 def _finetune(args) -> int:
-    from services.trainer.bootstrap import draft_target, resolve_draft_dir
+    from services.trainer.bootstrap import draft_target, resolve_draft_dir, torch_threads
     from services.trainer.training.loop import TrainConfig
     from services.trainer.training.run import train_draft
 
@@ -182,7 +183,8 @@ def _finetune(args) -> int:
     cfg = TrainConfig(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_rows=args.batch_rows,
                       max_len=args.max_len, warmup_steps=args.warmup_steps, seed=args.seed,
                       progress=not args.no_progress)
-    summary = train_draft(target, args.chunks, args.out, init=init, cfg=cfg, eval_fraction=args.eval_fraction)
+    with torch_threads(args.threads):
+        summary = train_draft(target, args.chunks, args.out, init=init, cfg=cfg, eval_fraction=args.eval_fraction)
     out = {k: summary[k] for k in ("train", "baseline", "candidate")}
     out["target"], out["from"], out["out"] = str(target), str(init), str(args.out)
     if summary["baseline"] and summary["candidate"]:
