@@ -27,9 +27,10 @@ from tide.prompts import encode_prompt, load_prompts
 from tide.target import load_tokenizer, resolve_target
 
 
-def throughput(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:
+def throughput(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+               ignore_eos: bool = False) -> tuple[float, float, int]:
     """(output tokens/s, mean accept length over speculative steps, output tokens) for one batch."""
-    params = SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     seqs = engine.generate(prompts, params)
     dt = time.perf_counter() - t0
@@ -39,16 +40,24 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     return out / dt, acc, out
 
 
-def hf_generate_tok_s(target, prompt: list[int], max_tokens: int, dtype) -> float:
+def plain_vs_hf(model: LlamaModel, target, prompt: list[int], tokens: int, rounds: int) -> tuple[float, float]:
+    """Median tokens/s of (this engine, transformers' generate): batch 1, greedy, exactly `tokens`
+    new tokens each, same model files and dtype, runs alternated so machine load hits both alike."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=model.dtype).eval()
     ids = torch.tensor([prompt])
+    engine = LLMEngine(model, EngineConfig(max_batch=1, max_seq_len=1024))
+    ours, theirs = [], []
     with torch.inference_mode():
-        hf.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
-        t0 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-        return max_tokens / (time.perf_counter() - t0)
+        hf.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up both
+        throughput(engine, [prompt], 4)
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            hf.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+            theirs.append(tokens / (time.perf_counter() - t0))
+            ours.append(throughput(engine, [prompt], tokens, ignore_eos=True)[0])
+    return statistics.median(ours), statistics.median(theirs)
 
 
 def capture_overhead(model: LlamaModel, prompts, batch: int, max_tokens: int, rounds: int) -> float:
@@ -111,10 +120,9 @@ def run(args) -> dict:
                 res["spec"].append({"drafter": name, "gamma": g, "batch": b, "tok_s": round(tok_s, 2),
                                     "accept_length": round(acc, 3)})
                 print(f"  {name:6s} γ={g} b={b:2d}: {tok_s:7.1f} tok/s  accept {acc:.2f}", flush=True)
-    plain = [throughput(LLMEngine(model, cfg), prompts[:1], 64)[0] for _ in range(3)]
-    res["plain_tok_s"] = round(statistics.median(plain), 2)
-    res["hf_generate_tok_s"] = round(hf_generate_tok_s(target, prompts[0], 64, dtype), 2)
-    res["plain_vs_hf"] = round(res["plain_tok_s"] / res["hf_generate_tok_s"], 3)
+    ours, theirs = plain_vs_hf(model, target, prompts[0], 64, 3 if quick else 7)
+    res["plain_tok_s"], res["hf_generate_tok_s"] = round(ours, 2), round(theirs, 2)
+    res["plain_vs_hf"] = round(ours / theirs, 3)
     res["capture_overhead"] = {b: capture_overhead(model, prompts, b, max_tokens, 2 if quick else 4) for b in (1, 16)}
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
     return res
