@@ -48,6 +48,7 @@ CONTEXT = 128  # cached tokens per sequence when timing forwards (a typical chat
 PREFILL_CHUNK = 128  # tokens in the timed prefill forward
 # Policies whose constructor takes a LatencyProfile (tide and adaptive refuse to run without one).
 PROFILE_POLICIES = ("tide", "adaptive", "nightjar", "onthefly", "vllm", "dsd")
+PROFILE_FORMAT = 2  # bump when what a profile means changes (part of the cache key)
 
 
 _TIMER: list[Callable[[], float]] = [time.perf_counter]  # what median_ms reads (see cpu_timer)
@@ -199,7 +200,10 @@ def profile_latency(model: LlamaModel, drafter, batches: Seq[int], ns: Seq[int],
     meta = {"context_tokens": CONTEXT, "reps": reps, "threads": torch.get_num_threads(),
             "clock": "wall" if _TIMER[-1] is time.perf_counter else "cpu",
             "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
-            "drafter": drafter_shape(drafter), "measured_unix_s": round(time.time(), 1)}
+            "drafter": drafter_shape(drafter), "measured_unix_s": round(time.time(), 1),
+            # ModelRunner pads every sequence of a forward to the longest: a verify step costs
+            # T(b, 1 + max γ), not T(b, 1 + mean γ) (tide.policies.adaptive reads this)
+            "verify_padding": True}
     prof = LatencyProfile(T_ms=t_ms, D0_ms=d_ms[batches[0]], D_ms=d_ms, C_ms=c_ms,
                           prefill_ms_per_token=profile_prefill(model, reps), meta=meta)
     prof.meta["profile_s"] = round(time.perf_counter() - t0, 1)
@@ -222,7 +226,7 @@ def cache_dir() -> Path:
 
 def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags) -> dict:
     """Everything a profile depends on; its SHA-256 names the cache file."""
-    return {"target": model_id, "dtype": str(model.dtype), "device": str(model.device),
+    return {"format": PROFILE_FORMAT, "target": model_id, "dtype": str(model.dtype), "device": str(model.device),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "context": CONTEXT,
             "clock": "wall" if _TIMER[-1] is time.perf_counter else "cpu",
             "drafter": drafter_shape(drafter), "batches": sorted(set(batches)), "ns": sorted(set(ns)),

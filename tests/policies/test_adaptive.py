@@ -4,7 +4,7 @@ import pytest
 
 from tide.policies.adaptive import AdaptivePolicy
 from tide.policies.base import FixedGamma, RequestView, StepContext, StepFeedback
-from tide.policies.profile import synthetic_profile
+from tide.policies.profile import LatencyProfile, synthetic_profile
 from tide.policies.simulator import simulate
 from tide.policies.workload import DEFAULT_DOMAINS, Phase, Workload
 
@@ -68,3 +68,53 @@ def test_trims_weak_requests_but_keeps_them_drafting():
         pol.observe(StepFeedback(2, tuple(g), (g[0], 0), step_ms=50.0, draft_ms=2.0, verify_ms=48.0))
     g = pol.decide(ctx)
     assert g[0] >= 4 and g[1] == 1  # depth ≥ 2 never pays for "bad"; depth 1 kept (no lag build-up)
+
+
+def _padded_profile(ratio: float) -> LatencyProfile:
+    """Flat at b = 1; at b = 16 every extra token per sequence costs `ratio − 1` of a plain step."""
+    return LatencyProfile(T_ms={1: {n: 50.0 for n in range(1, 8)}, 16: {n: 90.0 * (1 + (ratio - 1) * (n - 1))
+                                                                        for n in range(1, 8)}},
+                          D0_ms=0.05, meta={"verify_padding": True})
+
+
+def _off_steps_between_probes(pol: AdaptivePolicy, b: int, steps: int = 400) -> list[int]:
+    reqs = tuple(RequestView(f"r{i}") for i in range(b))
+    probes, last = [], 0
+    for i in range(steps):
+        g = pol.decide(StepContext(b, reqs))
+        if any(g):
+            probes.append(i - last)
+            last = i
+        ms = pol.profile.target_ms(b, 1 + max(g))  # the engine runs exactly as profiled
+        pol.observe(StepFeedback(b, tuple(g), (0,) * b, step_ms=ms, draft_ms=0.0, verify_ms=ms))
+    return probes[1:]
+
+
+def test_padded_engine_drafts_uniformly_and_probes_the_whole_batch():
+    prof = _padded_profile(1.5)
+    pol = AdaptivePolicy(prof, explore=0.0)
+    assert pol.padded and not AdaptivePolicy(PROFILE).padded and AdaptivePolicy(PROFILE, padded_verify=True).padded
+    ctx = StepContext(2, (RequestView("good"), RequestView("bad")))
+    for _ in range(30):  # b = 2 interpolates the flat b = 1 row: speculation pays
+        g = pol.decide(ctx)
+        pol.observe(StepFeedback(2, tuple(g), (g[0], 0), step_ms=50.0, draft_ms=0.1, verify_ms=50.0))
+    g = pol.decide(ctx)
+    assert g[0] == g[1] >= 2  # padding: "bad" drafting less would not make the step cheaper
+    assert pol.raw_times(2, (4, 1), [0, 0])[0] == pytest.approx(prof.target_ms(2, 5))  # cost of the longest
+
+
+def test_probes_stretch_where_a_probe_step_is_dear():
+    cheap = _off_steps_between_probes(AdaptivePolicy(_padded_profile(1.2), explore=0.0, alpha_prior=0.05), 16)
+    dear = _off_steps_between_probes(AdaptivePolicy(_padded_profile(1.5), explore=0.0, alpha_prior=0.05), 16)
+    assert cheap and dear
+    assert min(cheap) >= 24 and max(cheap) <= 26  # the configured interval
+    assert min(dear) >= 50  # ≈ 0.5 / 1 % budget: probing costs ≤ 1 % of throughput
+
+
+def test_exploration_never_plays_a_clearly_dominated_arm():
+    pol = AdaptivePolicy(_padded_profile(1.5), explore=1.0, alpha_prior=0.3, probe_interval=0)
+    reqs = tuple(RequestView(f"r{i}") for i in range(16))
+    for _ in range(200):
+        g = pol.decide(StepContext(16, reqs))
+        assert g == [0] * 16
+        pol.observe(StepFeedback(16, tuple(g), (0,) * 16, step_ms=90.0, draft_ms=0.0, verify_ms=90.0))

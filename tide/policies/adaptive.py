@@ -27,14 +27,26 @@ Online corrections (all exponentially forgetting, so they follow drift):
 * c(L, b): Nightjar's switching cost (catch-up of the largest lag L), amortised over
   `switch_horizon` = 16 steps since one catch-up enables many speculative steps.
 
+Padded verification (`padded_verify`, default: the profile's ``meta["verify_padding"]``, which
+services.inference.profiling sets for our engine): when the engine pads every sequence of a verify
+forward to the longest draft, a step costs T(b, 1 + max_i γ_i) whatever the others draft. Then
+trimming saves nothing and is skipped (every request drafts m), the κ corrections compare with
+T(b, 1 + max γ), and a probe drafts for the whole batch (same cost, b samples instead of b/4).
+
 Exploration: with probability `explore` (2 %) the step plays a neighbour of the best arm so
-untried depths/latencies get measured. No deadlock: after `probe_interval` steps with speculation
-off everywhere, a quarter of the batch (rotating, `OffProbe`) drafts γ = 1 for one step to refresh
-α̂_g — and α̂_i of every request leans on α̂_g, so a recovered draft turns speculation back on.
+untried depths/latencies get measured — only a neighbour predicted within `explore_margin` (10 %)
+of the best, so a clearly dominated arm (γ > 0 at a compute-bound batch) is never paid for.
+No deadlock: after `probe_interval` steps with speculation off everywhere, a quarter of the batch
+(rotating, `OffProbe`; all of it when padded) drafts γ = 1 for one step to refresh α̂_g — and α̂_i
+of every request leans on α̂_g, so a recovered draft turns speculation back on. The interval
+stretches where a probe is dear: to at least (predicted probe-step ms / plain-step ms − 1) /
+`probe_budget`, so probing costs ≤ 1 % of throughput (at b = 16 on our CPU a γ = 1 step costs
+≈ 1.5 plain steps: one probe per ≈ 50 off steps instead of 24).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from itertools import accumulate
@@ -79,6 +91,9 @@ class AdaptivePolicy:
         explore: float = 0.02,
         probe_interval: int = 24,
         probe_fraction: float = 0.25,
+        probe_budget: float = 0.01,
+        explore_margin: float = 0.1,
+        padded_verify: bool | None = None,
         seed: int = 0,
     ) -> None:
         self.name = "adaptive"
@@ -93,6 +108,9 @@ class AdaptivePolicy:
         self.switch_horizon = switch_horizon
         self.explore = explore
         self.probe = OffProbe(probe_interval, fraction=probe_fraction)
+        self.probe_budget = probe_budget
+        self.explore_margin = explore_margin
+        self.padded = bool(profile.meta.get("verify_padding", False)) if padded_verify is None else padded_verify
         self.rng = random.Random(seed)
         self.requests: RequestStates[_ReqState] = RequestStates()
         self.kv: dict[tuple[int, int], float] = {}
@@ -157,13 +175,17 @@ class AdaptivePolicy:
         ]
         m = max(range(gmax + 1), key=goodput.__getitem__)
         if self.explore > 0 and self.rng.random() < self.explore:
-            m = min(max(m + self.rng.choice((-1, 1)), 0), gmax)
+            floor = (1 - self.explore_margin) * goodput[m]
+            near = [k for k in (m - 1, m + 1) if 0 <= k <= gmax and goodput[k] >= floor]
+            m = self.rng.choice(near) if near else m
 
         if m == 0:
             gammas = [0] * n
-            if self.probe.due():
-                for i in self.probe.pick(n):
+            if self._probe_due(b, n, t, d, switch):
+                for i in range(n) if self.padded else self.probe.pick(n):
                     gammas[i] = 1
+        elif self.padded:  # the step costs T(b, m + 1) whoever drafts less: trimming only loses tokens
+            gammas = [m] * n
         else:
             delta = max(t[m] - t[m - 1], 0.0) / b  # ms per extra verified token of one request
             bar = goodput[m] * delta
@@ -176,13 +198,27 @@ class AdaptivePolicy:
         self._pending = {"lags": [r.lag for r in ctx.requests], "alphas": alphas}
         return gammas
 
+    def _probe_due(self, b: int, n: int, t: list[float], d: float, switch: float) -> bool:
+        """Off for long enough that a probe step fits `probe_budget` (see the module docstring)."""
+        if self.probe.interval <= 0:
+            return False
+        k = n if self.padded else min(n, max(self.probe.requests, math.ceil(n * self.probe.fraction)))
+        probe_ms = self.verify_ratio(batch_bucket(b), 2) * self.profile.target_ms(b, 2 if self.padded else 1 + k / b)
+        extra = max(probe_ms + d + switch * self.switch_horizon - t[0], 0.0) / t[0] if t[0] > 0 else 0.0
+        need = extra / self.probe_budget if self.probe_budget > 0 else 0.0
+        return self.probe.off_steps >= max(self.probe.interval, need)
+
+    def verify_n(self, b: int, gammas: tuple[int, ...]) -> float:
+        """Tokens per sequence the verify forward costs: 1 + max γ when padded, else 1 + mean γ."""
+        return 1 + (max(gammas, default=0) if self.padded else sum(gammas) / b)
+
     def raw_times(self, b: int, gammas: tuple[int, ...], lags: list[int]) -> tuple[float, float]:
         """Uncorrected profile (verify ms, draft ms) for the γs the engine actually ran."""
         spec = [lag for lag, g in zip(lags, gammas, strict=False) if g > 0]
         draft = max(gammas, default=0) * self.profile.draft_ms(b)
         if spec and max(spec) > 0:
             draft += self.profile.catchup_ms(max(spec), len(spec))
-        return self.profile.target_ms(b, 1 + sum(gammas) / b), draft
+        return self.profile.target_ms(b, self.verify_n(b, gammas)), draft
 
     # ------------------------------------------------------------------ observe
     def observe(self, feedback: StepFeedback) -> None:
@@ -200,7 +236,7 @@ class AdaptivePolicy:
         verify, draft = self.raw_times(b, feedback.gammas, p["lags"])
         if feedback.verify_ms > 0 and verify > 0:
             ratio = feedback.verify_ms / verify
-            self._ema(self.kv, (bucket, round(1 + sum(feedback.gammas) / b)), ratio)
+            self._ema(self.kv, (bucket, round(self.verify_n(b, feedback.gammas))), ratio)
             self._ema(self.kv_bucket, bucket, ratio)
         if feedback.draft_ms > 0 and draft > 0:
             self._ema(self.kd, bucket, feedback.draft_ms / draft)

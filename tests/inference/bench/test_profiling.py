@@ -47,7 +47,7 @@ def test_profile_is_well_formed_and_drives_policies(tiny_model, kind):
         assert sorted(prof.C_ms) == BATCHES and all(sorted(r) == LAGS for r in prof.C_ms.values())
     else:
         assert prof.C_ms == {} and (kind != "none" or set(prof.D_ms.values()) == {0.0})
-    assert prof.meta["drafter"]["algorithm"] == kind
+    assert prof.meta["drafter"]["algorithm"] == kind and prof.meta["verify_padding"] is True
     again = LatencyProfile.from_json(prof.to_json())  # JSON round trip (what decisions and the cache carry)
     assert again.T_ms == prof.T_ms and again.D_ms == prof.D_ms and again.C_ms == prof.C_ms
     # interpolation stays inside the grid's envelope (well-formed: no negative or runaway values)
@@ -55,6 +55,7 @@ def test_profile_is_well_formed_and_drives_policies(tiny_model, kind):
         max(r.values()) for r in prof.T_ms.values())
     for name in ("tide", "adaptive", "nightjar", "dsd", "onthefly", "vllm"):
         pol = make_policy(name, {}, again)
+        assert name != "adaptive" or pol.padded  # our engine pads verify forwards; the policy knows it
         for b in (1, 3, 4):
             gammas = pol.decide(_ctx(b))
             assert len(gammas) == b and all(0 <= g <= 3 for g in gammas)
