@@ -43,7 +43,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,12 +152,22 @@ class GroupResult:
 
 
 def run_group(engine, sink: SequenceChunks, items: list[tuple[str, list[int]]], max_tokens: int,
-              prefix: str, speculative: bool = False) -> GroupResult:
-    """Greedy continuations of `items` ((key, prompt ids)) with the engine's continuous batching."""
+              prefix: str, speculative: bool = False, on_done: Callable[[int], None] | None = None) -> GroupResult:
+    """Greedy continuations of `items` ((key, prompt ids)) with the engine's continuous batching;
+    `on_done(n)` is told whenever n more sequences have finished (progress bars)."""
     from services.inference.engine.sequence import SamplingParams
 
     t0 = time.perf_counter()
-    seqs = engine.generate([ids for _, ids in items], SamplingParams(max_tokens=max_tokens), speculative=speculative)
+    params = SamplingParams(max_tokens=max_tokens)
+    seqs = [engine.add_request(f"{prefix}/{i}", ids, params, speculative, workload=sink.workload)
+            for i, (_, ids) in enumerate(items)]
+    finished = 0
+    while finished < len(seqs):
+        engine.step()
+        n = sum(s.status.is_finished() for s in seqs)
+        if n > finished and on_done is not None:
+            on_done(n - finished)
+        finished = n
     chunks = sink.close([s.request_id for s in seqs], prefix)
     return GroupResult(
         keys=[k for k, _ in items], chunks=chunks, output_tokens=[s.num_output for s in seqs],
@@ -374,6 +384,8 @@ def generate_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: C
     def train_full() -> bool:
         return cfg.gen_tokens is not None and manifest.tokens("train") >= cfg.gen_tokens
 
+    if manifest.doc["train"]["schedule_steps"] is not None or (out / "train_state").exists():
+        todo["train"] = []  # training has started on the data there is: it must not change under it
     if not todo["eval"] and (not todo["train"] or train_full() or clock.elapsed() >= gen_deadline):
         return stats
     t0 = time.perf_counter()
@@ -394,10 +406,11 @@ def generate_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: C
         for a in range(0, len(items), group):
             left = gen_deadline - clock.elapsed()
             half_group_s = rate * min(group, len(items) - a) / 2 if rate else 0.0
-            if split == "train" and (train_full() or left <= 0 or half_group_s > left):
-                break
+            out_of_time = left <= 0 or half_group_s > left
+            if split == "train" and (train_full() or (out_of_time and manifest.tokens("train") > 0)):
+                break  # (one group at least, whatever the budget: training needs data)
             part = items[a:a + group]
-            res = run_group(engine, sink, part, cfg.max_tokens, group_prefix([k for k, _ in part]))
+            res = run_group(engine, sink, part, cfg.max_tokens, group_prefix([k for k, _ in part]), on_done=bar.update)
             for cid, blob in res.chunks:
                 write_blob(out / "chunks" / split, f"{cid}.safetensors", blob)
             manifest.doc["chunks"][split] += [f"{cid}.safetensors" for cid, _ in res.chunks]
@@ -408,7 +421,6 @@ def generate_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: C
             rate = res.seconds / len(part)
             clock.charge("generate")
             manifest.save()
-            bar.update(len(part))
             if split == "train":
                 fit = bar.n + int(max(0.0, gen_deadline - clock.elapsed()) / rate)
                 bar.total = min(initial + len(items), fit)
@@ -684,13 +696,12 @@ def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens,
         for a in range(0, len(items), 2 * batch):
             part = items[a:a + 2 * batch]
             res = run_group(engine, sink, part, max_tokens, group_prefix([k for k, _ in part]),
-                            speculative=engine_gamma > 0)
+                            speculative=engine_gamma > 0, on_done=bar.update)
             for cid, blob in res.chunks:
                 write_blob(chunks_dir, f"{cid}.safetensors", blob)
             out_tokens += sum(res.output_tokens)
             steps += res.verify_steps
             accepted += res.accepted_tokens
-            bar.update(len(part))
         bar.close()
         gen_s = time.perf_counter() - t0
         head = TargetHead.load(tfiles)
