@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -230,7 +231,7 @@ class BootstrapConfig:
     dtype: str = "bf16"  # target dtype for generation ("bf16" | "fp32")
     draft_vocab: int = 8192
     max_epochs: float = 20.0  # cap on passes over the training data
-    evals: int = 10  # evaluations on the held-out chunks during training (the curve)
+    evals: int = 8  # evaluations on the held-out chunks during training (the curve)
     lr: float = 3e-4
     batch_rows: int = 8
     max_len: int = 512
@@ -239,6 +240,10 @@ class BootstrapConfig:
     seed: int = 0
     threads: int | None = None  # torch intra-op threads (None: torch's default)
     progress: bool = True
+
+    @property
+    def eval_len(self) -> int:
+        return self.max_prompt_tokens + self.max_tokens + 1
 
     def train_config(self, state_dir: Path, steps: int, schedule_steps: int | None):
         from services.trainer.training.loop import TrainConfig
@@ -271,7 +276,7 @@ class Manifest:
                 raise ValueError(f"{out} was bootstrapped with other settings {changed}; use another --out")
             return cls(path, doc)
         doc = {"version": MANIFEST_VERSION, "fixed": fixed, "prompts": {}, "chunks": {"train": [], "eval": []},
-               "skipped_long": 0, "spent_s": {"generate": 0.0, "train": 0.0, "eval": 0.0, "other": 0.0},
+               "spent_s": {"generate": 0.0, "train": 0.0, "eval": 0.0, "other": 0.0},
                "runs": 0, "train": {"schedule_steps": None, "curve": [], "history": []}, "done": False}
         return cls(path, doc)
 
@@ -397,33 +402,40 @@ def generate_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: C
     rate = None  # seconds per prompt, measured
     n_train_done = sum(1 for v in done.values() if v["split"] == "train")
     for split in ("eval", "train"):
-        items, skipped = encode_prompts(tokenizer, todo[split], cfg.max_prompt_tokens)
-        manifest.doc["skipped_long"] += skipped
-        if not items:
-            continue
+        pending = iter(todo[split])  # encoded a group at a time: a big prompt file costs nothing up front
         initial = n_train_done if split == "train" else len(eval_prompts) - len(todo["eval"])
-        bar = _bar(initial + len(items), f"generate ({split})", "prompt", cfg.progress, initial)
-        for a in range(0, len(items), group):
+        bar = _bar(initial + len(todo[split]), f"generate ({split})", "prompt", cfg.progress, initial)
+        while True:
             left = gen_deadline - clock.elapsed()
-            half_group_s = rate * min(group, len(items) - a) / 2 if rate else 0.0
-            out_of_time = left <= 0 or half_group_s > left
+            out_of_time = left <= 0 or (rate is not None and rate * group / 2 > left)
             if split == "train" and (train_full() or (out_of_time and manifest.tokens("train") > 0)):
                 break  # (one group at least, whatever the budget: training needs data)
-            part = items[a:a + group]
-            res = run_group(engine, sink, part, cfg.max_tokens, group_prefix([k for k, _ in part]), on_done=bar.update)
+            part = list(itertools.islice(pending, group))
+            if not part:
+                break
+            items, _ = encode_prompts(tokenizer, part, cfg.max_prompt_tokens)
+            keep = {k for k, _ in items}
+            for p in part:
+                if prompt_key(p) not in keep:
+                    done[prompt_key(p)] = {"split": "skipped", "tokens": 0}  # too long (or empty)
+            bar.update(len(part) - len(items))
+            if not items:
+                continue
+            res = run_group(engine, sink, items, cfg.max_tokens, group_prefix([k for k, _ in items]),
+                            on_done=bar.update)
             for cid, blob in res.chunks:
                 write_blob(out / "chunks" / split, f"{cid}.safetensors", blob)
             manifest.doc["chunks"][split] += [f"{cid}.safetensors" for cid, _ in res.chunks]
-            for (k, _), n in zip(part, res.output_tokens, strict=True):
+            for (k, _), n in zip(items, res.output_tokens, strict=True):
                 done[k] = {"split": split, "tokens": n}
-            stats["prompts"] += len(part)
+            stats["prompts"] += len(items)
             stats["output_tokens"] += sum(res.output_tokens)
-            rate = res.seconds / len(part)
+            rate = res.seconds / len(items)
             clock.charge("generate")
             manifest.save()
             if split == "train":
                 fit = bar.n + int(max(0.0, gen_deadline - clock.elapsed()) / rate)
-                bar.total = min(initial + len(items), fit)
+                bar.total = min(bar.total, fit)
                 bar.refresh()
             bar.set_postfix(tok=manifest.tokens(split), tok_s=f"{sum(res.output_tokens) / max(res.seconds, 1e-9):.0f}")
         bar.close()
@@ -436,7 +448,7 @@ def generate_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: C
 def _eval_entry(draft, eval_set, head, cfg: BootstrapConfig) -> dict:
     from services.trainer.training.evaluate import evaluate
 
-    r = evaluate(draft, eval_set, head, ttt_steps=cfg.ttt_steps, max_len=cfg.max_len)
+    r = evaluate(draft, eval_set, head, ttt_steps=cfg.ttt_steps, max_len=cfg.eval_len)
     return {"acceptance": {str(k): v for k, v in r.served.items()},
             "acceptance_all_rows": {str(k): v for k, v in r.acceptance.items()}, "top1": r.ttt_top1,
             "chain_accuracy": r.chain_accuracy, "ttt_loss": r.ttt_loss, "coverage": r.coverage}
@@ -452,7 +464,8 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
 
     head = TargetHead.load(target)
     train_set = load_dataset(out / "chunks" / "train", head, cfg.max_len, expected_target=head.model_id)
-    eval_set = load_dataset(out / "chunks" / "eval", head, cfg.max_len, expected_target=head.model_id)
+    # held-out sequences stay whole (one piece each): the draft sees their whole context, as when served
+    eval_set = load_dataset(out / "chunks" / "eval", head, cfg.eval_len, expected_target=head.model_id)
     if not train_set.pieces:
         raise RuntimeError(f"no training data in {out / 'chunks' / 'train'} (budget or prompts too small?)")
     if not eval_set.pieces:
@@ -510,7 +523,7 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
         manifest.save()
     total = tr["schedule_steps"]
     bar = _bar(total, "train", "step", cfg.progress, step)
-    n_seg = max(1, cfg.evals - max(0, len(tr["curve"]) - 2))
+    n_seg = max(1, cfg.evals - (len(tr["curve"]) - 1))  # segments left: `evals` points after the origin
     stopped_early = False
     while step < total:
         end = min(total, step + max(1, math.ceil((total - step) / n_seg)))
@@ -558,7 +571,7 @@ def finish(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Clock, ta
             "prompts_eval": sum(1 for v in doc["prompts"].values() if v["split"] == "eval"),
             "output_tokens_train": train_tokens, "output_tokens_eval": eval_tokens,
             "chunks_train": len(doc["chunks"]["train"]), "chunks_eval": len(doc["chunks"]["eval"]),
-            "skipped_long": doc["skipped_long"],
+            "skipped_long": sum(1 for v in doc["prompts"].values() if v["split"] == "skipped"),
             "tokens_per_s": (train_tokens + eval_tokens) / gen_s if gen_s else None,
             "this_run": generated,
         },
