@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.trainer import bootstrap as bs
+from services.trainer.training.loop import lr_at
 from tests.support.bootstrap import TINY_BOOTSTRAP, save_tiny_chat_target, tiny_bootstrap, write_prompt_file
 from tide.chunks import decode_chunk
 
@@ -139,3 +140,27 @@ def test_predicted_acceptance_matches_the_engine(booted):
     assert measured > 1.1, "the draft must accept something for the comparison to mean anything"
     assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured, res["accept_length_all_rows"])
     assert time.perf_counter() - t0 < 60
+
+
+def test_segments_with_a_fixed_schedule_equal_one_run(booted, tmp_path):
+    """Bootstrap trains in segments (steps=end, schedule_steps=total, resuming from its state):
+    the weights equal one uninterrupted run of `total` steps."""
+    from services.trainer.training.data import load_dataset
+    from services.trainer.training.head import TargetHead
+    from services.trainer.training.loop import TrainConfig, train
+    from services.trainer.training.run import build_draft
+    from tide.target import resolve_target
+
+    _, _, paths = booted
+    head = TargetHead.load(resolve_target(paths["target"]))
+    data = load_dataset(paths["out"] / "chunks" / "train", head, max_len=64)
+    fast = dict(batch_rows=2, max_len=64, lr=3e-3, warmup_steps=2, log_every=2, progress=False)
+    with bs.torch_threads(1):
+        one = build_draft(head, data, draft_vocab_size=64)
+        train(one, head, data, TrainConfig(steps=7, **fast))
+        seg = build_draft(head, data, draft_vocab_size=64)
+        for end in (2, 5, 7):
+            r = train(seg, head, data, TrainConfig(steps=end, schedule_steps=7, checkpoint_dir=str(tmp_path), **fast))
+            assert r.steps == end and r.history[-1]["lr"] == pytest.approx(lr_at(TrainConfig(**fast), end - 1, 7))
+    for k, v in one.state_dict().items():
+        assert torch.equal(v, seg.state_dict()[k]), k
