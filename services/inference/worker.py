@@ -30,6 +30,7 @@ from services.inference.control import (
     build_policy,
     make_drafter,
 )
+from services.inference.engine.drafters import Drafter
 from services.inference.engine.engine import LLMEngine, RequestOutput
 from services.inference.engine.sequence import FinishReason
 from services.inference.requests import (
@@ -135,6 +136,22 @@ class Worker:
 
         self._commands.put(run)
         return fut.result(timeout=timeout_s)
+
+    def offer_drafter(self, name: str, drafter: Drafter | None) -> concurrent.futures.Future[bool]:
+        """Swap `drafter` in between steps if this worker runs the drafter called `name` (e.g. the
+        registry watcher's newly loaded "eagle3" draft); the future says whether it was swapped in.
+        In-flight requests continue with it from the next step on."""
+        fut: concurrent.futures.Future[bool] = concurrent.futures.Future()
+
+        def run() -> None:
+            swap = self._drafter_name == name and self.engine.drafter is not drafter
+            if swap:
+                self._swap(drafter)
+                log.info("drafter %s: now %s", name, drafter.version if drafter is not None else "none")
+            fut.set_result(swap)
+
+        self._commands.put(run)
+        return fut
 
     def status(self) -> WorkerStatus:
         eng = self.engine
@@ -286,6 +303,16 @@ class Worker:
         self._collection = on
         metrics.COLLECTION.set(1 if on else 0)
 
+    def _swap(self, drafter: Drafter | None) -> None:
+        self.engine.swap_drafter(drafter)
+        with self._lock:
+            handles = list(self._live.values())
+        for h in handles:  # the new drafter serves them from the next step on
+            h.drafter = drafter.algorithm.value if drafter is not None else "none"
+            h.draft_version = drafter.version if drafter is not None else ""
+        if self._collection:
+            self.exporter.set_draft_version(drafter.version if drafter is not None else "")
+
     def _apply(self, d: Decision) -> DecisionResult:
         outcome, detail = self._try_apply(d)
         metrics.DECISIONS.labels(outcome.value).inc()
@@ -314,15 +341,8 @@ class Worker:
             self._policy_spec = d.policy
         self.engine.set_policy(ScheduledPolicy(inner, schedule, self._forced, self.forced_gamma))
         if d.drafter is not None and d.drafter != self._drafter_name:
-            self.engine.swap_drafter(drafter)
+            self._swap(drafter)
             self._drafter_name = d.drafter
-            with self._lock:
-                handles = list(self._live.values())
-            for h in handles:  # the new drafter serves them from the next step on
-                h.drafter = drafter.algorithm.value if drafter is not None else "none"
-                h.draft_version = drafter.version if drafter is not None else ""
-            if self._collection:
-                self.exporter.set_draft_version(drafter.version if drafter is not None else "")
         if d.collection_enabled is not None:
             self._set_collection(d.collection_enabled)
         self._seen.add(d.decision_id)
