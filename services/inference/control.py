@@ -193,19 +193,22 @@ class ScheduledPolicy:
 DrafterFactory = Callable[[str], Drafter | None]
 
 
-def make_drafter(name: str) -> Drafter | None:
+def make_drafter(name: str, eagle3: Callable[[], Drafter | None] | None = None) -> Drafter | None:
     """The drafters this worker can build by name; raises DecisionError for others.
 
-    Hook: "eagle3" will load the registry's current draft for the target (services/registry) and
-    wrap it in the engine's EAGLE-3 drafter; until that is wired it is refused, never faked.
+    "eagle3" is the registry's current draft for the target: `eagle3()` returns it (the worker's
+    `services.inference.drafts.DraftWatcher.drafter`: the latest loaded draft, n-gram until one
+    is); without `eagle3` the worker does not watch the registry and "eagle3" is refused.
     """
     if name == "none":
         return None
     if name == "ngram":
         return NgramDrafter()
     if name == "eagle3":
-        raise DecisionError("drafter 'eagle3' is not available on this worker yet (registry draft loading "
-                            "is not wired); use 'ngram' or 'none'")
+        if eagle3 is None:
+            raise DecisionError("drafter 'eagle3' is not available on this worker (it does not watch the "
+                                "draft registry); use 'ngram' or 'none'")
+        return eagle3()
     raise DecisionError(f"unknown drafter {name!r}; known: eagle3, ngram, none")
 
 
