@@ -13,7 +13,10 @@ Environment variables (all optional; defaults in brackets):
     TIDE_LISTEN               gRPC "host:port"                                                 [127.0.0.1:50051]
     TIDE_METRICS_PORT         Prometheus HTTP port on the listen host; 0 = off                 [9101]
     TIDE_WORKER_ID            worker id in telemetry and chunks                                [hostname-pid]
-    TIDE_DRAFTER              ngram | none | eagle3 (the registry's draft; not wired yet)      [ngram]
+    TIDE_DRAFTER              ngram | none | eagle3: the registry's current draft for the target
+                              (n-gram until one loads; see drafts.py)                          [ngram]
+    TIDE_REGISTRY_ADDR        draft registry gRPC "host:port" (watched while "eagle3" is used) [127.0.0.1:50055]
+    TIDE_DRAFT_CACHE_DIR      where registry drafts are downloaded         [$TIDE_CACHE_DIR/drafts]
     TIDE_POLICY               γ policy name (tide.policies.registry.POLICY_NAMES)              [static]
     TIDE_POLICY_PARAMS        JSON object: the policy's keyword arguments                      [{"gamma": 3}]
     TIDE_LATENCY_PROFILE      path of a LatencyProfile JSON for policies that need one        [none]
@@ -46,6 +49,7 @@ from typing import Any
 
 from tide.blobs import StorageSettings
 from tide.grpcutil import ADMIN_TOKEN_ENV
+from tide.registry_client import DEFAULT_REGISTRY_ADDR, REGISTRY_ADDR_ENV
 
 DRAFTERS = ("ngram", "none", "eagle3")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -76,6 +80,8 @@ class InferenceSettings:
     metrics_port: int = 9101
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     drafter: str = "ngram"
+    registry_addr: str = DEFAULT_REGISTRY_ADDR
+    draft_cache_dir: str = ""  # "" = tide.target.cache_dir() / "drafts"
     policy: str = "static"
     policy_params: Mapping[str, Any] = field(default_factory=lambda: {"gamma": 3})
     latency_profile: str = ""
@@ -154,6 +160,8 @@ class InferenceSettings:
             metrics_port=get("metrics_port", "TIDE_METRICS_PORT", int),
             worker_id=get("worker_id", "TIDE_WORKER_ID"),
             drafter=get("drafter", "TIDE_DRAFTER"),
+            registry_addr=get("registry_addr", REGISTRY_ADDR_ENV),
+            draft_cache_dir=get("draft_cache_dir", "TIDE_DRAFT_CACHE_DIR"),
             policy=get("policy", "TIDE_POLICY"),
             policy_params=get("policy_params", "TIDE_POLICY_PARAMS", json.loads),
             latency_profile=get("latency_profile", "TIDE_LATENCY_PROFILE"),
