@@ -7,6 +7,7 @@ count what they drop (see telemetry.py and exporter.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import numbers
@@ -17,6 +18,7 @@ import urllib3
 from minio import Minio
 
 from services.inference.control import DecisionError, PolicySpec, make_drafter
+from services.inference.drafts import DRAFTER_NAME, DraftWatcher
 from services.inference.engine.engine import EngineConfig, LLMEngine
 from services.inference.exporter import ChunkExporter
 from services.inference.profiling import PROFILE_POLICIES, LiveProfile, cached_profile, default_grid, wants_profile
@@ -27,7 +29,7 @@ from services.inference.worker import Worker
 from tide import blobs, streams
 from tide.grpcutil import GrpcServer
 from tide.policies.profile import LatencyProfile
-from tide.target import resolve_target
+from tide.target import cache_dir, resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class InferenceService:
     server: GrpcServer
     telemetry: TelemetryPublisher
     exporter: ChunkExporter
+    drafts: DraftWatcher
 
     @property
     def target(self) -> str:
@@ -106,6 +109,7 @@ class InferenceService:
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop routing (health NOT_SERVING), drain for `grace_s`, then stop the publishers after a last flush."""
         self.server.health.enter_graceful_shutdown()
+        self.drafts.stop()
         self.worker.stop(grace_s)
         self.server.stop(1.0)
         self.telemetry.stop()
@@ -141,14 +145,21 @@ def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: 
     params = dict(settings.policy_params)
     if profile is not None and settings.policy in PROFILE_POLICIES:
         params.setdefault("profile", profile.to_dict())  # GetStatus shows the table the policy runs on
+    # "eagle3" = the registry's current draft for this target; the registry is watched from the
+    # first time "eagle3" is asked for (at start with TIDE_DRAFTER=eagle3, or by a decision).
+    drafts = DraftWatcher(model_id, s3=s3, cache_dir=settings.draft_cache_dir or cache_dir() / "drafts",
+                          model=model, max_batch=settings.max_batch, max_len=engine.runner.cache.max_len,
+                          registry_addr=settings.registry_addr)
     worker = Worker(engine, policy=policy_spec(settings.policy, params), drafter=settings.drafter,
                     tokenizer=tokenizer, exporter=exporter, collection=settings.collection,
                     max_queue=settings.max_queue, forced_gamma=settings.forced_gamma, profile=profile,
+                    drafter_factory=functools.partial(make_drafter, eagle3=drafts.drafter),
                     device=str(model.device))
+    drafts.attach(functools.partial(worker.offer_drafter, DRAFTER_NAME))
     engine.step_listeners.append(telemetry.publish)
     telemetry.start()
     exporter.start()
     worker.start()
     server = serve(worker, settings.listen, settings.admin_token,
                    max_workers=settings.max_batch + settings.max_queue + 8)
-    return InferenceService(settings, worker, server, telemetry, exporter)
+    return InferenceService(settings, worker, server, telemetry, exporter, drafts)
