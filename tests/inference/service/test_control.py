@@ -97,7 +97,7 @@ def test_decision_applied_once(make_service):
     ({"gamma_policy": inference_pb2.GammaPolicy(name="static", params={"gamma": -1})}, "gamma"),
     ({"gamma_policy": inference_pb2.GammaPolicy(name="static", params={"gama": 1})}, "bad parameters"),
     ({"gamma_policy": inference_pb2.GammaPolicy(name="tide")}, "latency profile"),
-    ({"drafter": "eagle3"}, "eagle3"),
+    ({"drafter": "medusa"}, "unknown drafter"),
     ({"buckets": [(1, 4, True), (4, 0, False)]}, "overlap"),
     ({"decision_id": ""}, "decision_id"),
 ])
