@@ -15,7 +15,7 @@ budget of N minutes (model loading, generation, training, evaluation and export 
    stops at the first of: `gen_fraction` of the budget spent, `gen_tokens` output tokens in the
    training set, or no prompts left.
 2. **Train** a from-scratch draft (`training.run.build_draft`: vocabulary from the training data)
-   on the training chunks for the rest of the budget. The first `warmup_steps` steps measure the
+   on the training chunks for the rest of the budget. The first few warm-up steps measure the
    step time; the LR schedule's length (warm-up + cosine) is then fixed so that training ends at
    the deadline, capped at `max_epochs` passes. Training runs in segments (resuming from its
    state in `DIR/train_state/`), each followed by an evaluation on the held-out chunks: the curve
@@ -60,6 +60,7 @@ MANIFEST = "bootstrap.json"
 MANIFEST_VERSION = 1
 REPORT_JSON = "report.json"
 REPORT_PNG = "report.png"
+CALIBRATION_STEPS = 5  # steps timed before the schedule's length is fixed (at most the warm-up)
 EXPORT_RESERVE_S = 5.0  # budget kept back for export + report, on top of one evaluation
 
 
@@ -516,7 +517,7 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
     if step == 0 and not tr["curve"]:
         evaluate_now(0, 0, None)  # the untrained draft: the curve's origin
     if tr["schedule_steps"] is None:  # calibration: warm-up steps do not depend on the schedule's length
-        segment(min(cfg.warmup_steps, max_steps), None)
+        segment(max(1, min(CALIBRATION_STEPS, cfg.warmup_steps, max_steps)), None)
         evals_left = max(1, cfg.evals - 1)
         left = clock.left() - reserve() - evals_left * t_eval
         tr["schedule_steps"] = int(min(max_steps, max(step, step + left / max(t_step, 1e-6))))
