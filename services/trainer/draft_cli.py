@@ -62,6 +62,7 @@ def add_bootstrap_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=d.max_len)
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--autocast", action="store_true", help="bf16 autocast for the training forward")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads [torch's default]")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -145,7 +146,8 @@ def _bootstrap(args) -> int:
         eval_prompts=args.eval_prompts, batch=args.batch, max_tokens=args.max_tokens,
         max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype, draft_vocab=args.draft_vocab,
         max_epochs=args.max_epochs, evals=args.evals, lr=args.lr, batch_rows=args.batch_rows, max_len=args.max_len,
-        ttt_steps=args.ttt_steps, warmup_steps=args.warmup_steps, seed=args.seed, threads=args.threads,
+        ttt_steps=args.ttt_steps, warmup_steps=args.warmup_steps, autocast=args.autocast, seed=args.seed,
+        threads=args.threads,
         progress=not args.no_progress)
     report = bootstrap(cfg)
     out = Path(args.out)
