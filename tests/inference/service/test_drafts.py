@@ -8,6 +8,7 @@ import io
 import threading
 import time
 
+import grpc
 import pytest
 from inference.service.svc import ADMIN_TOKEN, request, run_stream, stub, wait_for
 from prometheus_client import REGISTRY as PROM
@@ -190,3 +191,56 @@ def test_eagle3_decision_runs_the_registry_draft(make_service, registry, admin, 
     assert svc.worker.status().draft_version == "ngram"  # loaded, not swapped in: the worker runs n-gram
     resp = stub(svc, ADMIN_TOKEN).ApplyDecision(decision("back", drafter="eagle3"))
     assert resp.status.draft_version == v2
+
+
+def test_registry_outage_and_s3_errors_are_survived(make_service, registry, admin, tiny_model, tmp_path):
+    """The registry goes away and comes back at the same address: the worker keeps serving its draft,
+    reconnects, and follows a promotion made after; downloads that fail are retried, not refused."""
+    svc = start(make_service, registry, tmp_path, drafter="eagle3")
+    client = stub(svc)
+    v1, v2 = (register(admin, registry, tmp_path, seed, fitting(tiny_model)) for seed in (11, 12))
+    admin.promote(v1, TARGET)
+    serving(svc, v1)
+    reference = plain(client, "plain")
+    address = registry.address
+    registry.stop()
+    tokens, _, _ = run_stream(client, request("registry-down", PROMPT, max_tokens=40))
+    assert tokens == reference and svc.worker.status().draft_version == v1
+    time.sleep(1.0)  # a few reconnect attempts fail
+    again = start_registry(registry.s3, registry.bucket, poll_s=0.05, address=address)
+    try:
+        flaky = Flaky(svc.drafts.s3, failures=2)
+        svc.drafts.s3 = flaky
+        with again.client() as c:  # (gRPC's shared subchannel may still be backing off: retry)
+            wait_for(lambda: promoted(c, v2), 10, "the registry to answer again")
+        serving(svc, v2, timeout_s=10)
+        assert flaky.failed == 2 and svc.drafts.stats["fetch_errors"] == 2 and svc.drafts.refusals == []
+    finally:
+        again.stop()
+
+
+def promoted(client, version: str) -> bool:
+    try:
+        client.promote(version, TARGET)
+        return True
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        return False
+
+
+class Flaky:
+    """An S3 client whose first `failures` downloads fail as if the server were unreachable."""
+
+    def __init__(self, inner, failures: int) -> None:
+        self.inner, self.left, self.failed = inner, failures, 0
+
+    def get_object(self, *args, **kwargs):
+        if self.left:
+            self.left -= 1
+            self.failed += 1
+            raise ConnectionError("S3 unreachable (test)")
+        return self.inner.get_object(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
