@@ -254,7 +254,7 @@ class BootstrapConfig:
                            max_len=self.max_len, lr=self.lr, warmup_steps=self.warmup_steps,
                            ttt_steps=self.ttt_steps, seed=self.seed, checkpoint_dir=str(state_dir),
                            autocast=self.autocast,
-                           log_every=max(1, min(10, steps)), progress=False)
+                           log_every=1, progress=False)  # segments start anywhere
 
 
 # Settings a resumed run must share with the first one (the rest may change, e.g. --minutes).
@@ -613,12 +613,12 @@ def plot_report(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
     if hist:
-        ax.plot([h["step"] for h in hist], [h["loss"] for h in hist], lw=1, label="train loss")
-    pts = [c for c in curve if c.get("loss") is not None]
-    ax.plot([c["step"] for c in pts], [c["ttt_loss"][0] for c in pts], "o-", ms=3, label="held-out loss (step 1)")
+        ax.plot([h["step"] for h in hist], [h["loss"] for h in hist], lw=1, alpha=0.5, label="train objective")
+        ax.plot([h["step"] for h in hist], [h["step_loss"][0] for h in hist], lw=1, label="train loss, step 1")
+    ax.plot([c["step"] for c in curve], [c["ttt_loss"][0] for c in curve], "o-", ms=3, label="held-out loss, step 1")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
-    ax.set_title("loss")
+    ax.set_title("loss (objective: unrolled steps weighted)")
     ax.legend()
     gammas = sorted(curve[-1]["acceptance"], key=int) if curve else []
     for ax, xkey, xlabel in ((axes[1], "train_tokens", "training tokens processed"),
