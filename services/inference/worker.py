@@ -1,7 +1,8 @@
 """The worker: owns the LLMEngine and drives it from one thread; everything else talks to it by message.
 
-Threads: any thread may `submit`, `cancel`, `apply_decision` or read `status()`; the loop thread
-runs engine steps and, between steps, the commands those calls queued (add, cancel, decisions).
+Threads: any thread may `submit`, `cancel`, `apply_decision`, `offer_drafter` or read `status()`;
+the loop thread runs engine steps and, between steps, the commands those calls queued (add, cancel,
+decisions, drafter swaps: the registry's new "eagle3" draft arrives by `offer_drafter`, see drafts.py).
 Each request's events go to its `RequestHandle.events` queue (see `requests.py`). Decisions are
 applied between steps, atomically (validated first, then committed), once per decision id.
 """
