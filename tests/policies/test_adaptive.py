@@ -118,3 +118,19 @@ def test_exploration_never_plays_a_clearly_dominated_arm():
         g = pol.decide(StepContext(16, reqs))
         assert g == [0] * 16
         pol.observe(StepFeedback(16, tuple(g), (0,) * 16, step_ms=90.0, draft_ms=0.0, verify_ms=90.0))
+
+
+def test_acceptance_is_learnt_per_decision_when_the_drafter_proposes_less():
+    """An n-gram drafter with no match drafts nothing; the padded step is paid all the same."""
+    reqs = tuple(RequestView(f"r{i}") for i in range(8))
+    est = {}
+    for share in (1.0, 0.5):  # rows that get a draft
+        pol = AdaptivePolicy(PROFILE, explore=0.0, probe_interval=0, padded_verify=True)
+        for _ in range(300):
+            g = pol.decide(StepContext(8, reqs))
+            ran = tuple(x if i < share * 8 else 0 for i, x in enumerate(g))
+            acc = tuple(min(x, 1) for x in ran)  # what is drafted: depth 1 always accepted, depth 2 never
+            pol.observe(StepFeedback(8, ran, acc, step_ms=60.0, draft_ms=1.0, verify_ms=59.0))
+        est[share] = pol.alpha.value
+    assert est[0.5] < 0.75 * est[1.0]
+    assert AdaptivePolicy.asked([3, 0, 2], (1, 0, 0)) == (3, 0, 2) and AdaptivePolicy.asked([], (1, 2)) == (1, 2)

@@ -195,7 +195,7 @@ class AdaptivePolicy:
                 while k > 1 and ch[k] < bar:
                     k -= 1
                 gammas.append(k)
-        self._pending = {"lags": [r.lag for r in ctx.requests], "alphas": alphas}
+        self._pending = {"lags": [r.lag for r in ctx.requests], "alphas": alphas, "gammas": gammas}
         return gammas
 
     def _probe_due(self, b: int, n: int, t: list[float], d: float, switch: float) -> bool:
@@ -223,12 +223,13 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ observe
     def observe(self, feedback: StepFeedback) -> None:
         states = self.requests.take(len(feedback.gammas))
-        for st, g, v in zip(states, feedback.gammas, feedback.accepted, strict=False):
+        p, self._pending = self._pending, None
+        asked = self.asked(p["gammas"] if p is not None else (), feedback.gammas)
+        for st, g, v in zip(states, asked, feedback.accepted, strict=False):
             st.hist.add(g, v)
             st.off = 0 if g > 0 else st.off + 1
-        self.alpha.update(feedback.gammas, feedback.accepted)
-        self.probe.record(feedback.gammas)
-        p, self._pending = self._pending, None
+        self.alpha.update(asked, feedback.accepted)
+        self.probe.record(asked)
         b = feedback.batch_size
         if p is None or not states or b <= 0:
             return
@@ -240,11 +241,23 @@ class AdaptivePolicy:
             self._ema(self.kv_bucket, bucket, ratio)
         if feedback.draft_ms > 0 and draft > 0:
             self._ema(self.kd, bucket, feedback.draft_ms / draft)
-        self._learn_depths(p["alphas"], feedback)
+        self._learn_depths(p["alphas"], asked, feedback.accepted)
 
-    def _learn_depths(self, alphas: list[float], fb: StepFeedback) -> None:
+    @staticmethod
+    def asked(decided, ran: tuple[int, ...]) -> tuple[int, ...]:
+        """Per request, the γ this policy asked for where it asked for one, else the γ that ran.
+
+        Acceptance is learnt per *decision*: a drafter that proposes fewer tokens than asked (the
+        n-gram drafter finds no match for ≈ half the rows on our prompt mix) yields a failure at
+        the depth where it stopped, because the padded verify step is paid all the same; counting
+        only the drafted tokens would overrate α and switch speculation on where it loses."""
+        if len(decided) != len(ran):
+            return ran
+        return tuple(a if a > 0 else g for a, g in zip(decided, ran, strict=True))
+
+    def _learn_depths(self, alphas: list[float], gammas: tuple[int, ...], accepted: tuple[int, ...]) -> None:
         touched = False
-        for a, g, v in zip(alphas, fb.gammas, fb.accepted, strict=False):
+        for a, g, v in zip(alphas, gammas, accepted, strict=False):
             if g <= 0:
                 continue
             if not touched:
