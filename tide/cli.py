@@ -14,8 +14,9 @@ def add_up_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free port) [8000]")
     p.add_argument("--workers", type=int, default=1, help="inference workers [1]")
     p.add_argument("--target", default="ref", help="target model: 'ref', a HF directory or a .gguf file [ref]")
-    p.add_argument("--drafter", default="ngram", choices=("ngram", "none", "eagle3"),
-                   help="drafter the workers start with [ngram]")
+    p.add_argument("--drafter", default="eagle3", choices=("ngram", "none", "eagle3"),
+                   help="drafter the workers start with; eagle3 = the registry's current draft, n-gram until "
+                        "one is registered [eagle3]")
     p.add_argument("--data-dir", type=Path, default=Path("var"),
                    help="run logs (run-<time>/), S3 data and trainer outputs [var]")
     p.add_argument("--no-collection", action="store_true", help="do not collect hidden states for training")

@@ -52,7 +52,7 @@ class StackConfig:
     port: int = 8000
     workers: int = 1
     target: str = "ref"
-    drafter: str = "ngram"
+    drafter: str = "eagle3"  # the registry's current draft; n-gram until one exists
     data_dir: Path = Path("var")
     collection: bool = True
     startup_timeout_s: float = 600.0
@@ -97,7 +97,8 @@ def service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int = 0) -> d
     if name == "inference":
         return {**s3, **redis, **admin, "TIDE_LISTEN": ep.workers[index], "TIDE_TARGET": cfg.target,
                 "TIDE_METRICS_PORT": port(f"inference-{index}"), "TIDE_WORKER_ID": f"worker-{index}",
-                "TIDE_DRAFTER": cfg.drafter, "TIDE_COLLECTION": "1" if cfg.collection else "0"}
+                "TIDE_DRAFTER": cfg.drafter, "TIDE_COLLECTION": "1" if cfg.collection else "0",
+                "TIDE_REGISTRY_ADDR": ep.registry}
     if name == "gateway":
         return {"TIDE_GATEWAY_HOST": ep.gateway_host, "TIDE_GATEWAY_PORT": str(ep.gateway_port),
                 "TIDE_WORKERS": ",".join(ep.workers), "TIDE_TARGET": cfg.target}
