@@ -479,6 +479,8 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
     state = load_state(state_dir)
     step = int(state["doc"]["progress"]["step"]) if state else 0
     tokens = int(state["doc"]["progress"]["tokens"]) if state else 0
+    if state:  # the trained weights, also when no segment is left to run (stopped before the export)
+        draft.load_state_dict({k[len("draft."):]: v for k, v in state["tensors"].items() if k.startswith("draft.")})
     del state
     per_epoch = len(plan_batches([len(p) for p in train_set.pieces], cfg.batch_rows, cfg.max_len, cfg.seed, 0))
     max_steps = max(1, math.floor(cfg.max_epochs * per_epoch))

@@ -164,3 +164,31 @@ def test_segments_with_a_fixed_schedule_equal_one_run(booted, tmp_path):
             assert r.steps == end and r.history[-1]["lr"] == pytest.approx(lr_at(TrainConfig(**fast), end - 1, 7))
     for k, v in one.state_dict().items():
         assert torch.equal(v, seg.state_dict()[k]), k
+
+
+def test_stopped_before_export_exports_the_trained_weights(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    save_tiny_chat_target(tmp_path / "target", layers=4, init_std=0.05)
+    prompts = write_prompt_file(tmp_path / "p.jsonl", 12)
+    cfg = bs.BootstrapConfig(**{**TINY_BOOTSTRAP, "target": str(tmp_path / "target"), "prompts": [str(prompts)],
+                                "out": str(tmp_path / "out"), "batch": 4, "eval_prompts": 4, "max_tokens": 8,
+                                "max_epochs": 2, "evals": 2, "warmup_steps": 2, "minutes": 5.0})
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(bs, "finish", stop)
+    with pytest.raises(Stop):
+        bs.bootstrap(cfg)
+    monkeypatch.undo()
+    monkeypatch.setattr(bs, "run_group", lambda *a, **k: pytest.fail("regenerated"))
+    report = bs.bootstrap(cfg)
+    assert report["runs"] == 2 and report["training"]["steps"] == report["training"]["schedule_steps"]
+    state = json.loads((tmp_path / "out" / "train_state" / "train_state.json").read_text())
+    trained = load_file(str(tmp_path / "out" / "train_state" / state["weights"]))
+    exported = load_file(str(tmp_path / "out" / "draft" / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], trained["draft.fc.weight"].to(exported["fc.weight"].dtype))
