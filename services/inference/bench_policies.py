@@ -17,7 +17,8 @@ in `drain` — a policy that leaves a backlog behind gets no credit for it):
                   ends, `completed` < `requests`, count with their latency so far: a lower bound)
   tpot_ms         mean (finish − first token) / (output tokens − 1), ms
   mean_gamma      mean γ over the phase's decode rows;  accept_length: mean tokens per speculative row
-The oracle per phase is the best static γ (0 included) by tok_s in that phase. `--quick` runs
+The oracle per phase is the best static γ (0 included) by tok_s in that phase. `--repeat N` runs N
+interleaved rounds and reports medians (and each round's tok/s under `rounds`). `--quick` runs
 3 phases × 10 s and drops static γ = 2 and 4 (oracle over {0, 1, 3, 5}). `--clock cpu --threads 1`
 replaces wall time by this thread's CPU time (arrivals in virtual time): for shared, loaded machines.
 """
@@ -30,6 +31,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 import types
 from dataclasses import asdict, dataclass
@@ -333,7 +335,7 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
     batches, ns, lags = default_grid(cfg.max_batch, cfg.max_gamma)
     with cpu_timer() if args.clock == "cpu" else contextlib.nullcontext():
         prof, prof_path, hit = cached_profile(model, new_drafter(), model_id=model_id or "model", batches=batches,
-                                              ns=ns, lags=lags, reps=args.profile_reps,
+                                              ns=ns, lags=lags, reps=args.profile_reps or (3 if args.quick else 5),
                                               directory=args.profile_cache, refresh=args.reprofile)
     print(f"profile {'from cache' if hit else 'measured'}: {prof_path}", flush=True)
     trace = make_trace(phases, len(prompts), args.seed, (args.min_tokens, args.max_tokens))
@@ -346,18 +348,21 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
                  "trace": {"seed": args.seed, "requests": len(trace), "phases": [asdict(p) for p in phases],
                            "tokens": [args.min_tokens, args.max_tokens], "prompts": len(prompts)},
                  "policies": {}}
-    for label, name, params in (args.policies or policy_list(args.quick)):
-        pol = FixedGamma(params["gamma"]) if name == "static" else make_policy(name, params, _copy(prof))
-        load = os.getloadavg()[0]
-        r = run_policy(model, new_drafter(), pol, prompts, trace, phases, cfg, drain_s, args.clock)
-        r["loadavg_1m"] = round(load, 2)
-        if getattr(pol, "kv", None):  # adaptive's learnt measured/profiled verify ms per (batch bucket, n)
-            r["verify_ratio"] = {f"{b},{n}": round(v, 3) for (b, n), v in sorted(pol.kv.items())}
-        res["policies"][label] = r
-        o = r["overall"]
-        print(f"  {label:10s} {o['tok_s']:7.1f} tok/s  lat {o['mean_latency_s']:6.2f}s  γ {o['mean_gamma']:.2f}  "
-              f"acc {o['accept_length']:.2f}  " + "  ".join(f"{k} {v['tok_s']:.1f}" for k, v in r["phases"].items())
-              + f"  (load {load:.1f})", flush=True)
+    rounds: dict[str, list[dict]] = {}
+    for _ in range(args.repeat):  # rounds interleave the policies, so slow drift in load hits all alike
+        for label, name, params in (args.policies or policy_list(args.quick)):
+            pol = FixedGamma(params["gamma"]) if name == "static" else make_policy(name, params, _copy(prof))
+            load = os.getloadavg()[0]
+            r = run_policy(model, new_drafter(), pol, prompts, trace, phases, cfg, drain_s, args.clock)
+            r["loadavg_1m"] = round(load, 2)
+            if getattr(pol, "kv", None):  # adaptive's learnt measured/profiled verify ms per (batch bucket, n)
+                r["verify_ratio"] = {f"{b},{n}": round(v, 3) for (b, n), v in sorted(pol.kv.items())}
+            rounds.setdefault(label, []).append(r)
+            o = r["overall"]
+            print(f"  {label:10s} {o['tok_s']:7.1f} tok/s  lat {o['mean_latency_s']:6.2f}s  γ {o['mean_gamma']:.2f}  "
+                  f"acc {o['accept_length']:.2f}  " + "  ".join(f"{k} {v['tok_s']:.1f}" for k, v in r["phases"].items())
+                  + f"  (load {load:.1f})", flush=True)
+    res["policies"] = {label: _median_run(runs) for label, runs in rounds.items()}
     has_static = any(k == "none" or k.startswith("static-") for k in res["policies"])
     res["oracle"] = oracle(res["policies"], phases) if has_static else {}
     names = [p.name for p in phases]
@@ -366,6 +371,19 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
     res["checks"] = checks(res["policies"], res["oracle"], names[0], high) if needed else {}
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
     return res
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """One run's record whose per-phase and overall numbers are the medians over the rounds."""
+    out = dict(runs[0])
+    if len(runs) > 1:
+        med = lambda key, sect, ph=None: statistics.median(  # noqa: E731
+            (r[sect] if ph is None else r[sect][ph])[key] for r in runs)
+        out["phases"] = {ph: {k: med(k, "phases", ph) for k in st} for ph, st in runs[0]["phases"].items()}
+        out["overall"] = {k: med(k, "overall") for k in runs[0]["overall"]}
+        out["rounds"] = [{"overall_tok_s": r["overall"]["tok_s"], "loadavg_1m": r["loadavg_1m"],
+                          **{ph: st["tok_s"] for ph, st in r["phases"].items()}} for r in runs]
+    return out
 
 
 def _copy(prof: LatencyProfile) -> LatencyProfile:
@@ -387,13 +405,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--drain-s", type=float, default=None,
                         help="most seconds to finish requests after the trace (latency only) [quick 5, full 20]")
-    parser.add_argument("--profile-reps", type=int, default=5)
+    parser.add_argument("--profile-reps", type=int, default=None, help="timed runs per profile point [quick 3, full 5]")
     parser.add_argument("--profile-cache", type=Path, default=None, help="profile cache dir [$TIDE_PROFILE_CACHE_DIR]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall: real time; cpu: one thread's CPU time, for shared machines (needs --threads 1)")
     parser.add_argument("--reprofile", action="store_true", help="re-measure the profile even if cached")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds over all policies; per-phase numbers are the medians (noisy machines)")
     parser.set_defaults(phases=None, policies=None, prompt_ids=None)
 
 

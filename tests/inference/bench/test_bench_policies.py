@@ -43,8 +43,9 @@ def test_bench_runs_end_to_end_on_tiny_model(tiny_model, tmp_path):
     threads = torch.get_num_threads()
     try:
         res = bp.run(args, model=tiny_model, model_id="tiny")
-        args.policies = [("none", "static", {"gamma": 0})]
+        args.policies, args.repeat = [("none", "static", {"gamma": 0}), ("static-1", "static", {"gamma": 1})], 2
         again = bp.run(args, model=tiny_model, model_id="tiny")
+        args.repeat = 1
         args.clock = "wall"
         wall = bp.run(args, model=tiny_model, model_id="tiny")
     finally:
@@ -71,7 +72,10 @@ def test_bench_runs_end_to_end_on_tiny_model(tiny_model, tmp_path):
     assert set(got["checks"]["adaptive"]["vs_peers_overall"]) == set(bp.PEERS)
     for name in ("throughput.png", "gamma.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert again["profile"]["cached"] and list(again["policies"]) == ["none"]  # the profile came from the cache
+    assert again["profile"]["cached"] and list(again["policies"]) == ["none", "static-1"]  # profile from the cache
+    rounds = again["policies"]["static-1"]["rounds"]  # --repeat 2: medians over two interleaved rounds
+    assert len(rounds) == 2 and again["policies"]["static-1"]["overall"]["tok_s"] == pytest.approx(
+        sum(r["overall_tok_s"] for r in rounds) / 2)
     assert not wall["profile"]["cached"] and wall["profile"]["meta"]["clock"] == "wall"  # the clock is in the key
     assert wall["policies"]["none"]["overall"]["tokens"] > 0
 
