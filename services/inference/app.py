@@ -17,11 +17,18 @@ from pathlib import Path
 import urllib3
 from minio import Minio
 
-from services.inference.control import DecisionError, PolicySpec, make_drafter
+from services.inference.control import PolicySpec, make_drafter
 from services.inference.drafts import DRAFTER_NAME, DraftWatcher
 from services.inference.engine.engine import EngineConfig, LLMEngine
 from services.inference.exporter import ChunkExporter
-from services.inference.profiling import PROFILE_POLICIES, LiveProfile, cached_profile, default_grid, wants_profile
+from services.inference.profiling import (
+    PROFILE_POLICIES,
+    LiveProfile,
+    cached_profile,
+    default_grid,
+    random_draft,
+    wants_profile,
+)
 from services.inference.server import serve
 from services.inference.settings import InferenceSettings
 from services.inference.telemetry import TelemetryPublisher
@@ -61,15 +68,19 @@ def policy_spec(name: str, params) -> PolicySpec:
 def start_profile(settings: InferenceSettings, model, model_id: str) -> LatencyProfile | None:
     """The worker's latency profile: TIDE_LATENCY_PROFILE's file, else (TIDE_PROFILE_AT_START) one
     measured here — from the disk cache when this target/dtype/device/threads/drafter was profiled
-    before — as a `LiveProfile` that a `reprofile` decision re-measures. None: no profile."""
+    before — as a `LiveProfile` that a `reprofile` decision re-measures. None: no profile. With
+    TIDE_DRAFTER=eagle3 the draft is timed in the production shape (8192-token draft vocabulary,
+    random weights): the registry's draft arrives after start, and latency depends on shape only."""
     if settings.latency_profile:
         return LatencyProfile.load(settings.latency_profile)
     if not wants_profile(settings.policy, settings.profile_at_start):
         return None
-    try:
+    if settings.drafter == "eagle3":  # the registry's draft comes later; latency depends on its shape only
+        from services.inference.engine.drafters.eagle3 import Eagle3Drafter
+
+        drafter = Eagle3Drafter(random_draft(model, min(8192, model.cfg.vocab_size)), "shape", 1, 1)
+    else:
         drafter = make_drafter(settings.drafter)
-    except DecisionError:  # a drafter this worker cannot build fails the worker anyway; time the target
-        drafter = None
     batches, ns, lags = default_grid(settings.max_batch, settings.max_gamma)
     cache = Path(settings.profile_cache_dir) if settings.profile_cache_dir else None
 

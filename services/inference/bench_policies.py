@@ -266,7 +266,7 @@ def plots(res: dict, out_dir: Path) -> list[str]:
     w = 0.8 / len(pols)
     for j, p in enumerate(pols):
         ax.bar([i + j * w for i in range(len(phases))], [res["policies"][p]["phases"][ph]["tok_s"] for ph in phases],
-               w, label=p)
+               w, label=p, color=plt.cm.tab20(j % 20))
     ax.set_xticks([i + 0.4 - w / 2 for i in range(len(phases))], phases)
     ax.set_ylabel("tokens/s")
     ax.set_title(f"throughput per phase ({res['drafter']} drafter)")
@@ -275,12 +275,13 @@ def plots(res: dict, out_dir: Path) -> list[str]:
     fig.savefig(out_dir / "throughput.png", dpi=110)
     plt.close(fig)
     fig, (top, bot) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for p in pols:
+    for j, p in enumerate(pols):
         tl = res["policies"][p]["timeline"]
         if p == "none":
             top.plot([x[0] for x in tl], [x[1] for x in tl], color="k", label="batch (none)")
         if not p.startswith("static") and p != "none":
-            bot.plot([x[0] for x in tl], [x[2] for x in tl], label=p, lw=1.2 if p in OURS else 0.7)
+            bot.plot([x[0] for x in tl], [x[2] for x in tl], label=p, lw=1.6 if p in OURS else 0.7,
+                     color=plt.cm.tab20(j % 20))
     edge = 0.0
     for ph in res["trace"]["phases"]:
         for a in (top, bot):

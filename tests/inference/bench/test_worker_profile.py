@@ -29,6 +29,9 @@ def test_start_profile_by_policy_setting_and_file(tiny_model, tmp_path):
                           tiny_model, "t")
     assert again.T_ms == live.T_ms and again.meta["measured_unix_s"] == live.meta["measured_unix_s"]  # cache hit
     assert start_profile(InferenceSettings(**SMALL, policy="tide", profile_at_start="0"), tiny_model, "t") is None
+    eagle = start_profile(InferenceSettings(**SMALL, policy="tide", drafter="eagle3", profile_cache_dir=cache),
+                          tiny_model, "t")  # timed in the draft's shape before the registry's draft arrives
+    assert eagle.meta["drafter"]["algorithm"] == "eagle3" and sorted(eagle.C_ms) == [1, 2]
     path = tmp_path / "given.json"
     synthetic_profile().save(path)
     given = start_profile(InferenceSettings(**SMALL, policy="tide", latency_profile=str(path)), tiny_model, "t")
