@@ -3,8 +3,8 @@
 One process, one model (the reference target in bf16 unless `--target`), one drafter (EAGLE-3 from
 `--draft DIR`, else the n-gram drafter), one profiled LatencyProfile (services.inference.profiling,
 disk-cached) given to every policy that takes one. The trace is wall-clock: phases of open-loop
-arrivals — Poisson at several rates and a bursty phase (geometric bursts, mean `burst` requests at
-once) — carrying prompts mixed from ../shared/data (Spec-Bench, GSM8K, HumanEval, Alpaca; greedy,
+arrivals — Poisson at several rates and a bursty phase (`burst` requests at once, on a jittered
+period) — carrying prompts mixed from ../shared/data (Spec-Bench, GSM8K, HumanEval, Alpaca; greedy,
 max_tokens drawn per request). The same trace replays for: no speculation (static γ = 0), static
 γ ∈ {1..5}, the peers (vllm, sglang, dsd, nightjar, onthefly, fsm, cache-fsm) and ours (tide,
 adaptive), each on a fresh engine.
@@ -56,7 +56,8 @@ PROMPT_FILES = ("spec_bench_questions.jsonl", "gsm8k_test.jsonl", "humaneval.jso
 
 @dataclass(frozen=True)
 class PhaseSpec:
-    """`rate_rps` Poisson arrivals for `duration_s` s; `burst` > 1: arrivals come in geometric bursts of that mean."""
+    """`rate_rps` Poisson arrivals for `duration_s` s; `burst` > 1: bursts of `burst` requests at once,
+    round(duration·rate/burst) of them spread evenly over the phase (± 25 % jitter): load spikes."""
 
     name: str
     duration_s: float
@@ -65,7 +66,7 @@ class PhaseSpec:
 
 
 # On the reference model (2 CPU cores) a 64-token request takes ≈ 3 s alone: 0.5 rps keeps 1–3 in
-# flight, 4 rps saturates 16 slots and queues, the bursty phase brings ≈ 6 at once every ≈ 6 s.
+# flight, 4 rps saturates 16 slots and queues, the bursty phase brings 6 at once every ≈ 6 s.
 QUICK_PHASES = (PhaseSpec("low", 10, 0.5), PhaseSpec("high", 10, 4.0), PhaseSpec("bursty", 10, 1.0, burst=6))
 FULL_PHASES = (PhaseSpec("low", 30, 0.5), PhaseSpec("mid", 30, 1.2), PhaseSpec("high", 30, 4.0),
                PhaseSpec("bursty", 30, 1.0, burst=6), PhaseSpec("low-2", 30, 0.5))
@@ -83,13 +84,18 @@ def make_trace(phases, n_prompts: int, seed: int, tokens: tuple[int, int]) -> li
     """Seeded arrivals (times in s from the trace start), each with a prompt index and max_tokens."""
     rng, out, start = random.Random(seed), [], 0.0
     for i, ph in enumerate(phases):
-        t = start
-        while ph.rate_rps > 0:
-            t += rng.expovariate(ph.rate_rps / ph.burst)
-            if t >= start + ph.duration_s:
-                break
-            k = 1 if ph.burst <= 1 else 1 + int(math.log(1 - rng.random()) / math.log(1 - 1 / ph.burst))
-            out += [Arrival(t, i, rng.randrange(n_prompts), rng.randint(*tokens)) for _ in range(k)]
+        times: list[float] = []
+        if ph.rate_rps > 0 and ph.burst > 1:  # `burst` requests at once, evenly spread bursts ± 25 % jitter
+            n_bursts = max(1, round(ph.duration_s * ph.rate_rps / ph.burst))
+            period = ph.duration_s / n_bursts
+            for j in range(n_bursts):
+                times += [start + period * (j + 0.5 + rng.uniform(-0.25, 0.25))] * round(ph.burst)
+        elif ph.rate_rps > 0:
+            t = start + rng.expovariate(ph.rate_rps)
+            while t < start + ph.duration_s:
+                times.append(t)
+                t += rng.expovariate(ph.rate_rps)
+        out += [Arrival(t, i, rng.randrange(n_prompts), rng.randint(*tokens)) for t in times]
         start += ph.duration_s
     return out
 
