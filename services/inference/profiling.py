@@ -13,7 +13,7 @@ returns a `tide.policies.profile.LatencyProfile` (every value in milliseconds):
 * prefill_ms_per_token: one 128-token prompt chunk of one sequence, per token.
 
 `cached_profile(...)` keeps one JSON file per (target, dtype, device, torch threads, drafter
-shape, grid) under `$TIDE_PROFILE_CACHE_DIR` (default `~/.cache/tide/profiles`), so workers do not
+shape, grid) under `$TIDE_PROFILE_CACHE_DIR` (default `$TIDE_CACHE_DIR/profiles`), so workers do not
 re-profile every start. `LiveProfile` is a profile that can re-measure itself in place (`refresh`),
 which is how a worker re-profiles on request (a decision with the policy param `reprofile` = 1).
 """
@@ -220,8 +220,11 @@ def default_grid(max_batch: int, max_gamma: int) -> tuple[list[int], list[int], 
 
 
 def cache_dir() -> Path:
+    """$TIDE_PROFILE_CACHE_DIR, else $TIDE_CACHE_DIR/profiles (tide.target's cache root, ~/.cache/tide)."""
+    from tide.target import cache_dir as tide_cache
+
     env = os.environ.get("TIDE_PROFILE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "tide" / "profiles"
+    return Path(env) if env else tide_cache() / "profiles"
 
 
 def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags) -> dict:

@@ -22,7 +22,7 @@ Environment variables (all optional; defaults in brackets):
     TIDE_LATENCY_PROFILE      path of a LatencyProfile JSON for policies that need one        [none]
     TIDE_PROFILE_AT_START     auto | 1 | 0: measure T(b, n), D(b) at start when no profile file is
                               given (auto: for policies that take a profile; see profiling.py)  [auto]
-    TIDE_PROFILE_CACHE_DIR    where measured profiles are cached                [~/.cache/tide/profiles]
+    TIDE_PROFILE_CACHE_DIR    where measured profiles are cached             [$TIDE_CACHE_DIR/profiles]
     TIDE_FORCED_GAMMA         γ for requests with speculative=true where the policy says 0     [3]
     TIDE_COLLECTION           1/0: hidden-state export on at start                             [0]
     TIDE_CHUNK_TOKENS         rows per hidden-state chunk                                      [2048]
