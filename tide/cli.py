@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command in ("bench", "draft"):  # CPU tensor work in this process (see tide.allocator)
+        from tide.allocator import keep_freed_memory
+
+        keep_freed_memory()
     return args.func(args)
 
 

@@ -17,6 +17,7 @@ import time
 
 from services.inference.app import build
 from services.inference.settings import InferenceSettings
+from tide.allocator import keep_freed_memory
 from tide.logs import configure_logging
 
 log = logging.getLogger("services.inference")
@@ -24,6 +25,7 @@ log = logging.getLogger("services.inference")
 
 def main() -> int:
     configure_logging(os.environ.get("TIDE_LOG_LEVEL", "INFO"))
+    keep_freed_memory()  # large CPU tensors every step: see tide.allocator
     try:
         settings = InferenceSettings.from_env()
     except ValueError as e:

@@ -18,6 +18,7 @@ import threading
 from services.trainer.app import build
 from services.trainer.metrics import register
 from services.trainer.settings import TrainerSettings
+from tide.allocator import keep_freed_memory
 from tide.logs import configure_logging
 
 log = logging.getLogger("services.trainer")
@@ -25,6 +26,7 @@ log = logging.getLogger("services.trainer")
 
 def main() -> int:
     configure_logging(os.environ.get("TIDE_LOG_LEVEL", "INFO"))
+    keep_freed_memory()  # large CPU tensors every step: see tide.allocator
     try:
         settings = TrainerSettings.from_env()
     except ValueError as e:

@@ -12,6 +12,7 @@ import json
 import logging
 
 from services.trainer.training.loop import TrainConfig
+from tide.allocator import keep_freed_memory
 from services.trainer.training.run import DRAFT_VOCAB, train_draft
 
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
     a = p.parse_args(argv)
+    keep_freed_memory()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "betas"})
     summary = train_draft(a.target, a.data, a.out, init=a.init, cfg=cfg, draft_vocab_size=a.draft_vocab,

@@ -1,0 +1,52 @@
+"""glibc malloc settings for processes that churn through large CPU tensors (engine, trainer).
+
+By default glibc serves every allocation above its mmap threshold (128 KiB, raised dynamically up
+to 32 MiB) with a fresh mmap and returns it with munmap on free, and trims the heap top above
+128 KiB. A CPU forward or training step allocates and frees the same large activations (a 4096 x
+8192 fp32 logits block is 128 MiB) every step, so every step page-faults and zero-fills them
+again: measured on the 2-core CI-sized VM, a third of the trainer's CPU time was kernel time and
+the bootstrap's generation ran 1.4x slower (174 s vs 126 s for the same 17k tokens; sys time
+147 s vs 23 s). Serving all allocations from the heap and keeping up to `trim_threshold` bytes of
+freed memory there lets the next step reuse pages that are already mapped.
+
+Cost: up to `trim_threshold` bytes of freed memory stay mapped to the process (not returned to the
+OS). `TIDE_MALLOC_TUNING=0` leaves glibc's defaults. A no-op where libc is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+# mallopt parameter numbers from glibc's <malloc.h>
+M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
+M_MMAP_MAX = -4
+
+_applied = False
+
+
+def keep_freed_memory(trim_threshold: int = 1 << 30, top_pad: int = 256 << 20) -> bool:
+    """Serve large allocations from the heap and keep freed memory mapped (see the module doc).
+    Idempotent; returns whether the settings are in effect."""
+    global _applied
+    if _applied:
+        return True
+    if os.environ.get("TIDE_MALLOC_TUNING", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = all(mallopt(p, v) == 1 for p, v in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, trim_threshold),
+                                              (M_TOP_PAD, top_pad)))
+    if not ok:
+        log.warning("mallopt refused a setting; glibc's allocator defaults stay partly in effect")
+    _applied = ok
+    return ok
