@@ -12,8 +12,8 @@ import json
 import logging
 
 from services.trainer.training.loop import TrainConfig
-from tide.allocator import keep_freed_memory
 from services.trainer.training.run import DRAFT_VOCAB, train_draft
+from tide.allocator import keep_freed_memory
 
 
 def main(argv: list[str] | None = None) -> None:
