@@ -238,7 +238,7 @@ class BootstrapConfig:
     max_len: int = 512
     ttt_steps: int = 3
     warmup_steps: int = 20
-    autocast: bool = False  # bf16 autocast for the training forward (bf16 matmuls are ~2.5x fp32 on these CPUs)
+    autocast: bool = True  # bf16 autocast for the training forward (see training.loop.TrainConfig)
     seed: int = 0
     threads: int | None = None  # torch intra-op threads (None: torch's default)
     progress: bool = True

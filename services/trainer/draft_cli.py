@@ -62,7 +62,8 @@ def add_bootstrap_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=d.max_len)
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--autocast", action="store_true", help="bf16 autocast for the training forward")
+    p.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
+                   help="bf16 autocast for the training forward [on]")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads [torch's default]")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
