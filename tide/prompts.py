@@ -5,6 +5,8 @@ domain = `category`), GSM8K (`question`, domain "gsm8k"), HumanEval (`prompt`, d
 "humaneval"), Alpaca seed tasks (`instruction` + first instance `input`, domain "alpaca"), or any
 JSONL with a `prompt` or `text` field (domain = file stem). Plain `.txt` files: one prompt a line.
 The data directory defaults to `$TIDE_DATA_DIR`, else `../shared/data` beside the repository.
+A name may end in a Python slice of the file's prompts, e.g. `humaneval.jsonl.gz[:132]` and
+`humaneval.jsonl.gz[132:]` for disjoint training and held-out sets.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +53,28 @@ def _rows(path: Path):
                 yield json.loads(line)
 
 
+_SLICE = re.compile(r"^(?P<name>.+)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+
+
+def split_slice(name: str | os.PathLike) -> tuple[str | os.PathLike, slice | None]:
+    """("file", slice) for "file[start:stop]"; (name, None) when there is no slice (or the file exists as named)."""
+    m = _SLICE.match(str(name))
+    if m is None or Path(name).exists():
+        return name, None
+    as_int = lambda s: int(s) if s else None  # noqa: E731
+    return m["name"], slice(as_int(m["start"]), as_int(m["stop"]))
+
+
 def load_prompts(name: str | os.PathLike, limit: int | None = None) -> list[Prompt]:
+    """The prompts of a file (see the module doc for formats and slices); at most `limit` of them
+    (after slicing)."""
+    name, part = split_slice(name)
+    if part is not None:
+        return _load_file(name)[part][:limit]
+    return _load_file(name, limit)
+
+
+def _load_file(name: str | os.PathLike, limit: int | None = None) -> list[Prompt]:
     path = resolve_prompt_file(name)
     stem = path.name.split(".")[0]
     out: list[Prompt] = []
