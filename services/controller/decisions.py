@@ -10,9 +10,14 @@ For now the controller pushes one *static* decision, configured as JSON (`TIDE_C
 
 Every key is optional; null / absent leaves that part of a worker's configuration unchanged (as
 tide.v1.Decision has it). `speculation: true` = one bucket [1, inf) on; false = off at every batch.
-The decision for a target gets a deterministic id (`static-<hash of content and target>`): a
-restarted controller re-sends the same id, which a worker that has it answers ALREADY_APPLIED, and a
-changed configuration gets a new id.
+`StaticDecision.decision_id` is deterministic (`static-<hash of content and target>`).
+
+What the controller pushes is the static content plus its own `collection_enabled` (collection.py),
+issued by `DecisionIssuer`: a new decision, with a fresh id, each time that content changes for a
+target. Workers remember every id they applied (and answer ALREADY_APPLIED to one they saw, whatever
+it carries), so an id is never reused: `ctl-<process nonce>-<target hash>-<sequence>`, the nonce
+drawn at start-up (a restarted controller re-pushes its decisions once, under new ids), and a toggle
+back to an earlier content gets a new sequence number.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -111,6 +118,39 @@ class StaticDecision:
     def for_target(self, target_model: str, now: float | None = None) -> Decision:
         return Decision(self.decision_id(target_model), target_model, self.speculation, self.policy,
                         self.collection_enabled, self.drafter, self.reason, time.time() if now is None else now)
+
+
+class DecisionIssuer:
+    """The current decision per target: the static content + the controller's collection flag.
+    Thread-safe; `issue` returns the decision in force, a new one only when the content changed."""
+
+    def __init__(self, static: StaticDecision, nonce: str | None = None) -> None:
+        self.static = static
+        self.nonce = nonce or f"{int(time.time()):x}{secrets.token_hex(3)}"
+        self._current: dict[str, Decision] = {}
+        self._seq: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def current(self, target_model: str) -> Decision | None:
+        with self._lock:
+            return self._current.get(target_model)
+
+    def issue(self, target_model: str, collection_enabled: bool | None, why: str,
+              now: float | None = None) -> tuple[Decision, bool]:
+        """(the decision for the target, whether it is new)."""
+        with self._lock:
+            cur = self._current.get(target_model)
+            if cur is not None and cur.collection_enabled == collection_enabled:
+                return cur, False
+            seq = self._seq[target_model] = self._seq.get(target_model, 0) + 1
+            digest = hashlib.sha256(target_model.encode()).hexdigest()[:8]
+            s = self.static
+            state = "left to the workers" if collection_enabled is None else ("on" if collection_enabled else "off")
+            d = Decision(f"ctl-{self.nonce}-{digest}-{seq}", target_model, s.speculation, s.policy,
+                         collection_enabled, s.drafter, f"{s.reason}; collection {state}: {why}",
+                         time.time() if now is None else now)
+            self._current[target_model] = d
+            return d, True
 
 
 def _buckets(value: Any) -> tuple[Bucket, ...] | None:

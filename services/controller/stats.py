@@ -75,6 +75,7 @@ class FleetStats:
         self._drafts: dict[tuple[str, str], DraftStats] = {}
         self._workers: dict[str, _WorkerWindow] = {}
         self._latest_version: dict[str, tuple[float, str]] = {}  # target -> (time, draft version serving)
+        self._emitted: dict[str, int] = {}  # target -> tokens emitted by every step seen (speculative or not)
         self.records = 0
 
     def observe(self, rec: StepRecord) -> None:
@@ -84,6 +85,7 @@ class FleetStats:
             window.target_model = rec.target_model
             window.steps.append((rec.time_unix_s, rec.batch_size, rec.emitted_tokens))
             self._trim(window, rec.time_unix_s)
+            self._emitted[rec.target_model] = self._emitted.get(rec.target_model, 0) + rec.emitted_tokens
             verified = [a for g, a in zip(rec.gammas, rec.accepted, strict=False) if g > 0]
             if not verified:
                 return
@@ -122,6 +124,11 @@ class FleetStats:
         """The draft version the latest speculative step of this target ran with."""
         with self._lock:
             return self._latest_version.get(target_model, (0.0, ""))[1]
+
+    def emitted(self, target_model: str) -> int:
+        """Tokens the target's workers emitted in every step seen so far (collection progress)."""
+        with self._lock:
+            return self._emitted.get(target_model, 0)
 
     def load(self, now: float | None = None) -> list[LoadStats]:
         """Recent load of every worker seen in the last window (relative to `now`, default: wall time)."""

@@ -1,0 +1,194 @@
+"""Selective collection (TIDE Algorithm 1), per target: when workers should store hidden states for
+training. Pure domain code (no gRPC, no Redis); the controller feeds it statistics and outcomes.
+
+Mode `auto` (the default):
+
+- undecided at first: no telemetry of the target yet, or the serving draft version has fewer than
+  `min_observations` verifications. Collection is then left to the workers (decision field unset).
+- ON "cold start": no draft version serving (an n-gram or no drafter: draft version ""), or the
+  serving version's long accept-length EMA is below `cold_accept` (a weak draft).
+- ON "shift detected": short EMA < long EMA - `shift_epsilon` for the serving version.
+- OFF "no shift": judged (enough observations), the draft is good and traffic is stable.
+- Once ON, collection stays on (training runs on the data, a promoted draft keeps serving) until
+  the last `no_gain_runs` consecutive training outcomes of the target gained nothing (not promoted,
+  or eval accept length improved by less than `gain_margin`): OFF "no gain after training".
+- That OFF holds until a *later* shift: the shift condition must first clear, then hold again (or
+  a different draft version must serve and be weak, which re-opens cold start). Without that
+  edge, a shift that training could not fix would turn collection straight back on.
+
+Modes `on` / `off` force the state (outcomes are still counted, nothing changes). Every change is
+logged with its reason and counted in `changes[(target, reason)]` (Prometheus reads it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from services.controller.outcomes import TrainingOutcome
+from services.controller.stats import DraftStats
+
+log = logging.getLogger(__name__)
+
+COLD_START = "cold start"
+SHIFT = "shift detected"
+NO_GAIN = "no gain after training"
+NO_SHIFT = "no shift"
+WAITING = "waiting for telemetry"
+FORCED_ON = "forced on (TIDE_CONTROLLER_COLLECTION=on)"
+FORCED_OFF = "forced off (TIDE_CONTROLLER_COLLECTION=off)"
+
+
+@dataclass(frozen=True)
+class CollectionConfig:
+    mode: str = "auto"  # auto | on | off
+    shift_epsilon: float = 0.15
+    cold_accept: float = 1.3
+    min_observations: int = 50
+    no_gain_runs: int = 2
+    gain_margin: float = 0.02
+    tokens_needed: int = 16384
+
+
+@dataclass(frozen=True)
+class Signal:
+    """What the telemetry says about a target now."""
+
+    serving_version: str  # draft version of the latest speculative step ("" = no draft)
+    draft: DraftStats | None  # statistics of that version (None: no verification seen)
+    emitted_tokens: int  # tokens the target emitted so far (all steps)
+
+
+@dataclass(frozen=True)
+class CollectionState:
+    enabled: bool | None  # None = undecided (left to the workers)
+    reason: str
+    since_unix_s: float
+    tokens_collected: int  # emitted since collection was last enabled (frozen when it went off)
+    tokens_needed: int
+
+
+@dataclass
+class _Target:
+    enabled: bool | None
+    reason: str
+    since: float
+    emitted: int = 0
+    enabled_at: int | None = None  # emitted tokens when collection was last enabled
+    disabled_at: int | None = None  # ... and when it went off after that
+    no_gain: int = 0  # consecutive training outcomes without gain
+    armed: bool = True  # False after "no gain" until the shift condition clears
+    off_version: str = ""  # serving version when collection went off for no gain
+
+
+class CollectionControl:
+    """Thread-safe state machine over all targets."""
+
+    def __init__(self, config: CollectionConfig | None = None) -> None:
+        self.config = config or CollectionConfig()
+        if self.config.mode not in ("auto", "on", "off"):
+            raise ValueError(f"collection mode must be auto, on or off, got {self.config.mode!r}")
+        self.changes: Counter[tuple[str, str]] = Counter()
+        self._targets: dict[str, _Target] = {}
+        self._lock = threading.Lock()
+
+    # ---- reads
+
+    def state(self, target: str) -> CollectionState | None:
+        with self._lock:
+            t = self._targets.get(target)
+            if t is None:
+                return None
+            collected = 0
+            if t.enabled_at is not None:
+                collected = (t.emitted if t.enabled else (t.disabled_at or t.enabled_at)) - t.enabled_at
+            return CollectionState(t.enabled, t.reason, t.since, max(collected, 0), self.config.tokens_needed)
+
+    def targets(self) -> list[str]:
+        with self._lock:
+            return sorted(self._targets)
+
+    def change_counts(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self.changes)
+
+    # ---- inputs
+
+    def evaluate(self, target: str, sig: Signal, now: float) -> bool:
+        """Apply the latest statistics; True when the state (on / off / undecided) changed."""
+        cfg = self.config
+        with self._lock:
+            t = self._targets.get(target)
+            if t is None:
+                t = self._targets[target] = _Target(None, WAITING, now, sig.emitted_tokens)
+                if cfg.mode != "auto":
+                    return self._set(target, t, cfg.mode == "on", FORCED_ON if cfg.mode == "on" else FORCED_OFF,
+                                     now)
+            t.emitted = sig.emitted_tokens
+            if cfg.mode != "auto" or t.enabled:
+                return False  # forced, or on until training stops helping
+            cold, shift, judged = self._conditions(sig)
+            if t.enabled is False and t.reason == NO_GAIN:
+                if not t.armed:
+                    t.armed = not shift
+                    return False
+                if shift:
+                    return self._set(target, t, True, SHIFT, now)
+                if cold and sig.serving_version != t.off_version:
+                    return self._set(target, t, True, COLD_START, now)
+                return False
+            if cold:
+                return self._set(target, t, True, COLD_START, now)
+            if shift:
+                return self._set(target, t, True, SHIFT, now)
+            if judged:
+                return self._set(target, t, False, NO_SHIFT, now)
+            if sig.serving_version and t.enabled is None:
+                t.reason = f"waiting for {cfg.min_observations} verifications of {sig.serving_version}"
+            return False
+
+    def on_outcome(self, outcome: TrainingOutcome, serving_version: str, now: float) -> bool:
+        """Count a (new) training outcome; True when it turned collection off."""
+        cfg = self.config
+        gained = outcome.promoted and (
+            outcome.eval_accept_length_candidate - outcome.eval_accept_length_base >= cfg.gain_margin)
+        with self._lock:
+            t = self._targets.setdefault(outcome.target_model, _Target(None, WAITING, now))
+            if gained:
+                t.no_gain = 0
+                return False
+            t.no_gain += 1
+            log.info("training run %s of %s gained nothing (%d in a row)", outcome.run_id, outcome.target_model,
+                     t.no_gain)
+            if cfg.mode != "auto" or t.no_gain < cfg.no_gain_runs:
+                return False
+            t.no_gain, t.armed, t.off_version = 0, False, serving_version
+            if t.enabled is False and t.reason == NO_GAIN:
+                return False
+            return self._set(outcome.target_model, t, False, NO_GAIN, now)
+
+    # ---- internals
+
+    def _conditions(self, sig: Signal) -> tuple[bool, bool, bool]:
+        """(cold start, shift, judged): judged = the serving version has enough observations."""
+        cfg, d = self.config, sig.draft
+        if not sig.serving_version:
+            return sig.emitted_tokens > 0 or d is not None, False, False  # telemetry without a draft
+        judged = d is not None and d.verify_steps >= cfg.min_observations
+        if not judged:
+            return False, False, False
+        return d.long.value < cfg.cold_accept, d.short.value < d.long.value - cfg.shift_epsilon, True
+
+    def _set(self, target: str, t: _Target, enabled: bool, reason: str, now: float) -> bool:
+        before = t.enabled
+        t.enabled, t.reason, t.since = enabled, reason, now
+        if enabled:
+            t.enabled_at, t.disabled_at = t.emitted, None
+        elif before:
+            t.disabled_at = t.emitted
+        self.changes[(target, reason)] += 1
+        log.info("collection for %s %s: %s", target, "on" if enabled else "off", reason,
+                 extra={"target_model": target, "collection_enabled": enabled, "reason": reason})
+        return before != enabled

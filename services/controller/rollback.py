@@ -1,0 +1,197 @@
+"""Automatic rollback of a promoted draft that accepts worse live than the one it replaced. Pure
+domain code: the registry is reached through `RegistryPort` (registry.py implements it over gRPC).
+
+A *watch* starts when a draft version takes over a target: a training outcome reports a promotion
+(candidate replaces base), or the telemetry's serving version changes to a version with fewer
+observations than the one before (a manual promote). Once the new version has `window`
+verifications since then, its live accept length (tokens / verifications over those observations)
+is compared with the previous version's long EMA: worse by more than `margin` tokens/step → the
+registry is asked to roll back to the previous version (which workers follow through WatchTarget).
+Not worse → the watch ends, the version stays. The rollback is skipped when the registry's pointer
+is pinned or no longer on the watched version (someone acted meanwhile); a registry that does not
+answer is retried on the next evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.controller.stats import DraftStats
+
+log = logging.getLogger(__name__)
+
+
+class RegistryUnavailable(Exception):
+    """The registry did not answer (retry later)."""
+
+
+class RollbackRefused(Exception):
+    """The registry refused the rollback (it will not work by retrying)."""
+
+
+class RegistryPort(Protocol):
+    def pointer(self, target_model: str) -> tuple[str, str]:
+        """(current, pinned) versions of the target."""
+        ...
+
+    def rollback(self, target_model: str, to_version: str, reason: str) -> str:
+        """Make `to_version` current again; returns the new current version."""
+        ...
+
+
+@dataclass(frozen=True)
+class RollbackRecord:
+    target_model: str
+    from_version: str
+    to_version: str
+    reason: str
+    live_accept_length: float
+    previous_accept_length: float
+    verify_steps: int
+    time_unix_s: float
+
+
+@dataclass(frozen=True)
+class Watch:
+    version: str
+    previous: str
+    base_steps: int  # the version's verifications / tokens when the watch started
+    base_tokens: int
+    since_unix_s: float
+    trigger: str
+    verify_steps: int = 0  # observed since the watch started (updated on evaluation)
+
+
+class RollbackGuard:
+    """Thread-safe. `port` None = disabled (nothing is watched)."""
+
+    def __init__(self, port: RegistryPort | None, window: int = 200, margin: float = 0.1) -> None:
+        self.port, self.window, self.margin = port, window, margin
+        self.rollbacks: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+        self._watch: dict[str, Watch] = {}
+        self._last: dict[str, RollbackRecord] = {}
+        self._serving: dict[str, str] = {}
+        self._counts: dict[str, dict[str, tuple[int, int]]] = {}  # at the last evaluation
+        self._rolled_back: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.port is not None
+
+    def watching(self, target: str) -> Watch | None:
+        with self._lock:
+            return self._watch.get(target)
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(rollbacks, failures) per target."""
+        with self._lock:
+            return dict(self.rollbacks), dict(self.failures)
+
+    def last(self, target: str) -> RollbackRecord | None:
+        with self._lock:
+            return self._last.get(target)
+
+    def promoted(self, target: str, version: str, previous: str, now: float, trigger: str) -> None:
+        """A promotion was reported: watch `version` against `previous` (observations seen so far of
+        `version` count as before the promotion)."""
+        if not self.enabled or not version or not previous or version == previous:
+            return
+        with self._lock:
+            w = self._watch.get(target)
+            if w is not None and w.version == version:  # already watched (seen serving first)
+                self._watch[target] = Watch(version, previous, w.base_steps, w.base_tokens, w.since_unix_s,
+                                            trigger, w.verify_steps)
+                return
+            steps, tokens = self._counts.get(target, {}).get(version, (0, 0))
+            self._start(target, Watch(version, previous, steps, tokens, now, trigger))
+
+    def evaluate(self, target: str, serving: str, drafts: Mapping[str, DraftStats],
+                 now: float) -> RollbackRecord | None:
+        """Follow the target's statistics; returns the rollback made now, if any."""
+        if not self.enabled:
+            return None
+        counts = {v: (d.verify_steps, d.tokens) for v, d in drafts.items()}
+        with self._lock:
+            self._detect_takeover(target, serving, counts, now)
+            self._counts[target] = counts
+            w = self._watch.get(target)
+            if w is None:
+                return None
+            steps, tokens = counts.get(w.version, (w.base_steps, w.base_tokens))
+            n = steps - w.base_steps
+            w = self._watch[target] = Watch(w.version, w.previous, w.base_steps, w.base_tokens, w.since_unix_s,
+                                            w.trigger, n)
+            if n < self.window:
+                return None
+            prev = drafts.get(w.previous)
+            if prev is None or prev.long.count == 0:
+                return self._end(target, f"no statistics of the previous version {w.previous} to compare with")
+            live, ref = (tokens - w.base_tokens) / n, prev.long.value
+            if live >= ref - self.margin:
+                return self._end(target, f"kept: {live:.3f} tokens/step over {n} verifications vs {ref:.3f} for "
+                                         f"{w.previous}")
+        reason = (f"auto-rollback: {w.version} accepted {live:.3f} tokens/step over {n} verifications since "
+                  f"{w.trigger}, below {w.previous}'s {ref:.3f} by more than {self.margin}")
+        return self._roll_back(target, w, RollbackRecord(target, w.version, w.previous, reason, live, ref, n, now))
+
+    # ---- internals (the caller holds the lock, except for _roll_back)
+
+    def _detect_takeover(self, target: str, serving: str, counts: dict[str, tuple[int, int]], now: float) -> None:
+        before = self._serving.get(target, "")
+        if serving:
+            self._serving[target] = serving
+        if not serving or not before or serving == before or serving in self._rolled_back.get(target, ()):
+            return
+        w = self._watch.get(target)
+        if w is not None and w.version == serving:
+            return
+        if counts.get(serving, (0, 0))[0] >= counts.get(before, (0, 0))[0]:
+            return  # e.g. back to an established version, or workers on both during a rollout
+        steps, tokens = self._counts.get(target, {}).get(serving, (0, 0))
+        self._start(target, Watch(serving, before, steps, tokens, now, f"the serving version changed from {before}"))
+
+    def _start(self, target: str, w: Watch) -> None:
+        self._watch[target] = w
+        log.info("watching draft %s of %s against %s for %d verifications (%s)", w.version, target, w.previous,
+                 self.window, w.trigger, extra={"target_model": target, "draft_version": w.version})
+
+    def _end(self, target: str, why: str) -> None:
+        w = self._watch.pop(target)
+        log.info("watch of draft %s of %s ended: %s", w.version, target, why,
+                 extra={"target_model": target, "draft_version": w.version})
+
+    def _roll_back(self, target: str, w: Watch, record: RollbackRecord) -> RollbackRecord | None:
+        try:
+            current, pinned = self.port.pointer(target)
+            if pinned or current != w.version:
+                with self._lock:
+                    self._end(target, f"would roll back, but the registry points elsewhere now (current "
+                                      f"{current or '-'}, pinned {pinned or '-'}): {record.reason}")
+                return None
+            self.port.rollback(target, w.previous, record.reason)
+        except RegistryUnavailable as e:
+            with self._lock:
+                self.failures[target] += 1
+            log.warning("rollback of %s to %s failed (%s); retrying", target, w.previous, e)
+            return None
+        except RollbackRefused as e:
+            with self._lock:
+                self.failures[target] += 1
+                self._end(target, f"the registry refused the rollback: {e}")
+            log.error("registry refused the rollback of %s to %s: %s", target, w.previous, e)
+            return None
+        with self._lock:
+            self._watch.pop(target, None)
+            self._last[target] = record
+            self.rollbacks[target] += 1
+            self._rolled_back.setdefault(target, set()).add(w.version)
+        log.warning("rolled back %s from %s to %s: %s", target, w.version, w.previous, record.reason,
+                    extra={"target_model": target, "from_version": w.version, "to_version": w.previous})
+        return record
