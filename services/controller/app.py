@@ -1,6 +1,9 @@
 """Wiring: settings -> statistics, fleet, telemetry reader, reconcile loop -> gRPC server.
 
 `build(settings)` returns a running `ControllerService`; `__main__` adds signals, logs and metrics.
+Every reconcile round first evaluates each target (rollback watch, collection control) and issues
+a new decision where the collection flag changed; a training outcome does the same for its target
+and wakes the loop, so the change is pushed at once.
 The controller keeps serving (GetState, RegisterWorker) while Redis is down: the telemetry reader
 retries with backoff (tide.streams.Consumer.run).
 """
@@ -9,11 +12,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.controller.decisions import Decision, StaticDecision
+from services.controller.collection import CollectionConfig, CollectionControl, Signal
+from services.controller.decisions import Decision, DecisionIssuer, StaticDecision
 from services.controller.fleet import Fleet, WorkerClient
-from services.controller.outcomes import OutcomeLog
+from services.controller.outcomes import OutcomeLog, TrainingOutcome
+from services.controller.registry import GrpcRegistry
+from services.controller.rollback import RollbackGuard
 from services.controller.server import serve
 from services.controller.settings import ControllerSettings
 from services.controller.stats import FleetStats
@@ -27,45 +35,81 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Controller:
-    """The controller's state, without transport: statistics, workers, decisions, outcomes."""
+    """The controller's state, without transport: statistics, workers, decisions, outcomes, the
+    collection control (collection.py) and the rollback guard (rollback.py)."""
 
     static: StaticDecision
     stats: FleetStats
     fleet: Fleet = field(init=False)
     outcomes: OutcomeLog = field(default_factory=OutcomeLog)
     client: WorkerClient | None = None
+    collection: CollectionControl = field(default_factory=CollectionControl)
+    rollback: RollbackGuard = field(default_factory=lambda: RollbackGuard(None))
+    clock: Callable[[], float] = time.time
 
     def __post_init__(self) -> None:
-        self._decisions: dict[str, Decision] = {}
+        self.issuer = DecisionIssuer(self.static)
         self._lock = threading.Lock()
         self.fleet = Fleet(self.client, self.decision_for)
 
     def decision_for(self, target_model: str) -> Decision | None:
-        """The decision workers of `target_model` should have (issued once per target)."""
+        """The decision workers of `target_model` should have now."""
         if not target_model:
             return None
-        with self._lock:
-            if target_model not in self._decisions:
-                self._decisions[target_model] = self.static.for_target(target_model)
-            return self._decisions[target_model]
+        return self.issuer.current(target_model) or self._refresh(target_model, self.clock())[0]
 
     def targets(self) -> list[str]:
         known = set(self.stats.targets()) | set(self.outcomes.targets())
         known |= {w.target_model for w in self.fleet.workers() if w.target_model}
         return sorted(known)
 
+    def evaluate(self) -> bool:
+        """One evaluation of every target (each reconcile round): rollback watches, then collection.
+        True when a target got a new decision."""
+        changed = False
+        for target in self.targets():
+            now = self.clock()
+            drafts = {d.draft_version: d for d in self.stats.drafts(target)}
+            self.rollback.evaluate(target, self.stats.serving_version(target), drafts, now)  # may call the registry
+            changed |= self._refresh(target, now)[1]
+        return changed
+
+    def report_outcome(self, outcome: TrainingOutcome) -> bool:
+        """Record a training outcome (False: its run id was reported before, nothing changes); a
+        promotion starts a rollback watch, and the outcome counts for collection control."""
+        if not self.outcomes.record(outcome):
+            return False
+        now, target = self.clock(), outcome.target_model
+        if outcome.promoted:
+            self.rollback.promoted(target, outcome.candidate_version, outcome.base_version, now,
+                                   f"training run {outcome.run_id} promoted it")
+        self.collection.on_outcome(outcome, self.stats.serving_version(target), now)
+        self._refresh(target, now)
+        return True
+
+    def _refresh(self, target: str, now: float) -> tuple[Decision, bool]:
+        with self._lock:
+            serving = self.stats.serving_version(target)
+            draft = next((d for d in self.stats.drafts(target) if d.draft_version == serving), None)
+            self.collection.evaluate(target, Signal(serving, draft, self.stats.emitted(target)), now)
+            state = self.collection.state(target)
+            return self.issuer.issue(target, state.enabled, state.reason, now)
+
 
 class Reconciler:
-    """Runs `fleet.reconcile()` every `interval_s`, or at once after `wake()` (a registration)."""
+    """Runs `before_round()` (the controller's evaluation) and `fleet.reconcile()` every `interval_s`,
+    or at once after `wake()` (a registration, a training outcome)."""
 
-    def __init__(self, fleet: Fleet, interval_s: float) -> None:
-        self.fleet, self.interval_s = fleet, interval_s
+    def __init__(self, fleet: Fleet, interval_s: float, before_round: Callable[[], object] | None = None) -> None:
+        self.fleet, self.interval_s, self.before_round = fleet, interval_s, before_round
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                if self.before_round is not None:
+                    self.before_round()
                 self.fleet.reconcile()
             except Exception:  # a bug in one round must not end the loop
                 log.exception("reconcile round failed")
@@ -92,6 +136,7 @@ class ControllerService:
     reader: TelemetryReader
     reconciler: Reconciler
     server: GrpcServer
+    registry: GrpcRegistry | None = None
 
     @property
     def target(self) -> str:
@@ -104,20 +149,32 @@ class ControllerService:
         self.reader.stop()
         if isinstance(self.controller.client, GrpcWorkerClient):
             self.controller.client.close()
+        if self.registry is not None:
+            self.registry.close()
 
 
 def build(settings: ControllerSettings, *, worker_client: WorkerClient | None = None) -> ControllerService:
     """Build and start everything (the gRPC server last: SERVING means the loops run)."""
     client = worker_client or GrpcWorkerClient(settings.admin_token, settings.rpc_timeout_s)
-    controller = Controller(settings.decision, FleetStats(settings.ema_short, settings.ema_long,
-                                                          settings.load_window_s), client=client)
+    registry = None
+    if settings.auto_rollback and settings.registry_addr:
+        registry = GrpcRegistry(settings.registry_addr, settings.admin_token, settings.rpc_timeout_s)
+    elif settings.auto_rollback:
+        log.warning("TIDE_REGISTRY_ADDR is not set: automatic rollback of drafts that accept worse is disabled")
+    collection = CollectionControl(CollectionConfig(
+        settings.collection_mode, settings.shift_epsilon, settings.cold_accept, settings.min_observations,
+        settings.no_gain_runs, settings.gain_margin, settings.tokens_needed))
+    stats = FleetStats(settings.ema_short, settings.ema_long, settings.load_window_s)
+    controller = Controller(settings.decision, stats, client=client, collection=collection,
+                            rollback=RollbackGuard(registry, settings.rollback_window, settings.rollback_margin))
     for address in settings.workers:
         controller.fleet.add(address, configured=True)
     rclient = settings.storage.redis_client(socket_connect_timeout=2.0, socket_timeout=5.0)
     reader = TelemetryReader(rclient, streams.StreamNames(settings.storage.stream_prefix), settings.consumer,
                              controller.stats, claim_idle_ms=settings.claim_idle_ms).start()
-    reconciler = Reconciler(controller.fleet, settings.reconcile_s).start()
+    reconciler = Reconciler(controller.fleet, settings.reconcile_s, controller.evaluate).start()
     server = serve(controller, reconciler.wake, settings.listen, settings.admin_token)
-    log.info("controller serving on %s (workers configured: %s; decision: %s)", server.target,
-             ", ".join(settings.workers) or "none", settings.decision.to_dict())
-    return ControllerService(settings, controller, reader, reconciler, server)
+    log.info("controller serving on %s (workers configured: %s; decision: %s; collection: %s; rollback: %s)",
+             server.target, ", ".join(settings.workers) or "none", settings.decision.to_dict(),
+             settings.collection_mode, f"via {settings.registry_addr}" if registry else "off")
+    return ControllerService(settings, controller, reader, reconciler, server, registry)

@@ -39,10 +39,36 @@ class ControllerCollector:
             tps.add_metric([load.worker_id, load.target_model], load.tokens_per_s)
         yield batch
         yield tps
+        yield from self._collection_and_rollback(c)
         workers = c.fleet.workers()
         yield GaugeMetricFamily("tide_controller_workers", "Known workers", value=len(workers))
         yield GaugeMetricFamily("tide_controller_workers_reachable", "Workers that answered the last status call",
                                 value=sum(w.reachable for w in workers))
+
+    @staticmethod
+    def _collection_and_rollback(c):
+        enabled = GaugeMetricFamily("tide_controller_collection_enabled",
+                                    "1 while the controller has collection on for the target (0: off or undecided)",
+                                    labels=["target"])
+        for target in c.collection.targets():
+            enabled.add_metric([target], 1.0 if c.collection.state(target).enabled else 0.0)
+        yield enabled
+        changes = CounterMetricFamily("tide_controller_collection_changes", "Collection state changes by reason",
+                                      labels=["target", "reason"])
+        for (target, reason), n in sorted(c.collection.change_counts().items()):
+            changes.add_metric([target, reason], n)
+        yield changes
+        rollbacks = CounterMetricFamily("tide_controller_rollbacks", "Automatic rollbacks of a promoted draft",
+                                        labels=["target"])
+        failures = CounterMetricFamily("tide_controller_rollback_failures",
+                                       "Rollbacks the registry refused or did not answer", labels=["target"])
+        done, failed = c.rollback.counts()
+        for target, n in sorted(done.items()):
+            rollbacks.add_metric([target], n)
+        for target, n in sorted(failed.items()):
+            failures.add_metric([target], n)
+        yield rollbacks
+        yield failures
 
 
 def register(service) -> ControllerCollector:

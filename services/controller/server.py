@@ -1,6 +1,7 @@
 """gRPC ControllerService: translates tide.v1 protobuf <-> the controller's domain.
 
-GetState is open; ReportTrainingOutcome and RegisterWorker are admin methods (declared in the
+GetState is open (per target: statistics, the decision's parts, collection state, rollback watch and
+the last rollback); ReportTrainingOutcome and RegisterWorker are admin methods (declared in the
 proto, enforced by tide.grpcutil with the bearer token). RegisterWorker adds the worker to the
 fleet, wakes the reconcile loop (which pushes the decision), and returns the current decision for
 the worker's target so a (re)started worker can catch up at once. Invalid requests end with
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import grpc
 
 from services.controller.outcomes import TrainingOutcome
+from services.controller.rollback import RollbackGuard
 from services.controller.stats import DraftStats
 from services.controller.workers import decision_pb
 from tide.grpcutil import GrpcServer
@@ -42,6 +44,20 @@ def draft_stats_pb(s: DraftStats) -> controller_pb2.DraftStats:
                                      tokens=s.tokens, last_update_unix_s=s.last_update_unix_s)
 
 
+def rollback_state_pb(guard: RollbackGuard, target: str) -> controller_pb2.RollbackState:
+    out = controller_pb2.RollbackState(enabled=guard.enabled, window=guard.window)
+    w = guard.watching(target)
+    if w is not None:
+        out.watching_version, out.previous_version, out.verify_steps = w.version, w.previous, w.verify_steps
+    last = guard.last(target)
+    if last is not None:
+        out.last.CopyFrom(controller_pb2.RollbackRecord(
+            from_version=last.from_version, to_version=last.to_version, reason=last.reason,
+            live_accept_length=last.live_accept_length, previous_accept_length=last.previous_accept_length,
+            verify_steps=last.verify_steps, time_unix_s=last.time_unix_s))
+    return out
+
+
 class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def __init__(self, controller, wake: Callable[[], None]) -> None:  # controller: app.Controller
         self.controller, self.wake = controller, wake
@@ -56,13 +72,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             out.speculation.CopyFrom(pb.speculation)
         if d.policy is not None:
             out.gamma_policy.CopyFrom(pb.gamma_policy)
-        if d.collection_enabled is None:
+        col = c.collection.state(target)
+        if col is not None:
+            reason = col.reason if col.enabled is not None else f"undecided, left to the workers: {col.reason}"
             out.collection.CopyFrom(controller_pb2.CollectionState(
-                enabled=False, reason="left to the workers (the static decision does not set collection)"))
-        else:
-            out.collection.CopyFrom(controller_pb2.CollectionState(enabled=d.collection_enabled,
-                                                                   reason="static decision",
-                                                                   since_unix_s=d.issued_unix_s))
+                enabled=bool(col.enabled), reason=reason, tokens_collected=col.tokens_collected,
+                tokens_needed=col.tokens_needed, since_unix_s=col.since_unix_s))
+        out.rollback.CopyFrom(rollback_state_pb(c.rollback, target))
         last = c.outcomes.last(target)
         if last is not None:
             out.last_training.CopyFrom(outcome_pb(last))
@@ -87,13 +103,14 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     def ReportTrainingOutcome(self, request, context):
         try:
-            recorded = self.controller.outcomes.record(outcome_from_pb(request))
+            recorded = self.controller.report_outcome(outcome_from_pb(request))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if recorded:
             log.info("training outcome %s for %s: candidate %s (%.3f vs %.3f), promoted=%s: %s", request.run_id,
                      request.target_model, request.candidate_version or "-", request.eval_accept_length_candidate,
                      request.eval_accept_length_base, request.promoted, request.detail)
+            self.wake()  # a changed decision (collection off after no gain) is pushed at once
         return controller_pb2.ReportTrainingOutcomeResponse(recorded=recorded)
 
     def RegisterWorker(self, request, context):

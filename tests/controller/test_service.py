@@ -52,8 +52,10 @@ def test_health_state_and_admin_auth(make_controller):
         stub(svc).RegisterWorker(req, timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     current = stub(svc, ADMIN_TOKEN).RegisterWorker(req, timeout=5).current
-    assert current.target_model == "tiny" and current.decision_id == svc.settings.decision.decision_id("tiny")
+    assert current.target_model == "tiny" and current.decision_id.startswith("ctl-")
+    assert stub(svc, ADMIN_TOKEN).RegisterWorker(req, timeout=5).current == current  # the same decision again
     assert current.gamma_policy.name == "static" and current.gamma_policy.params["gamma"] == 3
+    assert not current.HasField("collection_enabled")  # no telemetry yet: collection left to the worker
     assert [b.enabled for b in current.speculation.buckets] == [True]
     with pytest.raises(grpc.RpcError) as err:
         stub(svc, ADMIN_TOKEN).RegisterWorker(controller_pb2.RegisterWorkerRequest(address="nope"), timeout=5)
@@ -65,7 +67,7 @@ def test_health_state_and_admin_auth(make_controller):
     wait_for(lambda: stub(svc).GetState(controller_pb2.GetControllerStateRequest(), timeout=5).recent_decisions,
              what="a failed push record")
     rec = stub(svc).GetState(controller_pb2.GetControllerStateRequest(), timeout=5).recent_decisions[0]
-    assert list(rec.failed) == ["w9"] and not rec.applied_to
+    assert list(rec.failed) == ["w9"] and not rec.applied_to and rec.decision.decision_id == current.decision_id
 
 
 def test_training_outcome_reports_are_idempotent(make_controller):

@@ -47,8 +47,42 @@ class CollectionState(_message.Message):
     since_unix_s: float
     def __init__(self, enabled: _Optional[bool] = ..., reason: _Optional[str] = ..., tokens_collected: _Optional[int] = ..., tokens_needed: _Optional[int] = ..., since_unix_s: _Optional[float] = ...) -> None: ...
 
+class RollbackRecord(_message.Message):
+    __slots__ = ("from_version", "to_version", "reason", "live_accept_length", "previous_accept_length", "verify_steps", "time_unix_s")
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LIVE_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    from_version: str
+    to_version: str
+    reason: str
+    live_accept_length: float
+    previous_accept_length: float
+    verify_steps: int
+    time_unix_s: float
+    def __init__(self, from_version: _Optional[str] = ..., to_version: _Optional[str] = ..., reason: _Optional[str] = ..., live_accept_length: _Optional[float] = ..., previous_accept_length: _Optional[float] = ..., verify_steps: _Optional[int] = ..., time_unix_s: _Optional[float] = ...) -> None: ...
+
+class RollbackState(_message.Message):
+    __slots__ = ("enabled", "watching_version", "previous_version", "verify_steps", "window", "last")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    WATCHING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    watching_version: str
+    previous_version: str
+    verify_steps: int
+    window: int
+    last: RollbackRecord
+    def __init__(self, enabled: _Optional[bool] = ..., watching_version: _Optional[str] = ..., previous_version: _Optional[str] = ..., verify_steps: _Optional[int] = ..., window: _Optional[int] = ..., last: _Optional[_Union[RollbackRecord, _Mapping]] = ...) -> None: ...
+
 class TargetState(_message.Message):
-    __slots__ = ("target_model", "draft_version", "drafts", "collection", "speculation", "gamma_policy", "last_training")
+    __slots__ = ("target_model", "draft_version", "drafts", "collection", "speculation", "gamma_policy", "last_training", "rollback")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +90,7 @@ class TargetState(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     GAMMA_POLICY_FIELD_NUMBER: _ClassVar[int]
     LAST_TRAINING_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_version: str
     drafts: _containers.RepeatedCompositeFieldContainer[DraftStats]
@@ -63,7 +98,8 @@ class TargetState(_message.Message):
     speculation: _inference_pb2.SpeculationSchedule
     gamma_policy: _inference_pb2.GammaPolicy
     last_training: _trainer_pb2.TrainingOutcome
-    def __init__(self, target_model: _Optional[str] = ..., draft_version: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftStats, _Mapping]]] = ..., collection: _Optional[_Union[CollectionState, _Mapping]] = ..., speculation: _Optional[_Union[_inference_pb2.SpeculationSchedule, _Mapping]] = ..., gamma_policy: _Optional[_Union[_inference_pb2.GammaPolicy, _Mapping]] = ..., last_training: _Optional[_Union[_trainer_pb2.TrainingOutcome, _Mapping]] = ...) -> None: ...
+    rollback: RollbackState
+    def __init__(self, target_model: _Optional[str] = ..., draft_version: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftStats, _Mapping]]] = ..., collection: _Optional[_Union[CollectionState, _Mapping]] = ..., speculation: _Optional[_Union[_inference_pb2.SpeculationSchedule, _Mapping]] = ..., gamma_policy: _Optional[_Union[_inference_pb2.GammaPolicy, _Mapping]] = ..., last_training: _Optional[_Union[_trainer_pb2.TrainingOutcome, _Mapping]] = ..., rollback: _Optional[_Union[RollbackState, _Mapping]] = ...) -> None: ...
 
 class DecisionRecord(_message.Message):
     __slots__ = ("decision", "applied_to", "failed")

@@ -1,0 +1,140 @@
+"""Collection control (TIDE Algorithm 1) and the decisions it leads to, without transport: cold start,
+shift, no gain after training, forced modes, and decision ids that are never reused."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.controller.app import Controller
+from services.controller.collection import CollectionConfig, CollectionControl, Signal
+from services.controller.decisions import DecisionIssuer, StaticDecision
+from services.controller.outcomes import TrainingOutcome
+from services.controller.stats import DraftStats, Ema, FleetStats
+from tide.telemetry import StepRecord
+
+CFG = CollectionConfig(shift_epsilon=0.15, cold_accept=1.3, min_observations=50, no_gain_runs=2, gain_margin=0.02,
+                       tokens_needed=1000)
+
+
+def draft(version="v1", short=3.0, long=3.0, n=100) -> DraftStats:
+    return DraftStats(version, Ema(50, short, n), Ema(1000, long, n), verify_steps=n, tokens=int(long * n))
+
+
+def sig(version="v1", short=3.0, long=3.0, n=100, emitted=0) -> Signal:
+    return Signal(version, draft(version, short, long, n), emitted)
+
+
+def no_gain(run: str, promoted=False, cand=1.5, base=1.5) -> TrainingOutcome:
+    return TrainingOutcome(run, "m", "c-" + run, "v1", cand, base, promoted)
+
+
+def state(ctl: CollectionControl):
+    s = ctl.state("m")
+    return s.enabled, s.reason
+
+
+def test_cold_start_turns_collection_on():
+    ctl = CollectionControl(CFG)
+    assert not ctl.evaluate("m", Signal("", None, 0), now=1.0)  # no telemetry yet: undecided
+    assert state(ctl) == (None, "waiting for telemetry")
+    assert ctl.evaluate("m", Signal("", draft(""), 10), now=2.0)  # steps without a draft version: n-gram
+    assert state(ctl) == (True, "cold start") and ctl.state("m").since_unix_s == 2.0
+
+    weak = CollectionControl(CFG)
+    weak.evaluate("m", sig(long=1.6, short=1.6, n=10), now=1.0)  # too few verifications to judge the draft
+    assert state(weak) == (None, "waiting for 50 verifications of v1")
+    weak.evaluate("m", sig(long=1.1, short=1.1, n=60), now=2.0)  # a weak draft: long EMA < cold_accept
+    assert state(weak) == (True, "cold start")
+    assert weak.change_counts() == {("m", "cold start"): 1}
+
+
+def test_shift_turns_collection_on_and_tokens_are_counted():
+    ctl = CollectionControl(CFG)
+    ctl.evaluate("m", sig(short=3.0, long=3.0, emitted=500), now=1.0)
+    assert state(ctl) == (False, "no shift") and ctl.state("m").tokens_collected == 0
+    ctl.evaluate("m", sig(short=2.9, long=3.0, emitted=600), now=2.0)  # within epsilon: no shift
+    assert state(ctl) == (False, "no shift")
+    assert ctl.evaluate("m", sig(short=2.7, long=3.0, emitted=700), now=3.0)
+    assert state(ctl) == (True, "shift detected")
+    ctl.evaluate("m", sig(short=3.0, long=3.0, emitted=1900), now=4.0)  # on until training says otherwise
+    s = ctl.state("m")
+    assert (s.enabled, s.tokens_collected, s.tokens_needed, s.since_unix_s) == (True, 1200, 1000, 3.0)
+
+
+def test_no_gain_twice_turns_collection_off_until_a_later_shift():
+    ctl = CollectionControl(CFG)
+    ctl.evaluate("m", sig(short=2.5, long=3.0, emitted=100), now=1.0)
+    assert state(ctl) == (True, "shift detected")
+    assert not ctl.on_outcome(no_gain("r1"), "v1", now=2.0)  # one run without gain: still on
+    assert not ctl.on_outcome(no_gain("r2", promoted=True, cand=2.0, base=1.0), "v1", now=3.0)  # a gain resets
+    assert not ctl.on_outcome(no_gain("r3", promoted=True, cand=1.51, base=1.5), "v1", now=4.0)  # < gain margin
+    ctl.evaluate("m", sig(short=2.5, long=3.0, emitted=300), now=5.0)
+    assert state(ctl) == (True, "shift detected")
+    assert ctl.on_outcome(no_gain("r4"), "v1", now=6.0)  # second in a row
+    assert state(ctl) == (False, "no gain after training") and ctl.state("m").tokens_collected == 200
+    ctl.evaluate("m", sig(short=2.5, long=3.0), now=7.0)  # the same shift persists: stays off
+    assert state(ctl) == (False, "no gain after training")
+    ctl.evaluate("m", sig(short=3.0, long=3.0), now=8.0)  # the shift is over
+    assert state(ctl) == (False, "no gain after training")
+    assert ctl.evaluate("m", sig(short=2.6, long=3.0), now=9.0)  # a later shift
+    assert state(ctl) == (True, "shift detected")
+    assert ctl.change_counts() == {("m", "shift detected"): 2, ("m", "no gain after training"): 1}
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_forced_modes_ignore_signals_and_outcomes(mode):
+    ctl = CollectionControl(CollectionConfig(mode=mode, no_gain_runs=1))
+    assert ctl.evaluate("m", Signal("", None, 0), now=1.0)
+    expected = (mode == "on", f"forced {mode} (TIDE_CONTROLLER_COLLECTION={mode})")
+    for s in (sig(short=1.0, long=3.0), sig(long=1.0, short=1.0), sig()):
+        assert not ctl.evaluate("m", s, now=2.0)
+        assert state(ctl) == expected
+    assert not ctl.on_outcome(no_gain("r1"), "v1", now=3.0)
+    assert state(ctl) == expected
+    with pytest.raises(ValueError):
+        CollectionControl(CollectionConfig(mode="sometimes"))
+
+
+def test_issuer_never_reuses_an_id():
+    issuer = DecisionIssuer(StaticDecision())
+    a, new_a = issuer.issue("m", True, "cold start")
+    assert new_a and a.decision_id.startswith(f"ctl-{issuer.nonce}-") and a.collection_enabled is True
+    assert issuer.issue("m", True, "cold start") == (a, False)  # same content: same decision
+    b, _ = issuer.issue("m", False, "no gain after training")
+    c, new_c = issuer.issue("m", True, "shift detected")  # back to a content issued before
+    assert new_c and len({a.decision_id, b.decision_id, c.decision_id}) == 3
+    assert "shift detected" in c.reason and c.policy == StaticDecision().policy
+    other, _ = issuer.issue("n", True, "cold start")
+    assert other.decision_id not in {a.decision_id, c.decision_id}
+    restarted = DecisionIssuer(StaticDecision())  # a restarted controller: a new nonce
+    assert restarted.nonce != issuer.nonce and restarted.issue("m", True, "x")[0].decision_id != a.decision_id
+
+
+def step(t: float, accepted: int, version: str = "v1") -> StepRecord:
+    return StepRecord(worker_id="w1", step=int(t), time_unix_s=t, batch_size=1, request_ids=["r"], gammas=[3],
+                      accepted=[accepted], draft_ms=1, verify_ms=5, other_ms=1, drafter="eagle3",
+                      draft_version=version, target_model="m")
+
+
+def test_controller_issues_a_new_decision_on_each_toggle():
+    stats = FleetStats(short_horizon=10, long_horizon=200)
+    ctl = Controller(StaticDecision(), stats, collection=CollectionControl(CFG))
+    undecided = ctl.decision_for("m")
+    assert undecided.collection_enabled is None
+    for i in range(100):
+        stats.observe(step(1000 + i, accepted=2))  # a good draft, stable traffic
+    assert ctl.evaluate()
+    off = ctl.decision_for("m")
+    assert off.collection_enabled is False and off.decision_id != undecided.decision_id
+    assert not ctl.evaluate() and ctl.decision_for("m") is off  # nothing changed: no new decision
+    for i in range(10):
+        stats.observe(step(2000 + i, accepted=0))  # the traffic shifts
+    assert ctl.evaluate()
+    on = ctl.decision_for("m")
+    assert on.collection_enabled is True and "shift detected" in on.reason
+    assert ctl.report_outcome(no_gain("r1")) and ctl.decision_for("m") is on
+    assert not ctl.report_outcome(no_gain("r1"))  # a retried report counts once
+    assert ctl.report_outcome(no_gain("r2"))
+    off_again = ctl.decision_for("m")
+    assert off_again.collection_enabled is False and "no gain after training" in off_again.reason
+    assert len({d.decision_id for d in (undecided, off, on, off_again)}) == 4  # never an id twice

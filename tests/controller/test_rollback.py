@@ -1,0 +1,139 @@
+"""Automatic rollback without transport: a promoted draft is watched for `window` verifications and
+rolled back (through the registry port) only when it accepts worse than the previous version by
+more than the margin; manual promotions are noticed from the telemetry's serving version."""
+
+from __future__ import annotations
+
+from services.controller.app import Controller
+from services.controller.collection import CollectionControl
+from services.controller.decisions import StaticDecision
+from services.controller.outcomes import TrainingOutcome
+from services.controller.rollback import RegistryUnavailable, RollbackGuard, RollbackRefused
+from services.controller.stats import FleetStats
+from tide.telemetry import StepRecord
+
+
+class FakeRegistry:
+    """Registry port double: a pointer, the rollbacks asked for, and an optional error to raise."""
+
+    def __init__(self, current="v2", pinned="") -> None:
+        self.current, self.pinned, self.calls, self.error = current, pinned, [], None
+
+    def pointer(self, target_model):
+        if self.error:
+            raise self.error
+        return self.current, self.pinned
+
+    def rollback(self, target_model, to_version, reason):
+        if self.error:
+            raise self.error
+        self.calls.append((target_model, to_version, reason))
+        self.current = to_version
+        return to_version
+
+
+class Fleet:
+    """Telemetry as the controller sees it: steps of one worker on target "m"."""
+
+    def __init__(self, registry, window=200, margin=0.1) -> None:
+        self.stats = FleetStats(short_horizon=10, long_horizon=100)
+        self.ctl = Controller(StaticDecision(), self.stats, collection=CollectionControl(),
+                              rollback=RollbackGuard(registry, window, margin), clock=lambda: 5.0)
+        self.t = 1000.0
+
+    def steps(self, n: int, accepted: int, version: str) -> None:
+        for _ in range(n):
+            self.t += 1
+            self.stats.observe(StepRecord(worker_id="w1", step=int(self.t), time_unix_s=self.t, batch_size=1,
+                                          request_ids=["r"], gammas=[3], accepted=[accepted], draft_ms=1,
+                                          verify_ms=5, other_ms=1, drafter="eagle3", draft_version=version,
+                                          target_model="m"))
+        self.ctl.evaluate()
+
+    def promote(self, run="run-1", new="v2", old="v1") -> None:
+        assert self.ctl.report_outcome(TrainingOutcome(run, "m", new, old, 3.2, 3.0, promoted=True))
+
+    @property
+    def guard(self) -> RollbackGuard:
+        return self.ctl.rollback
+
+
+def test_a_worse_version_is_rolled_back_to_the_previous_one_once_the_window_is_full():
+    reg = FakeRegistry()
+    f = Fleet(reg, window=200, margin=0.1)
+    f.steps(300, accepted=2, version="v1")  # accept length 3
+    f.promote()
+    f.steps(150, accepted=0, version="v2")  # accept length 1, but the window is not full yet
+    assert reg.calls == [] and f.guard.watching("m").verify_steps == 150
+    f.steps(50, accepted=0, version="v2")
+    ((target, to_version, reason),) = reg.calls
+    assert (target, to_version) == ("m", "v1")
+    assert "v2 accepted 1.000 tokens/step over 200 verifications" in reason and "v1's 3.000" in reason
+    last = f.guard.last("m")
+    assert (last.from_version, last.to_version, last.verify_steps, last.live_accept_length) == ("v2", "v1", 200, 1.0)
+    assert last.reason == reason and f.guard.counts() == ({"m": 1}, {})
+    assert f.guard.watching("m") is None
+    f.steps(300, accepted=0, version="v2")  # stragglers of the bad version: no second rollback
+    f.steps(10, accepted=2, version="v1")
+    assert len(reg.calls) == 1
+
+
+def test_a_version_that_is_not_worse_stays():
+    reg = FakeRegistry()
+    f = Fleet(reg, window=100, margin=0.1)
+    f.steps(300, accepted=2, version="v1")
+    f.promote()
+    assert (f.guard.watching("m").version, f.guard.watching("m").previous) == ("v2", "v1")
+    # slightly below v1 (3.0 vs 2.95: within the margin), over more than the window
+    for i in range(60):
+        f.steps(1, accepted=2, version="v2")
+        f.steps(1, accepted=1 if i % 20 == 0 else 2, version="v2")
+    assert reg.calls == [] and f.guard.watching("m") is None and f.guard.last("m") is None
+
+
+def test_a_manual_promotion_is_noticed_from_the_serving_version():
+    reg = FakeRegistry(current="v7")
+    f = Fleet(reg, window=50, margin=0.1)
+    f.steps(200, accepted=3, version="v1")  # accept length 4
+    f.steps(1, accepted=1, version="v7")  # workers moved to v7 without a training outcome
+    assert f.guard.watching("m").previous == "v1"
+    f.steps(60, accepted=1, version="v7")
+    assert [c[:2] for c in reg.calls] == [("m", "v1")] and "serving version changed from v1" in reg.calls[0][2]
+
+
+def test_no_rollback_when_the_registry_moved_on_or_is_pinned():
+    for reg in (FakeRegistry(current="v3"), FakeRegistry(current="v2", pinned="v2")):
+        f = Fleet(reg, window=20)
+        f.steps(100, accepted=2, version="v1")
+        f.promote()
+        f.steps(30, accepted=0, version="v2")
+        assert reg.calls == [] and f.guard.watching("m") is None and f.guard.last("m") is None
+
+
+def test_registry_errors_retry_or_give_up():
+    reg = FakeRegistry()
+    f = Fleet(reg, window=20)
+    f.steps(100, accepted=2, version="v1")
+    f.promote()
+    reg.error = RegistryUnavailable("down")
+    f.steps(30, accepted=0, version="v2")
+    assert reg.calls == [] and f.guard.watching("m") is not None and f.guard.counts() == ({}, {"m": 1})
+    reg.error = None
+    f.steps(1, accepted=0, version="v2")  # the next evaluation retries
+    assert [c[:2] for c in reg.calls] == [("m", "v1")]
+
+    refused = FakeRegistry()
+    f = Fleet(refused, window=20)
+    f.steps(100, accepted=2, version="v1")
+    f.promote()
+    refused.error = RollbackRefused("FAILED_PRECONDITION: no previous draft")
+    f.steps(30, accepted=0, version="v2")
+    assert f.guard.watching("m") is None and f.guard.counts() == ({}, {"m": 1})  # not retried forever
+
+
+def test_disabled_without_a_registry():
+    f = Fleet(None, window=20)
+    f.steps(100, accepted=2, version="v1")
+    f.promote()
+    f.steps(30, accepted=0, version="v2")
+    assert not f.guard.enabled and f.guard.watching("m") is None and f.guard.last("m") is None
