@@ -37,7 +37,8 @@ SERVICES = ("registry", "trainer", "controller", "inference", "gateway")  # star
 PHASES = (("registry",), ("trainer",), ("controller",), ("inference", "gateway"))
 BUCKET, STREAM_PREFIX = "tide", "tide"
 # The controller's static decision (docker-compose.yml pushes the same): speculation on at every batch
-# size; drafter, γ policy and collection stay as each worker was configured (TIDE_DRAFTER, ...).
+# size; drafter and γ policy stay as each worker was configured (TIDE_DRAFTER, ...); the controller
+# adds collection on/off (TIDE_CONTROLLER_COLLECTION).
 DECISION = {"speculation": True, "reason": "static decision (tide up / compose)"}
 
 
@@ -93,7 +94,10 @@ def service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int = 0) -> d
                 "TIDE_TARGET": cfg.target, "TIDE_TRAINER_WORK_DIR": ep.work_dir, "TIDE_CONTROLLER_ADDR": ep.controller}
     if name == "controller":
         return {**redis, **admin, "TIDE_CONTROLLER_LISTEN": ep.controller, "TIDE_CONTROLLER_METRICS_PORT": port(name),
-                "TIDE_CONTROLLER_WORKERS": ",".join(ep.workers), "TIDE_CONTROLLER_DECISION": json.dumps(DECISION)}
+                "TIDE_CONTROLLER_WORKERS": ",".join(ep.workers), "TIDE_CONTROLLER_DECISION": json.dumps(DECISION),
+                # collection: Algorithm 1 decides (auto), or off for `tide up --no-collection`;
+                # rollbacks of drafts that accept worse go to the registry
+                "TIDE_CONTROLLER_COLLECTION": "auto" if cfg.collection else "off", "TIDE_REGISTRY_ADDR": ep.registry}
     if name == "inference":
         return {**s3, **redis, **admin, "TIDE_LISTEN": ep.workers[index], "TIDE_TARGET": cfg.target,
                 "TIDE_METRICS_PORT": port(f"inference-{index}"), "TIDE_WORKER_ID": f"worker-{index}",

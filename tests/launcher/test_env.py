@@ -42,6 +42,9 @@ def test_the_services_point_at_each_other():
     assert env["inference"]["TIDE_COLLECTION"] == "0" and env["inference"]["TIDE_DRAFTER"] == "none"
     assert env["gateway"]["TIDE_WORKERS"] == env["controller"]["TIDE_CONTROLLER_WORKERS"] == "127.0.0.1:6,127.0.0.1:7"
     assert env["trainer"]["TIDE_CONTROLLER_ADDR"] == env["controller"]["TIDE_CONTROLLER_LISTEN"]
+    assert env["controller"]["TIDE_REGISTRY_ADDR"] == env["registry"]["TIDE_REGISTRY_LISTEN"]  # rollbacks
+    assert env["controller"]["TIDE_CONTROLLER_COLLECTION"] == "off"  # --no-collection: the controller keeps it off
+    assert service_env("controller", StackConfig(), EP)["TIDE_CONTROLLER_COLLECTION"] == "auto"  # Algorithm 1
     assert {env[n]["TIDE_TARGET"] for n in ("inference", "gateway", "trainer")} == {"/models/x"}
     assert env["registry"]["TIDE_REGISTRY_METRICS_PORT"] == "9" and env["trainer"]["TIDE_TRAINER_METRICS_PORT"] == "0"
     decision = StaticDecision.from_json(env["controller"]["TIDE_CONTROLLER_DECISION"])  # valid for the controller

@@ -98,10 +98,10 @@ def test_tide_up_serves_and_ctrl_c_stops_everything(chat_target, tmp_path):
         # speculation on (eagle3 = the registry's draft, n-gram while none is registered), collecting
         assert st.drafter in ("ngram", "eagle3") and st.collection_enabled
         deadline = time.monotonic() + 30
-        while not st.last_decision_id.startswith("static-") and time.monotonic() < deadline:
+        while not st.last_decision_id.startswith("ctl-") and time.monotonic() < deadline:
             time.sleep(0.5)
             st = worker.GetStatus(inference_pb2.GetWorkerStatusRequest(), timeout=10)
-        assert st.last_decision_id.startswith("static-")  # the controller pushed its decision
+        assert st.last_decision_id.startswith("ctl-")  # the controller pushed its decision
         metrics = f"http://127.0.0.1:{state['endpoints']['metrics']['controller']}/"
         seen = re.search(r"^tide_controller_telemetry_records_total (\S+)$", httpx.get(metrics).text, re.M)
         assert seen and float(seen.group(1)) > 0  # worker -> Redis stream -> controller
