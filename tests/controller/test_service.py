@@ -1,13 +1,16 @@
-"""The controller's gRPC service in process, with real Redis: health, state, admin auth, and the
-telemetry consumer group (ack, dead-letter, reclaim of a dead consumer's pending entry)."""
+"""The controller's gRPC service in process, with real Redis: health, state, admin auth, the
+telemetry consumer group (ack, dead-letter, reclaim of a dead consumer's pending entry), and
+collection control driven by telemetry and training outcomes (GetState, decisions, metrics)."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 from controller.svc import ADMIN_TOKEN, serving, wait_for
+from prometheus_client import CollectorRegistry, generate_latest
 
 from services.controller.app import build
+from services.controller.metrics import ControllerCollector
 from services.controller.settings import ControllerSettings
 from tide import streams
 from tide.blobs import StorageSettings
@@ -113,3 +116,45 @@ def test_pending_entry_of_a_dead_consumer_is_reclaimed(make_controller, redis_cl
     assert svc.reader.consumer.stats.reclaimed == 1
     assert redis_client.xpending(names.telemetry, streams.CONTROLLER_GROUP)["pending"] == 0
     assert [load.worker_id for load in svc.controller.stats.load(now=1e9 + 1)] == ["w-lost"]
+
+
+def test_collection_state_follows_telemetry_and_training_outcomes(make_controller, redis_client, unique_prefix):
+    names = streams.StreamNames(unique_prefix)
+    svc = make_controller(tokens_needed=500)
+    admin = stub(svc, ADMIN_TOKEN)
+    admin.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w9", address="127.0.0.1:1",
+                                                              target_model="tiny"), timeout=5)
+
+    def target():
+        return stub(svc).GetState(controller_pb2.GetControllerStateRequest(target_model="tiny"), timeout=5).targets[0]
+
+    def decision():  # the newest decision the controller tried to push (the worker address is closed)
+        recs = stub(svc).GetState(controller_pb2.GetControllerStateRequest(), timeout=5).recent_decisions
+        return recs[0].decision if recs else None
+
+    assert not target().collection.enabled and "waiting for telemetry" in target().collection.reason
+    for i in range(20):  # n-gram steps: no draft version serving
+        streams.add(redis_client, names.telemetry, step(i, accepted=2, version=""))
+    col = wait_for(lambda: (c := target().collection).enabled and c, what="collection on")
+    assert (col.reason, col.tokens_needed) == ("cold start", 500) and col.since_unix_s > 0
+    on = wait_for(lambda: (d := decision()) and d.collection_enabled and d, what="the decision with collection on")
+    for i in range(20, 30):
+        streams.add(redis_client, names.telemetry, step(i, accepted=2, version=""))
+    wait_for(lambda: target().collection.tokens_collected >= 30, what="tokens collected")
+
+    for run in ("run-1", "run-2"):  # two trainings without gain: collection off, a new decision at once
+        assert admin.ReportTrainingOutcome(trainer_pb2.TrainingOutcome(
+            run_id=run, target_model="tiny", candidate_version=f"c-{run}", eval_accept_length_candidate=1.0,
+            eval_accept_length_base=1.2, promoted=False), timeout=5).recorded
+    col = target().collection
+    assert (col.enabled, col.reason) == (False, "no gain after training")
+    off = wait_for(lambda: (d := decision()) and d.HasField("collection_enabled") and not d.collection_enabled and d,
+                   what="the decision with collection off")
+    assert off.decision_id != on.decision_id and "no gain after training" in off.reason
+
+    metrics = CollectorRegistry()
+    metrics.register(ControllerCollector(svc))
+    text = generate_latest(metrics).decode()
+    assert 'tide_controller_collection_enabled{target="tiny"} 0.0' in text
+    assert 'tide_controller_collection_changes_total{reason="cold start",target="tiny"} 1.0' in text
+    assert 'tide_controller_collection_changes_total{reason="no gain after training",target="tiny"} 1.0' in text
