@@ -1,8 +1,9 @@
 """Training outcomes the trainer reports (ReportTrainingOutcome), kept per target. No gRPC.
 
 Reports are idempotent by run id: a trainer that retries a report after a timeout is told the run
-was already recorded. The next controller acts on outcomes (collection off when training did not
-help, TIDE Algorithm 1); this one records them and shows the last one per target.
+was already recorded. The controller acts on each new outcome (app.Controller.report_outcome):
+collection off when training stopped helping (collection.py), a rollback watch after a promotion
+(rollback.py); this log keeps the last one per target for GetState.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ recent load per worker. Pure domain code (no Redis, no gRPC); `telemetry.py` fee
 Acceptance: every request that was verified in a step (γ > 0) contributes one observation, its
 accept length `accepted + 1` (bonus token included, as DraftStats in controller.proto defines it).
 Two exponential moving averages follow it: a short horizon (the current traffic) and a long one
-(the baseline); short < long - ε signals a shift (TIDE Algorithm 1, used by the next controller).
+(the baseline); short < long - ε signals a shift (TIDE Algorithm 1: collection.py acts on it).
 A horizon of N observations means the EMA weight α = 2 / (N + 1); the first observation seeds it.
 
 Load: per worker, the steps of the last `window_s` seconds (by their record time): mean running
