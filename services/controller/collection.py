@@ -122,13 +122,15 @@ class CollectionControl:
         with self._lock:
             t = self._targets.get(target)
             if t is None:
-                t = self._targets[target] = _Target(None, WAITING, now, sig.emitted_tokens)
-                if cfg.mode != "auto":
-                    return self._set(target, t, cfg.mode == "on", FORCED_ON if cfg.mode == "on" else FORCED_OFF,
-                                     now)
+                t = self._targets[target] = _Target(None, WAITING, now)
             t.emitted = sig.emitted_tokens
-            if cfg.mode != "auto" or t.enabled:
-                return False  # forced, or on until training stops helping
+            if cfg.mode != "auto":
+                forced = cfg.mode == "on"
+                if t.enabled is forced:
+                    return False
+                return self._set(target, t, forced, FORCED_ON if forced else FORCED_OFF, now)
+            if t.enabled:
+                return False  # on until training stops helping
             cold, shift, judged = self._conditions(sig)
             if t.enabled is False and t.reason == NO_GAIN:
                 if not t.armed:

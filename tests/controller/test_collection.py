@@ -91,6 +91,9 @@ def test_forced_modes_ignore_signals_and_outcomes(mode):
         assert state(ctl) == expected
     assert not ctl.on_outcome(no_gain("r1"), "v1", now=3.0)
     assert state(ctl) == expected
+    late = CollectionControl(CollectionConfig(mode=mode, no_gain_runs=1))
+    late.on_outcome(no_gain("r1"), "v1", now=1.0)  # a target first heard of through a training outcome
+    assert late.evaluate("m", sig(), now=2.0) and state(late) == expected
     with pytest.raises(ValueError):
         CollectionControl(CollectionConfig(mode="sometimes"))
 
