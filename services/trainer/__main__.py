@@ -5,10 +5,16 @@ Prometheus metrics on http://<listen host>:$TIDE_TRAINER_METRICS_PORT/. Start-up
 storage (the manifest lives there). On a signal: health NOT_SERVING, in-flight RPCs finish, chunk
 intake stops (unacked entries stay pending and are reclaimed), exit 0. Exit 2 on bad configuration.
 The training library itself runs as `python -m services.trainer.training` (also under torchrun).
+
+Before anything else starts (so every thread inherits it): TIDE_TRAINER_NICE lowers the process's
+priority by that increment and TIDE_TRAINER_CPUS pins it to those CPUs with as many torch threads,
+so training does not slow inference workers sharing the machine. `tide up` runs the whole stack on
+one machine and sets TIDE_TRAINER_NICE=10; on a small machine also give the trainer its own CPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -24,14 +30,48 @@ from tide.logs import configure_logging
 log = logging.getLogger("services.trainer")
 
 
+def _threads() -> list[int]:
+    """Thread ids of this process (imports may already have started some); [0] = the caller where
+    /proc is missing."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def limit_resources(settings: TrainerSettings) -> None:
+    """Apply TIDE_TRAINER_NICE and TIDE_TRAINER_CPUS to every thread of this process (threads started
+    later inherit them). ValueError when the CPUs are not available here."""
+    cpus = settings.cpu_set
+    if cpus:
+        available = os.sched_getaffinity(0)
+        if not cpus <= available:
+            raise ValueError(f"TIDE_TRAINER_CPUS={settings.cpus!r}: CPUs {sorted(cpus - available)} are not "
+                             f"available to this process (available: {sorted(available)})")
+    if settings.nice:
+        nice = min(os.getpriority(os.PRIO_PROCESS, 0) + settings.nice, 19)
+        for tid in _threads():
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+    if cpus:
+        for tid in _threads():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, cpus)
+        import torch
+
+        torch.set_num_threads(len(cpus))
+    log.info("trainer process: nice %d, CPUs %s", os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)))
+
+
 def main() -> int:
     configure_logging(os.environ.get("TIDE_LOG_LEVEL", "INFO"))
-    keep_freed_memory()  # large CPU tensors every step: see tide.allocator
     try:
         settings = TrainerSettings.from_env()
+        limit_resources(settings)
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2
+    keep_freed_memory()  # large CPU tensors every step: see tide.allocator
     if not settings.admin_token:
         log.warning("TIDE_ADMIN_TOKEN is not set: TriggerTraining is refused")
     stop = threading.Event()

@@ -1,6 +1,7 @@
-"""Wiring: settings -> object storage (waits for it), manifest, chunk intake, training runner ->
-gRPC server. `build(settings)` returns a running `TrainerService`; `__main__` adds signals, logs and
-metrics. Outcomes go to the controller (ReportTrainingOutcome) when TIDE_CONTROLLER_ADDR is set.
+"""Wiring: settings -> object storage (waits for it), manifest, chunk intake, draft registry
+client, training cycle and runner, automatic trigger -> gRPC server. `build(settings)` returns a
+running `TrainerService`; `__main__` adds process priority and CPUs, signals, logs and metrics.
+Outcomes go to the controller (ReportTrainingOutcome) when TIDE_CONTROLLER_ADDR is set.
 """
 
 from __future__ import annotations
@@ -9,9 +10,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
+from services.trainer.auto import AutoTrigger
+from services.trainer.cycle import TrainingCycle
+from services.trainer.drafts import DraftRegistry
 from services.trainer.ingest import ChunkIngest, ChunkReader
 from services.trainer.manifest import Manifest
 from services.trainer.runs import TrainingOutcome, TrainingRunner
@@ -57,6 +62,17 @@ def wait_for_storage(settings: TrainerSettings, timeout_s: float = 60.0):
             delay = min(delay * 2, 5.0)
 
 
+class _WakeAfterIntake:
+    """The stream handler: intake, then a look by the automatic trigger."""
+
+    def __init__(self, ingest: ChunkIngest, auto: AutoTrigger) -> None:
+        self.ingest, self.auto = ingest, auto
+
+    def handle(self, msg) -> None:
+        self.ingest.handle(msg)
+        self.auto.wake()
+
+
 @dataclass
 class TrainerService:
     settings: TrainerSettings
@@ -64,6 +80,8 @@ class TrainerService:
     ingest: ChunkIngest
     reader: ChunkReader
     runner: TrainingRunner
+    registry: DraftRegistry
+    auto: AutoTrigger | None = None
     server: GrpcServer | None = None
 
     @property
@@ -75,21 +93,30 @@ class TrainerService:
         progress is abandoned: nothing is recorded, its chunks stay buffered for the next run."""
         if self.server is not None:
             self.server.stop(grace_s)
+        if self.auto is not None:
+            self.auto.stop()
         self.reader.stop()
+        self.registry.close()
 
 
 def build(settings: TrainerSettings, *, storage_timeout_s: float = 60.0) -> TrainerService:
     s3 = wait_for_storage(settings, storage_timeout_s)
     manifest = Manifest(s3, settings.storage.s3_bucket, settings.prefix).load()
     ingest = ChunkIngest(s3, manifest)
-    rclient = settings.storage.redis_client(socket_connect_timeout=2.0, socket_timeout=5.0)
-    reader = ChunkReader(rclient, streams.StreamNames(settings.storage.stream_prefix), settings.consumer, ingest,
-                         claim_idle_ms=settings.claim_idle_ms)
+    registry = DraftRegistry(settings.registry_addr, settings.admin_token, s3, settings.storage.s3_bucket,
+                             Path(settings.work_dir) / "drafts")
     report = controller_reporter(settings.controller_addr, settings.admin_token) if settings.controller_addr else None
-    runner = TrainingRunner(settings, s3, manifest, report)
-    service = TrainerService(settings, manifest, ingest, reader, runner)
+    runner = TrainingRunner(settings, TrainingCycle(settings, s3, manifest, registry), manifest, report)
+    auto = AutoTrigger(runner, manifest, settings.auto_check_s) if settings.auto_train else None
+    rclient = settings.storage.redis_client(socket_connect_timeout=2.0, socket_timeout=5.0)
+    reader = ChunkReader(rclient, streams.StreamNames(settings.storage.stream_prefix), settings.consumer,
+                         _WakeAfterIntake(ingest, auto) if auto else ingest, claim_idle_ms=settings.claim_idle_ms)
+    service = TrainerService(settings, manifest, ingest, reader, runner, registry, auto)
     reader.start()
+    if auto is not None:
+        auto.start()
     service.server = serve(service, settings.listen, settings.admin_token)
-    log.info("trainer serving on %s (target %s, bucket %s, prefix %s)", service.server.target, settings.target,
-             settings.storage.s3_bucket, settings.prefix)
+    log.info("trainer serving on %s (target %s, bucket %s, prefix %s, registry %s, automatic training %s, "
+             "automatic promotion %s)", service.server.target, settings.target, settings.storage.s3_bucket,
+             settings.prefix, settings.registry_addr, "on" if auto else "off", "on" if settings.auto_promote else "off")
     return service

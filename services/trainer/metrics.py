@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
+from services.trainer.cycle import FAILED, PROMOTED, REGISTERED
+
+RESULTS = (PROMOTED, REGISTERED, FAILED)
+
 
 class TrainerCollector:
     def __init__(self, service) -> None:  # services.trainer.app.TrainerService
@@ -24,7 +28,22 @@ class TrainerCollector:
         yield GaugeMetricFamily("tide_trainer_buffered_chunks", "Accepted chunks not trained on yet", value=n)
         yield GaugeMetricFamily("tide_trainer_buffered_tokens", "Tokens of buffered chunks", value=tokens)
         yield GaugeMetricFamily("tide_trainer_training", "1 while a training run is going",
-                                value=1 if s.runner.status().state == "training" else 0)
+                                value=1 if s.runner.busy else 0)
+        stats = s.runner.stats
+        runs = CounterMetricFamily("tide_trainer_runs", "Finished training runs by result: promoted, registered "
+                                   "(not promoted), failed (nothing registered, chunks kept)", labels=["result"])
+        for result in RESULTS:
+            runs.add_metric([result], stats.results[result])
+        yield runs
+        yield CounterMetricFamily("tide_trainer_training_seconds", "Wall time of finished training runs",
+                                  value=stats.seconds)
+        accept = GaugeMetricFamily("tide_trainer_eval_accept_length", "Served accept length at the eval gamma on "
+                                   "held-out chunks, of the last evaluated run (base: 1.0 without a draft)",
+                                   labels=["draft"])
+        if stats.last_candidate is not None:
+            accept.add_metric(["candidate"], stats.last_candidate)
+            accept.add_metric(["base"], stats.last_base or 0.0)
+        yield accept
 
 
 def register(service) -> TrainerCollector:

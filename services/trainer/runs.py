@@ -1,33 +1,32 @@
-"""Training runs on demand: the manifest's buffered chunks -> the training library -> an outcome.
+"""Training runs: at most one at a time, in a thread, over the manifest's buffered chunks.
 
-No gRPC. `TrainingRunner.trigger` starts at most one run at a time, in a thread, over the chunks of
-the trainer's target that no recorded run used (manifest.py). The run calls the training library
-(`services.trainer.training.train_draft`; never a trainer of our own): the library is imported at
-trigger time, so a deployment without it refuses with `TrainingUnavailable` instead of failing at
-start. The candidate is exported under the work directory; a successful run is recorded in the
-manifest (its chunks stop being buffered) and its outcome reported (to the controller). A failed
-run records nothing: its chunks stay buffered for the next one.
-
-Registering and promoting the candidate is the next step of the trainer (registry + controller).
+No gRPC. `TrainingRunner.trigger` (TriggerTraining, or the automatic trigger in auto.py) starts a
+run over the chunks of the trainer's target that no recorded run used (manifest.py); the run itself
+is cycle.py (base draft from the registry -> training library -> compare -> register -> promote ->
+record). The training library (`services.trainer.training`) is imported at trigger time, so a
+deployment without it refuses with `TrainingUnavailable` instead of failing at start. Every outcome
+is reported (to the controller), failed ones included; a failed run records nothing, so its chunks
+stay buffered for the next one.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from minio import Minio
-
+from services.trainer.cycle import FAILED, TrainingCycle, TrainingOutcome
 from services.trainer.manifest import Manifest, ManifestEntry
 from services.trainer.settings import TrainerSettings
-from tide import blobs
+
+__all__ = ["RunStats", "RunnerStatus", "TargetNotReady", "TrainingOutcome", "TrainingRunner", "TrainingUnavailable",
+           "TriggerResult", "WrongTarget", "load_library"]
 
 log = logging.getLogger(__name__)
 
@@ -52,29 +51,14 @@ class TriggerResult:
 
 
 @dataclass(frozen=True)
-class TrainingOutcome:
-    """Mirrors tide.v1.TrainingOutcome (accept lengths: simulated, bonus token included)."""
-
-    run_id: str
-    target_model: str
-    candidate_version: str = ""
-    base_version: str = ""
-    eval_accept_length_candidate: float = 0.0
-    eval_accept_length_base: float = 0.0
-    promoted: bool = False
-    detail: str = ""
-    train_tokens: int = 0
-    eval_tokens: int = 0
-    duration_s: float = 0.0
-    finished_unix_s: float = 0.0
-
-
-@dataclass(frozen=True)
 class RunnerStatus:
-    state: str  # "idle" | "training"
+    state: str  # "idle" | "training" | "evaluating" (comparing, registering, promoting)
     run_id: str
     target_model: str  # "" while the target is still being resolved
     last_outcome: TrainingOutcome | None
+    phase: str = ""  # of the current run: starting | base | training | evaluating | promoting
+    progress: float = 0.0  # of the current run, by phase (base 0, training 0.1, evaluating 0.8, promoting 0.9)
+    loss: float = 0.0  # last training loss of the latest run that trained (0 before any)
 
 
 def load_library():
@@ -86,14 +70,27 @@ def load_library():
     return train_draft, TrainConfig
 
 
+@dataclass
+class RunStats:
+    """Totals since start (metrics.py)."""
+
+    results: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # result -> runs
+    seconds: float = 0.0  # wall time of finished runs
+    last_candidate: float | None = None  # served accept lengths of the last run that got that far
+    last_base: float | None = None
+    consecutive_failures: int = 0
+
+
 class TrainingRunner:
-    def __init__(self, settings: TrainerSettings, s3: Minio, manifest: Manifest,
+    def __init__(self, settings: TrainerSettings, cycle: TrainingCycle, manifest: Manifest,
                  report: Callable[[TrainingOutcome], None] | None = None) -> None:
-        self.settings, self.s3, self.manifest, self.report = settings, s3, manifest, report
+        self.settings, self.cycle, self.manifest, self.report = settings, cycle, manifest, report
         self._lock = threading.Lock()
         self._run_id = ""
+        self._phase, self._progress, self._loss = "", 0.0, 0.0
         self._thread: threading.Thread | None = None
         self.last_outcome: TrainingOutcome | None = None
+        self.stats = RunStats()
         # The target's model id names its chunks; resolving "ref" may convert the GGUF once (~20 s).
         pool = concurrent.futures.ThreadPoolExecutor(1, "resolve-target")
         self._target = pool.submit(self._resolve)
@@ -112,10 +109,19 @@ class TrainingRunner:
         except Exception as e:
             raise TrainingUnavailable(f"target {self.settings.target!r} cannot be loaded: {e}") from None
 
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._run_id)
+
     def status(self) -> RunnerStatus:
         target = self._target.result() if self._target.done() and not self._target.exception() else ""
         with self._lock:
-            return RunnerStatus("training" if self._run_id else "idle", self._run_id, target, self.last_outcome)
+            if not self._run_id:
+                return RunnerStatus("idle", "", target, self.last_outcome, loss=self._loss)
+            state = "evaluating" if self._phase in ("evaluating", "promoting") else "training"
+            return RunnerStatus(state, self._run_id, target, self.last_outcome, self._phase, self._progress,
+                                self._loss)
 
     def trigger(self, target_model: str = "", reason: str = "", force: bool = False) -> TriggerResult:
         train_draft, config_cls = load_library()
@@ -133,7 +139,7 @@ class TrainingRunner:
                 return TriggerResult(False, "", f"{tokens} tokens buffered, {self.settings.min_tokens} needed "
                                                 "(force=true trains anyway)")
             run_id = f"run-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
-            self._run_id = run_id
+            self._run_id, self._phase, self._progress = run_id, "starting", 0.0
             self._thread = threading.Thread(target=self._run, args=(run_id, target, entries, reason, train_draft,
                                                                     config_cls), name=f"train-{run_id}", daemon=True)
             self._thread.start()
@@ -141,41 +147,31 @@ class TrainingRunner:
                  reason or "no reason given")
         return TriggerResult(True, run_id, f"training on {len(entries)} chunks ({tokens} tokens)")
 
-    def _blobs(self, entries: list[ManifestEntry]) -> Iterator[bytes]:
-        """The chunks' blobs, verified again (one that went bad since intake is skipped, not trained on)."""
-        for e in entries:
-            try:
-                yield blobs.get_bytes(self.s3, e.bucket, e.key, expected_sha256=e.sha256)
-            except blobs.ChecksumMismatch as err:
-                log.error("skipping chunk %s: %s", e.chunk_id, err)
+    def _set_phase(self, phase: str, progress: float) -> None:
+        with self._lock:
+            self._phase, self._progress = phase, progress
 
     def _run(self, run_id: str, target: str, entries: list[ManifestEntry], reason: str, train_draft,
              config_cls) -> None:
-        s, t0 = self.settings, time.monotonic()
-        out_dir = Path(s.work_dir) / "runs" / run_id / "draft"
         try:
-            cfg = config_cls(steps=s.steps or None, epochs=s.epochs, batch_rows=s.batch_rows, max_len=s.max_len,
-                             device=s.device, seed=s.seed, progress=False)
-            summary = train_draft(s.target, self._blobs(entries), out_dir, cfg=cfg, draft_vocab_size=s.draft_vocab,
-                                  eval_fraction=s.eval_fraction, expected_target=target)
-            candidate = summary.get("candidate") or {}
-            outcome = TrainingOutcome(
-                run_id, target, eval_accept_length_candidate=float(
-                    (candidate.get("acceptance") or {}).get(str(s.eval_gamma), 0.0)),
-                detail=f"candidate exported to {out_dir} (not registered: registration is the trainer's next step)",
-                train_tokens=int(summary["train"]["tokens"]), eval_tokens=int(candidate.get("tokens", 0)),
-                duration_s=time.monotonic() - t0, finished_unix_s=time.time())
-            self.manifest.record_run(target, run_id, [e.chunk_id for e in entries],
-                                     {"reason": reason, "outcome": dataclasses.asdict(outcome), "out_dir": str(out_dir),
-                                      "train": summary["train"], "candidate": candidate or None})
-            log.info("training run %s done in %.1f s: simulated accept length %.3f at gamma %d", run_id,
-                     outcome.duration_s, outcome.eval_accept_length_candidate, s.eval_gamma)
-        except Exception as e:
+            r = self.cycle.run(run_id, target, entries, reason, train_draft, config_cls, self._set_phase)
+            outcome, result, loss = r.outcome, r.result, r.loss
+        except Exception as e:  # a bug in the cycle: still a reported, failed run
             log.exception("training run %s failed", run_id)
             outcome = TrainingOutcome(run_id, target, detail=f"failed: {type(e).__name__}: {e}",
-                                      duration_s=time.monotonic() - t0, finished_unix_s=time.time())
+                                      finished_unix_s=time.time())
+            result, loss = FAILED, 0.0
         with self._lock:
-            self.last_outcome, self._run_id = outcome, ""
+            self.last_outcome, self._run_id, self._phase, self._progress = outcome, "", "", 0.0
+            self._loss = loss or self._loss
+            st = self.stats
+            st.results[result] += 1
+            st.seconds += outcome.duration_s
+            st.consecutive_failures = st.consecutive_failures + 1 if result == FAILED else 0
+            if outcome.eval_accept_length_candidate:
+                st.last_candidate, st.last_base = (outcome.eval_accept_length_candidate,
+                                                   outcome.eval_accept_length_base)
+        log.info("training run %s %s in %.1f s: %s", run_id, result, outcome.duration_s, outcome.detail)
         if self.report is not None:
             try:
                 self.report(outcome)

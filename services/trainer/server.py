@@ -4,7 +4,10 @@ TriggerTraining (admin: bearer token, enforced by tide.grpcutil) starts a run on
 chunks: `accepted=false` with a detail when a run is already going (its run id is returned) or
 there is not enough data. It fails with FAILED_PRECONDITION when the training library or the target
 cannot be loaded here, UNAVAILABLE while the target is still being prepared, INVALID_ARGUMENT for
-a target this trainer does not train. GetStatus reports intake counters and the last outcome.
+a target this trainer does not train. GetStatus reports intake counters, the state of the current
+run (STATE_TRAINING while the base draft is fetched and the candidate trained and evaluated,
+STATE_EVALUATING while it is compared, registered and promoted), its progress by phase, the latest
+training loss, and the last outcome.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             state=_STATES[st.state], run_id=st.run_id, target_model=st.target_model, buffered_chunks=chunks,
             buffered_tokens=tokens, chunks_consumed=s.ingest.stats.accepted,
             chunks_deduplicated=s.ingest.stats.deduplicated,
-            chunks_dead_lettered=s.reader.consumer.stats.dead_lettered)
+            chunks_dead_lettered=s.reader.consumer.stats.dead_lettered, progress=st.progress, loss=st.loss)
         if st.last_outcome is not None:
             out.last_outcome.CopyFrom(outcome_pb(st.last_outcome))
         return out

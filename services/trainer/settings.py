@@ -11,16 +11,30 @@ Environment variables (all optional; defaults in brackets):
     TIDE_TRAINER_PREFIX          S3 key prefix of the manifest and run records            [trainer]
     TIDE_TRAINER_WORK_DIR        local directory for run outputs                          [<tmp>/tide-trainer]
     TIDE_TRAINER_MIN_TOKENS      buffered tokens a run needs unless forced                [16384]
+    TIDE_TRAINER_AUTO_TRAIN      1: start a run by itself once MIN_TOKENS are buffered; 0: only TriggerTraining [1]
+    TIDE_TRAINER_AUTO_CHECK_S    how often the automatic trigger looks (also right after each intake) [5]
     TIDE_TRAINER_STEPS           optimizer steps per run; 0 = TIDE_TRAINER_EPOCHS passes    [0]
     TIDE_TRAINER_EPOCHS          passes over the data when steps is 0                     [1]
     TIDE_TRAINER_BATCH_ROWS      packed rows per batch                                    [8]
+    TIDE_TRAINER_LR              peak learning rate (AdamW, warm-up then cosine)           [3e-4]
+    TIDE_TRAINER_WARMUP_STEPS    learning-rate warm-up steps                              [20]
     TIDE_TRAINER_MAX_LEN         tokens per packed row                                    [512]
     TIDE_TRAINER_DRAFT_VOCAB     draft vocabulary of from-scratch drafts                  [8192]
     TIDE_TRAINER_EVAL_FRACTION   share of the chunks held out for evaluation              [0.1]
-    TIDE_TRAINER_EVAL_GAMMA      γ at which the outcome's simulated accept length is read [3]
+    TIDE_TRAINER_EVAL_GAMMA      γ (1-5) at which candidate and base are compared: the served accept
+                                 length (tokens per verification along the engine's walk)  [3]
+    TIDE_TRAINER_PROMOTE_MARGIN  promote when candidate - base >= this (tokens/step; no base: vs 1.0) [0.02]
+    TIDE_TRAINER_AUTO_PROMOTE    1: promote a candidate that beats the margin; 0: register only
+                                 (promote by hand: `tidectl drafts promote VERSION`)          [1]
     TIDE_TRAINER_SEED            training seed                                            [0]
+    TIDE_TRAINER_CPUS            CPUs the trainer may use, e.g. "1", "2-3", "0,2-3" (affinity, and torch
+                                 threads = their count); empty = all                      [all]
+    TIDE_TRAINER_NICE            nice increment (0-19) applied at start. Where the trainer shares a
+                                 machine with inference workers (`tide up` on one small machine) use a
+                                 high value (tide up sets 10) so training never slows serving [0]
+    TIDE_REGISTRY_ADDR           draft registry host:port: base drafts, registration, promotion [127.0.0.1:50055]
     TIDE_CONTROLLER_ADDR         controller host:port to report outcomes to; empty = none [none]
-    TIDE_ADMIN_TOKEN             bearer token for TriggerTraining and for reporting to the controller
+    TIDE_ADMIN_TOKEN             bearer token for TriggerTraining, the registry and the controller
     TIDE_S3_* / TIDE_REDIS_URL / TIDE_STREAM_PREFIX   see tide.blobs.StorageSettings
     TIDE_LOG_LEVEL               log level of the JSON logs                               [INFO]
 """
@@ -36,6 +50,7 @@ from pathlib import Path
 
 from tide.blobs import StorageSettings
 from tide.grpcutil import ADMIN_TOKEN_ENV
+from tide.registry_client import DEFAULT_REGISTRY_ADDR, REGISTRY_ADDR_ENV
 
 DEFAULT_LISTEN = "127.0.0.1:50054"
 TRAINER_ADDR_ENV = "TIDE_TRAINER_ADDR"  # how clients (tidectl, tests) reach the trainer
@@ -49,6 +64,24 @@ def _address(value: str, allow_zero: bool = False) -> str:
     return value
 
 
+def parse_cpus(spec: str) -> frozenset[int]:
+    """CPU ids of "1", "2-3", "0,2-3" (empty: none, meaning all); ValueError when malformed."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or int(hi if sep else lo) < int(lo):
+            raise ValueError(f"expected CPU ids or ranges like 1 or 2-3, got {part!r}")
+        cpus.update(range(int(lo), int(hi if sep else lo) + 1))
+    return frozenset(cpus)
+
+
+def _flag(value: str) -> bool:
+    v = value.lower()
+    if v not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError("expected 1 or 0")
+    return v in ("1", "true", "yes", "on")
+
+
 @dataclass(frozen=True)
 class TrainerSettings:
     listen: str = DEFAULT_LISTEN
@@ -60,14 +93,23 @@ class TrainerSettings:
     prefix: str = "trainer"
     work_dir: str = field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "tide-trainer"))
     min_tokens: int = 16_384
+    auto_train: bool = True
+    auto_check_s: float = 5.0
     steps: int = 0
     epochs: float = 1.0
     batch_rows: int = 8
+    lr: float = 3e-4
+    warmup_steps: int = 20
     max_len: int = 512
     draft_vocab: int = 8192
     eval_fraction: float = 0.1
     eval_gamma: int = 3
+    promote_margin: float = 0.02
+    auto_promote: bool = True
     seed: int = 0
+    cpus: str = ""
+    nice: int = 0
+    registry_addr: str = DEFAULT_REGISTRY_ADDR
     controller_addr: str = ""
     admin_token: str | None = field(default=None, repr=False)
     storage: StorageSettings = field(default_factory=StorageSettings)
@@ -75,6 +117,7 @@ class TrainerSettings:
 
     def __post_init__(self) -> None:
         _address(self.listen, allow_zero=True)
+        _address(self.registry_addr)
         if self.controller_addr:
             _address(self.controller_addr)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -82,13 +125,28 @@ class TrainerSettings:
         for name in ("batch_rows", "max_len", "draft_vocab", "claim_idle_ms", "eval_gamma"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "min_tokens", "metrics_port"):
+        for name in ("steps", "min_tokens", "metrics_port", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.eval_gamma <= 5:  # the training library evaluates γ = 1..5
+            raise ValueError(f"eval_gamma must be in 1..5, got {self.eval_gamma}")
+        if not (0 <= self.promote_margin < float("inf")):
+            raise ValueError(f"promote_margin must be a finite number >= 0, got {self.promote_margin}")
+        if not (0 < self.lr < float("inf")) or not (0 < self.auto_check_s < float("inf")):
+            raise ValueError("lr and auto_check_s must be finite and > 0")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice must be in 0..19 (an increment; lowering priority needs no privilege), "
+                             f"got {self.nice}")
+        parse_cpus(self.cpus)
         if not 0 < self.eval_fraction < 1 or self.epochs <= 0:
             raise ValueError("eval fraction must be in (0, 1) and epochs > 0")
         if not self.prefix.strip("/") or not self.consumer:
             raise ValueError("the S3 prefix and the consumer name must not be empty")
+
+    @property
+    def cpu_set(self) -> frozenset[int]:
+        """CPUs of TIDE_TRAINER_CPUS (empty: all)."""
+        return parse_cpus(self.cpus)
 
     @property
     def listen_host(self) -> str:
@@ -119,14 +177,23 @@ class TrainerSettings:
             prefix=get("TIDE_TRAINER_PREFIX", "prefix").strip("/"),
             work_dir=get("TIDE_TRAINER_WORK_DIR", "work_dir"),
             min_tokens=get("TIDE_TRAINER_MIN_TOKENS", "min_tokens", int),
+            auto_train=get("TIDE_TRAINER_AUTO_TRAIN", "auto_train", _flag),
+            auto_check_s=get("TIDE_TRAINER_AUTO_CHECK_S", "auto_check_s", float),
             steps=get("TIDE_TRAINER_STEPS", "steps", int),
             epochs=get("TIDE_TRAINER_EPOCHS", "epochs", float),
             batch_rows=get("TIDE_TRAINER_BATCH_ROWS", "batch_rows", int),
+            lr=get("TIDE_TRAINER_LR", "lr", float),
+            warmup_steps=get("TIDE_TRAINER_WARMUP_STEPS", "warmup_steps", int),
             max_len=get("TIDE_TRAINER_MAX_LEN", "max_len", int),
             draft_vocab=get("TIDE_TRAINER_DRAFT_VOCAB", "draft_vocab", int),
             eval_fraction=get("TIDE_TRAINER_EVAL_FRACTION", "eval_fraction", float),
             eval_gamma=get("TIDE_TRAINER_EVAL_GAMMA", "eval_gamma", int),
+            promote_margin=get("TIDE_TRAINER_PROMOTE_MARGIN", "promote_margin", float),
+            auto_promote=get("TIDE_TRAINER_AUTO_PROMOTE", "auto_promote", _flag),
             seed=get("TIDE_TRAINER_SEED", "seed", int),
+            cpus=get("TIDE_TRAINER_CPUS", "cpus"),
+            nice=get("TIDE_TRAINER_NICE", "nice", int),
+            registry_addr=get(REGISTRY_ADDR_ENV, "registry_addr"),
             controller_addr=get("TIDE_CONTROLLER_ADDR", "controller_addr"),
             admin_token=env.get(ADMIN_TOKEN_ENV) or None,
             storage=StorageSettings.from_env(env),

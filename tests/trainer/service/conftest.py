@@ -1,11 +1,16 @@
-"""Fixtures of the trainer-service tests: a tiny target on disk and a factory of started services
-(real gRPC, real Redis and S3 from tests/conftest.py), each stopped at teardown."""
+"""Fixtures of the trainer-service tests: tiny targets on disk, a real draft registry and a factory
+of started services (real gRPC, real Redis and S3 from tests/conftest.py), each stopped at teardown.
+
+`copy_dir` is tests/trainer's copy target (greedy continuations repeat the last prompt token) under
+the name its chunks carry ("tiny-llama"), so a few optimizer steps learn a draft that clearly beats
+no draft; `copy_chunks` (tests/trainer/conftest.py) are 5 chunks of 256 tokens generated from it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from registry.harness import start_registry
 from support.engine import save_tiny_target
 from trainer.service.svc import ADMIN_TOKEN
 
@@ -21,6 +26,21 @@ def tiny_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def copy_dir(copy_target, tmp_path_factory) -> Path:
+    link = tmp_path_factory.mktemp("trainer-copy") / copy_target.model_id
+    link.symlink_to(copy_target.path, target_is_directory=True)
+    return link
+
+
+@pytest.fixture
+def draft_registry(s3_client, s3_bucket):
+    """A real registry (same S3 server and bucket as the trainer), admin token = the trainer's."""
+    reg = start_registry(s3_client, s3_bucket, token=ADMIN_TOKEN)
+    yield reg
+    reg.stop()
+
+
 @pytest.fixture
 def trainer_storage(redis_server, s3_server, s3_bucket, unique_prefix) -> StorageSettings:
     return StorageSettings(s3_endpoint=s3_server.endpoint, s3_access_key=s3_server.access_key,
@@ -33,9 +53,11 @@ def make_trainer(tiny_dir, trainer_storage, tmp_path):
     started = []
 
     def make(**kw):
+        # registry_addr: port 1 (privileged, nothing listens) unless a test passes a real registry
         base = dict(listen="127.0.0.1:0", metrics_port=0, target=str(tiny_dir), device="cpu", consumer="t-test",
                     work_dir=str(tmp_path / "work"), min_tokens=1000, steps=3, batch_rows=2, max_len=64,
-                    eval_fraction=0.25, admin_token=ADMIN_TOKEN, storage=trainer_storage)
+                    eval_fraction=0.25, admin_token=ADMIN_TOKEN, storage=trainer_storage, auto_train=False,
+                    registry_addr="127.0.0.1:1")
         svc = build(TrainerSettings(**{**base, **kw}), storage_timeout_s=10)
         started.append(svc)
         return svc

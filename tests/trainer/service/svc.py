@@ -3,6 +3,7 @@ target, stored in S3 and announced on the chunk stream the way an inference work
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -27,6 +28,14 @@ def chunk_blob(target_model: str, chunk_id: str, n_tokens: int = 64, seed: int =
         b.append(s, torch.randint(0, VOCAB, (n,), generator=g), torch.arange(n),
                  torch.randn(n, 3 * HIDDEN, generator=g).bfloat16(), torch.randn(n, HIDDEN, generator=g).bfloat16())
     return encode_chunk(b.flush(workload="test", chunk_id=chunk_id))
+
+
+def renamed(blob: bytes, chunk_id: str) -> bytes:
+    """The same chunk under another id (fresh data for the manifest, same content)."""
+    from tide.chunks import decode_chunk
+
+    c = decode_chunk(blob)
+    return encode_chunk(dataclasses.replace(c, meta=dataclasses.replace(c.meta, chunk_id=chunk_id)))
 
 
 def bad_shape_blob(target_model: str, chunk_id: str) -> bytes:
@@ -57,6 +66,36 @@ def publish(redis_client, s3_client, bucket: str, prefix: str, target_model: str
                    created_unix_s=time.time())
     streams.add(redis_client, streams.StreamNames(prefix).chunks, ref)
     return ref
+
+
+def trainer_stub(svc, token: str | None = ADMIN_TOKEN):
+    from tide.grpcutil import channel
+    from tide.proto.tide.v1 import trainer_pb2_grpc
+
+    return trainer_pb2_grpc.TrainerServiceStub(channel(svc.target, token=token))
+
+
+def status(svc):
+    from tide.proto.tide.v1 import trainer_pb2
+
+    return trainer_stub(svc).GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
+
+
+def trigger(svc, **kw):
+    from tide.proto.tide.v1 import trainer_pb2
+
+    return trainer_stub(svc).TriggerTraining(trainer_pb2.TriggerTrainingRequest(**kw), timeout=30)
+
+
+def metric(svc, name: str, **labels) -> float | None:
+    """A sample of the trainer's Prometheus collector (what /metrics serves)."""
+    from services.trainer.metrics import TrainerCollector
+
+    for family in TrainerCollector(svc).collect():
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return None
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 20.0, what: str = "condition"):

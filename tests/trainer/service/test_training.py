@@ -1,6 +1,8 @@
-"""TriggerTraining runs the training library on the manifest's buffered chunks (tiny target, a few
-steps): admin auth, the data threshold, one run at a time, the run record, the outcome reported to
-a real controller, and the refusals (wrong target, library missing). Plus the service as a process."""
+"""TriggerTraining runs the training cycle on the manifest's buffered chunks (tiny target, a few
+steps, a real registry): admin auth, the data threshold, one run at a time, the run record, the
+outcome reported to a real controller, and the refusals (wrong target, library missing). Plus the
+service as a process: metrics, SIGTERM, its priority and CPUs, a bad CPU list. (The register /
+promote decisions themselves: test_cycle.py.)"""
 
 from __future__ import annotations
 
@@ -33,11 +35,11 @@ def trigger(svc, token=ADMIN_TOKEN, **kw):
 
 @pytest.mark.timeout(300)
 def test_trigger_trains_on_buffered_chunks_and_reports(make_trainer, tiny_dir, redis_client, s3_client, s3_bucket,
-                                                       unique_prefix, trainer_storage):
+                                                       unique_prefix, trainer_storage, draft_registry):
     controller = build_controller(ControllerSettings(listen="127.0.0.1:0", metrics_port=0, admin_token=ADMIN_TOKEN,
                                                      storage=trainer_storage))
     try:
-        svc = make_trainer(controller_addr=controller.target)
+        svc = make_trainer(controller_addr=controller.target, registry_addr=draft_registry.address)
         target = tiny_dir.name
         assert not trigger(svc, force=True).accepted  # nothing buffered yet
         for i in range(4):
@@ -65,7 +67,9 @@ def test_trigger_trains_on_buffered_chunks_and_reports(make_trainer, tiny_dir, r
         assert st.state == trainer_pb2.TrainerStatus.STATE_IDLE and st.buffered_chunks == 0
         out = st.last_outcome
         assert out.run_id == r.run_id and out.target_model == target and not out.detail.startswith("failed"), out
-        assert out.train_tokens > 0 and out.duration_s > 0 and not out.promoted
+        assert out.train_tokens > 0 and out.duration_s > 0 and out.candidate_version.startswith(f"{target}/v")
+        # random data, 3 steps: promoted exactly when it beats no draft (1.0) by the default margin
+        assert out.promoted == (out.eval_accept_length_candidate - 1.0 >= 0.02), out
         draft = svc.runner.settings.work_dir + f"/runs/{r.run_id}/draft"
         assert os.path.exists(f"{draft}/model.safetensors") and os.path.exists(f"{draft}/config.json")
         record = json.loads(s3_client.get_object(s3_bucket, svc.manifest.run_key(target, r.run_id)).read())
@@ -97,7 +101,8 @@ def test_process_serves_metrics_and_stops_on_sigterm(tiny_dir, trainer_storage, 
            "TIDE_TARGET": str(tiny_dir), "TIDE_TRAINER_WORK_DIR": str(tmp_path), "TIDE_REDIS_URL": st.redis_url,
            "TIDE_S3_ENDPOINT": st.s3_endpoint, "TIDE_S3_ACCESS_KEY": st.s3_access_key,
            "TIDE_S3_SECRET_KEY": st.s3_secret_key, "TIDE_S3_BUCKET": st.s3_bucket,
-           "TIDE_STREAM_PREFIX": st.stream_prefix, "TIDE_ADMIN_TOKEN": ADMIN_TOKEN}
+           "TIDE_STREAM_PREFIX": st.stream_prefix, "TIDE_ADMIN_TOKEN": ADMIN_TOKEN, "TIDE_TRAINER_NICE": "5",
+           "TIDE_TRAINER_CPUS": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "services.trainer"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         client = trainer_pb2_grpc.TrainerServiceStub(channel(f"127.0.0.1:{port}"))
@@ -112,6 +117,14 @@ def test_process_serves_metrics_and_stops_on_sigterm(tiny_dir, trainer_storage, 
         assert wait_for(up, 60, "the trainer process").state == trainer_pb2.TrainerStatus.STATE_IDLE
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/", timeout=5).read().decode()
         assert 'tide_trainer_chunks_total{fate="accepted"} 0.0' in text
+        assert 'tide_trainer_runs_total{result="failed"} 0.0' in text
+        # every thread of the process runs at the configured priority, on the configured CPU
+        threads = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        assert len(threads) > 1
+        for tid in threads:
+            with open(f"/proc/{proc.pid}/task/{tid}/stat") as f:
+                nice = int(f.read().rsplit(")", 1)[1].split()[16])  # field 19
+            assert nice == min(os.nice(0) + 5, 19) and os.sched_getaffinity(tid) == {0}, tid
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
         lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
@@ -119,3 +132,12 @@ def test_process_serves_metrics_and_stops_on_sigterm(tiny_dir, trainer_storage, 
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_process_refuses_cpus_it_does_not_have(tiny_dir, tmp_path):
+    env = {**os.environ, "TIDE_TRAINER_CPUS": "0,100000", "TIDE_TARGET": str(tiny_dir),
+           "TIDE_TRAINER_WORK_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "services.trainer"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "TIDE_TRAINER_CPUS='0,100000': CPUs [100000] are not available" in proc.stderr

@@ -1,0 +1,189 @@
+"""One training run end to end, no gRPC: base draft -> fine-tune -> compare -> register -> promote.
+
+1. Base: the registry's effective version for the target (what the workers run), downloaded and
+   verified; no version yet -> from scratch. Registry unreachable -> the run fails before training.
+2. Train: `services.trainer.training.train_draft(init=<base checkpoint>)` on the buffered chunks
+   (verified again on read); it evaluates the base and the candidate on the same held-out chunks.
+3. Compare on the served accept length at TIDE_TRAINER_EVAL_GAMMA (promotion.py).
+4. Register the candidate with its metrics and provenance (parent = the base version).
+5. Promote when it beats the base by TIDE_TRAINER_PROMOTE_MARGIN and auto-promotion is on, only if
+   the current draft did not change meanwhile (optimistic concurrency).
+6. Record the run in the manifest (its chunks stop being buffered).
+
+A run that fails before the candidate is registered records nothing: its chunks stay buffered for
+the next one. A registered candidate whose promotion fails is still recorded (promote it by hand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from minio import Minio
+
+from services.trainer.drafts import BaseDraft, DraftRegistry, PointerMoved, RegistryError
+from services.trainer.manifest import Manifest, ManifestEntry
+from services.trainer.promotion import NO_DRAFT, decide, served_at
+from services.trainer.settings import TrainerSettings
+from tide import blobs
+
+log = logging.getLogger(__name__)
+
+PROMOTED, REGISTERED, FAILED = "promoted", "registered", "failed"  # a run's result
+MAX_PROVENANCE_CHUNK_IDS = 1000  # beyond this the provenance lists the count and the manifest's run record
+
+
+@dataclass(frozen=True)
+class TrainingOutcome:
+    """Mirrors tide.v1.TrainingOutcome. Accept lengths: served at γ, bonus token included; the
+    base's is 1.0 (no draft: one token per step) when there was no base version."""
+
+    run_id: str
+    target_model: str
+    candidate_version: str = ""
+    base_version: str = ""
+    eval_accept_length_candidate: float = 0.0
+    eval_accept_length_base: float = 0.0
+    promoted: bool = False
+    detail: str = ""
+    train_tokens: int = 0
+    eval_tokens: int = 0
+    duration_s: float = 0.0
+    finished_unix_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    outcome: TrainingOutcome
+    result: str  # PROMOTED | REGISTERED | FAILED
+    loss: float = 0.0  # last training loss (0 when the run did not train)
+
+
+Phase = Callable[[str, float], None]  # (phase, progress in [0, 1])
+
+
+class TrainingCycle:
+    def __init__(self, settings: TrainerSettings, s3: Minio, manifest: Manifest, registry: DraftRegistry) -> None:
+        self.settings, self.s3, self.manifest, self.registry = settings, s3, manifest, registry
+
+    def run(self, run_id: str, target: str, entries: list[ManifestEntry], reason: str, train_draft, config_cls,
+            phase: Phase = lambda name, progress: None) -> RunResult:
+        s, t0 = self.settings, time.monotonic()
+        stay = f"the {len(entries)} chunks stay buffered"
+
+        def finish(result: str, loss: float = 0.0, **fields) -> RunResult:
+            outcome = TrainingOutcome(run_id, target, duration_s=time.monotonic() - t0, finished_unix_s=time.time(),
+                                      **fields)
+            return RunResult(outcome, result, loss)
+
+        phase("base", 0.0)
+        try:
+            base = self.registry.base(target)
+        except RegistryError as e:
+            log.error("training run %s not started: %s", run_id, e)
+            return finish(FAILED, detail=f"failed: {e}; nothing trained, {stay}")
+        log.info("training run %s: %s", run_id, f"fine-tuning {base.version}" if base.version else "from scratch")
+
+        phase("training", 0.1)
+        out_dir = Path(s.work_dir) / "runs" / run_id / "draft"
+        try:
+            cfg = config_cls(steps=s.steps or None, epochs=s.epochs, batch_rows=s.batch_rows, max_len=s.max_len,
+                             lr=s.lr, warmup_steps=s.warmup_steps, device=s.device, seed=s.seed, progress=False)
+            summary = train_draft(s.target, self._blobs(entries), out_dir, init=base.path, cfg=cfg,
+                                  draft_vocab_size=s.draft_vocab, eval_fraction=s.eval_fraction,
+                                  expected_target=target)
+        except Exception as e:
+            log.exception("training run %s failed", run_id)
+            return finish(FAILED, base_version=base.version, detail=f"failed: training: {type(e).__name__}: {e}; "
+                                                                    f"{stay}")
+        loss = float((summary["train"].get("last") or {}).get("loss", 0.0))
+
+        phase("evaluating", 0.8)
+        candidate = served_at(summary.get("candidate"), s.eval_gamma)
+        base_served = served_at(summary.get("baseline"), s.eval_gamma) if base.version else NO_DRAFT
+        decision = decide(run_id, candidate, base_served, base.version, gamma=s.eval_gamma, margin=s.promote_margin,
+                          auto_promote=s.auto_promote)
+        numbers = dict(base_version=base.version, eval_accept_length_candidate=candidate or 0.0,
+                       eval_accept_length_base=base_served or 0.0, train_tokens=int(summary["train"]["tokens"]),
+                       eval_tokens=int((summary.get("candidate") or {}).get("tokens", 0)))
+        try:
+            version = self.registry.register(target, out_dir, eval_metrics=self._metrics(summary, candidate,
+                                                                                         base_served),
+                                             provenance=self._provenance(run_id, reason, base, entries, summary),
+                                             parent_version=base.version)
+        except RegistryError as e:
+            log.error("training run %s: candidate not registered: %s", run_id, e)
+            return finish(FAILED, loss, **numbers, detail=f"failed: {e}; {stay}")
+        log.info("training run %s: candidate registered as %s", run_id, version)
+
+        promoted = False
+        if decision.promote:
+            phase("promoting", 0.9)
+            try:
+                self.registry.promote(target, version, f"trainer {decision.reason}", expected_current=base.current)
+                promoted = True
+                pinned = f" (the target is pinned to {base.version}: workers run it until unpinned)" \
+                    if base.pinned else ""
+                detail = f"promoted {version}{pinned}: {decision.reason}"
+            except PointerMoved as e:
+                detail = f"registered {version}, not promoted: the current draft changed during the run ({e}); " \
+                         f"{decision.reason}"
+            except RegistryError as e:
+                detail = f"registered {version}, promotion failed ({e}); {decision.reason}"
+        else:
+            detail = f"registered {version}; {decision.reason}"
+        log.info("training run %s: %s", run_id, detail)
+        result = finish(PROMOTED if promoted else REGISTERED, loss, **numbers, candidate_version=version,
+                        promoted=promoted, detail=detail)
+        try:
+            self.manifest.record_run(target, run_id, [e.chunk_id for e in entries],
+                                     {"reason": reason, "outcome": dataclasses.asdict(result.outcome),
+                                      "result": result.result, "out_dir": str(out_dir), "train": summary["train"],
+                                      "baseline": summary.get("baseline"), "candidate": summary.get("candidate")})
+        except Exception as e:  # the candidate exists; only the bookkeeping of its chunks is lost
+            log.exception("training run %s: run record not written", run_id)
+            result = dataclasses.replace(result, outcome=dataclasses.replace(
+                result.outcome, detail=f"{detail} (run record not written: {type(e).__name__}: {e})"))
+        return result
+
+    def _blobs(self, entries: list[ManifestEntry]) -> Iterator[bytes]:
+        """The chunks' blobs, verified again (one that went bad since intake is skipped, not trained on)."""
+        for e in entries:
+            try:
+                yield blobs.get_bytes(self.s3, e.bucket, e.key, expected_sha256=e.sha256)
+            except blobs.ChecksumMismatch as err:
+                log.error("skipping chunk %s: %s", e.chunk_id, err)
+
+    def _metrics(self, summary: dict, candidate: float | None, base: float | None) -> dict[str, float]:
+        ev = summary.get("candidate") or {}
+        m = {"accept_length": candidate, "accept_length_base": base,
+             "accept_length_gain": None if candidate is None or base is None else candidate - base,
+             "eval_gamma": self.settings.eval_gamma,
+             "acceptance_all_rows": (ev.get("acceptance") or {}).get(str(self.settings.eval_gamma)),
+             "coverage": ev.get("coverage"), "eval_tokens": ev.get("tokens"),
+             "train_tokens": summary["train"]["tokens"], "train_steps": summary["train"]["steps"]}
+        return {k: float(v) for k, v in m.items() if v is not None and math.isfinite(float(v))}
+
+    def _provenance(self, run_id: str, reason: str, base: BaseDraft, entries: list[ManifestEntry],
+                    summary: dict) -> dict:
+        s, ids = self.settings, [e.chunk_id for e in entries]
+        target = entries[0].target_model if entries else ""
+        return {
+            "run_id": run_id, "reason": reason, "trainer": s.consumer, "parent_version": base.version,
+            "base_version": base.version, "base_pinned": base.pinned,
+            "run_record": f"s3://{self.manifest.bucket}/{self.manifest.run_key(target, run_id)}",
+            "chunk_count": len(ids), "chunk_ids": ids[:MAX_PROVENANCE_CHUNK_IDS],
+            "chunk_ids_truncated": len(ids) > MAX_PROVENANCE_CHUNK_IDS,
+            "eval_chunk_ids": summary.get("eval_chunk_ids", []),
+            "train": {"tokens": summary["train"]["tokens"], "steps": summary["train"]["steps"],
+                      "seconds": summary["train"]["seconds"]},
+            "config": {"steps": s.steps, "epochs": s.epochs, "batch_rows": s.batch_rows, "max_len": s.max_len,
+                       "lr": s.lr, "warmup_steps": s.warmup_steps, "seed": s.seed, "draft_vocab": s.draft_vocab,
+                       "eval_fraction": s.eval_fraction, "eval_gamma": s.eval_gamma,
+                       "promote_margin": s.promote_margin, "auto_promote": s.auto_promote, "device": s.device},
+        }

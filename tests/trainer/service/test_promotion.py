@@ -1,0 +1,137 @@
+"""The promotion rule, `compare` deciding on the served accept length, the automatic trigger's
+back-off after failures, and the new settings' validation (no servers needed)."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from services.trainer import auto
+from services.trainer.cycle import TrainingOutcome
+from services.trainer.promotion import decide, served_at
+from services.trainer.runs import RunStats, TriggerResult
+from services.trainer.settings import TrainerSettings, parse_cpus
+
+ev = importlib.import_module("services.trainer.training.evaluate")  # the package re-exports a function by that name
+
+
+def test_promote_only_by_the_margin_over_the_base_or_over_no_draft():
+    kw = dict(gamma=3, margin=0.02, auto_promote=True)
+    d = decide("run-1", 2.5, 2.47, "t/v0001", **kw)
+    assert d.promote and d.reason == "run run-1: served accept length at γ=3 2.500 vs 2.470 (t/v0001): +0.030, " \
+                                     "margin 0.020"
+    assert not decide("run-1", 2.48, 2.47, "t/v0001", **kw).promote  # +0.01 < margin
+    assert not decide("run-1", 2.0, 2.47, "t/v0001", **kw).promote  # worse
+    assert decide("run-1", 1.03, None, "", **kw).promote  # no base: against 1.0 token per step
+    d = decide("run-1", 1.01, None, "", **kw)
+    assert not d.promote and "vs 1.000 (no draft)" in d.reason
+    off = decide("run-1", 3.0, 1.0, "t/v0001", gamma=3, margin=0.02, auto_promote=False)
+    assert not off.promote and "TIDE_TRAINER_AUTO_PROMOTE=0" in off.reason
+    assert not decide("run-1", None, None, "", **kw).promote  # nothing held out: nothing to judge by
+    assert not decide("run-1", 3.0, None, "t/v0001", **kw).promote  # base not evaluated
+
+
+def test_served_not_all_rows_acceptance_decides():
+    evaluation = {"acceptance": {"3": 3.9}, "served": {"3": 2.25}}
+    assert served_at(evaluation, 3) == 2.25 and served_at(None, 3) is None and served_at(evaluation, 2) is None
+
+
+def test_compare_decides_on_served(monkeypatch):
+    # a: higher all-rows acceptance, lower served accept length; b the reverse
+    results = iter([ev.EvalResult({3: 3.0}, [], [], [], 1.0, 10, 10, served={3: 2.0}),
+                    ev.EvalResult({3: 2.5}, [], [], [], 1.0, 10, 10, served={3: 2.2})])
+    monkeypatch.setattr(ev, "evaluate", lambda *a, **k: next(results))
+    verdict = ev.compare(None, None, None, None, gamma=3)
+    assert verdict["b_better"] and verdict["delta"] == pytest.approx(0.2) and verdict["metric"] == "served"
+
+
+class FakeRunner:
+    def __init__(self, failures: int, finished: float):
+        self.busy = False
+        self.stats = RunStats(consecutive_failures=failures)
+        self.last_outcome = TrainingOutcome("r", "t", finished_unix_s=finished) if failures else None
+        self.settings = SimpleNamespace(min_tokens=10)
+        self.triggered: list[str] = []
+
+    def target_model(self, timeout_s=None):
+        return "t"
+
+    def trigger(self, target, reason="", force=False):
+        self.triggered.append(reason)
+        return TriggerResult(True, "run-x", "ok")
+
+
+def test_auto_trigger_backs_off_after_failed_runs():
+    manifest = SimpleNamespace(buffered_totals=lambda target: (3, 50))
+    now = time.time()
+    fresh = FakeRunner(0, 0)
+    assert auto.AutoTrigger(fresh, manifest).check().accepted
+    assert fresh.triggered == ["auto: 50 tokens buffered (>= 10)"]
+    failing = FakeRunner(3, now)  # third failure in a row just now: wait 4 x retry_min_s
+    trig = auto.AutoTrigger(failing, manifest, retry_min_s=30, retry_max_s=600)
+    assert trig.retry_at() == pytest.approx(now + 120) and trig.check() is None and failing.triggered == []
+    failing.last_outcome = TrainingOutcome("r", "t", finished_unix_s=now - 121)
+    assert trig.check().accepted
+    assert auto.AutoTrigger(FakeRunner(10, now), manifest, retry_min_s=30, retry_max_s=600).retry_at() == \
+        pytest.approx(now + 600)  # capped
+    assert auto.AutoTrigger(FakeRunner(0, 0), SimpleNamespace(buffered_totals=lambda t: (1, 9))).check() is None
+
+
+def test_settings_of_the_cycle():
+    s = TrainerSettings.from_env({"TIDE_TRAINER_AUTO_PROMOTE": "0", "TIDE_TRAINER_PROMOTE_MARGIN": "0.5",
+                                  "TIDE_TRAINER_AUTO_TRAIN": "false", "TIDE_TRAINER_CPUS": "0,2-3",
+                                  "TIDE_TRAINER_NICE": "10", "TIDE_REGISTRY_ADDR": "registry:50055"})
+    assert (s.auto_promote, s.promote_margin, s.auto_train, s.nice, s.registry_addr) == (
+        False, 0.5, False, 10, "registry:50055")
+    assert s.cpu_set == {0, 2, 3} and parse_cpus("") == frozenset()
+    d = TrainerSettings.from_env({})
+    assert (d.auto_promote, d.promote_margin, d.auto_train, d.nice, d.cpus) == (True, 0.02, True, 0, "")
+    for key, value in (("TIDE_TRAINER_CPUS", "3-1"), ("TIDE_TRAINER_CPUS", "a"), ("TIDE_TRAINER_NICE", "-1"),
+                       ("TIDE_TRAINER_NICE", "20"), ("TIDE_TRAINER_AUTO_PROMOTE", "maybe"),
+                       ("TIDE_TRAINER_PROMOTE_MARGIN", "nan"), ("TIDE_TRAINER_EVAL_GAMMA", "6"),
+                       ("TIDE_REGISTRY_ADDR", "nohost")):
+        with pytest.raises(ValueError):
+            TrainerSettings.from_env({key: value})
+
+
+def test_status_follows_the_phases_of_a_run(tiny_dir):
+    from services.trainer.cycle import PROMOTED, RunResult
+    from services.trainer.manifest import ManifestEntry
+    from services.trainer.runs import TrainingRunner
+
+    gates, reached = [threading.Event(), threading.Event()], threading.Event()
+
+    class Cycle:
+        def run(self, run_id, target, entries, reason, train_draft, config_cls, phase):
+            phase("training", 0.1)
+            reached.set()
+            gates[0].wait(10)
+            phase("evaluating", 0.8)
+            reached.set()
+            gates[1].wait(10)
+            return RunResult(TrainingOutcome(run_id, target, candidate_version="t/v0001", promoted=True,
+                                             eval_accept_length_candidate=2.0, eval_accept_length_base=1.0,
+                                             duration_s=1.5), PROMOTED, loss=0.25)
+
+    entry = ManifestEntry("c0", "b", "k", "0" * 64, 10, 5000, tiny_dir.name, "", "", "", 0.0, 0.0)
+    manifest = SimpleNamespace(buffered=lambda target: [entry])
+    runner = TrainingRunner(TrainerSettings(target=str(tiny_dir), min_tokens=1000), Cycle(), manifest)
+    r = runner.trigger(reason="test")
+    assert r.accepted and reached.wait(10)
+    st = runner.status()
+    assert (st.state, st.run_id, st.phase, st.progress) == ("training", r.run_id, "training", 0.1)
+    reached.clear()
+    gates[0].set()
+    assert reached.wait(10)
+    st = runner.status()
+    assert (st.state, st.phase, st.progress) == ("evaluating", "evaluating", 0.8)
+    gates[1].set()
+    runner.wait(10)
+    st = runner.status()
+    assert (st.state, st.run_id, st.loss, st.last_outcome.candidate_version) == ("idle", "", 0.25, "t/v0001")
+    assert runner.stats.results[PROMOTED] == 1 and runner.stats.seconds == 1.5
+    assert (runner.stats.last_candidate, runner.stats.last_base) == (2.0, 1.0)
