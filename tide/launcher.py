@@ -91,7 +91,10 @@ def service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int = 0) -> d
         return {**s3, **admin, "TIDE_REGISTRY_LISTEN": ep.registry, "TIDE_REGISTRY_METRICS_PORT": port(name)}
     if name == "trainer":
         return {**s3, **redis, **admin, "TIDE_TRAINER_LISTEN": ep.trainer, "TIDE_TRAINER_METRICS_PORT": port(name),
-                "TIDE_TARGET": cfg.target, "TIDE_TRAINER_WORK_DIR": ep.work_dir, "TIDE_CONTROLLER_ADDR": ep.controller}
+                "TIDE_TARGET": cfg.target, "TIDE_TRAINER_WORK_DIR": ep.work_dir, "TIDE_CONTROLLER_ADDR": ep.controller,
+                "TIDE_REGISTRY_ADDR": ep.registry,
+                # the whole stack shares one machine: training must not slow the workers
+                "TIDE_TRAINER_NICE": "10"}
     if name == "controller":
         return {**redis, **admin, "TIDE_CONTROLLER_LISTEN": ep.controller, "TIDE_CONTROLLER_METRICS_PORT": port(name),
                 "TIDE_CONTROLLER_WORKERS": ",".join(ep.workers), "TIDE_CONTROLLER_DECISION": json.dumps(DECISION),
