@@ -37,7 +37,7 @@ def feed(redis_client, s3_client, s3_bucket, unique_prefix, copy_chunks):
             publish(redis_client, s3_client, s3_bucket, unique_prefix, TARGET, cid, renamed(blob, cid))
         tokens = before[1] + 256 * n
         if wait:
-            wait_for(lambda: svc.manifest.buffered_totals(TARGET) == (before[0] + n, tokens), what=f"{tag} buffered")
+            wait_for(lambda: svc.manifest.buffered_totals(TARGET) == (before[0] + n, tokens), 120, f"{tag} buffered")
         return tokens
 
     return go
@@ -56,7 +56,7 @@ def provenance(reg, version: str) -> dict:
     return json.loads(reg.client(token=ADMIN_TOKEN).get(version).provenance_json)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_first_run_promotes_and_the_next_fine_tunes_from_it(copy_trainer, feed, draft_registry, trainer_storage):
     controller = build_controller(ControllerSettings(listen="127.0.0.1:0", metrics_port=0, admin_token=ADMIN_TOKEN,
                                                      storage=trainer_storage))
@@ -85,7 +85,7 @@ def test_first_run_promotes_and_the_next_fine_tunes_from_it(copy_trainer, feed, 
         assert prov["run_id"] == first.run_id and prov["reason"] == "first" and prov["chunk_count"] == 5
         assert sorted(prov["chunk_ids"]) == [f"a-{i}" for i in range(5)] and prov["config"]["lr"] == 3e-3
         wait_for(lambda: (o := controller.controller.outcomes.last(TARGET)) and o.run_id == first.run_id,
-                 what="the outcome at the controller")
+                 60, "the outcome at the controller")
         seen = controller.controller.outcomes.last(TARGET)
         assert (seen.candidate_version, seen.promoted) == (first.candidate_version, True)
         assert seen.eval_accept_length_candidate == pytest.approx(first.eval_accept_length_candidate)
@@ -113,7 +113,7 @@ def test_first_run_promotes_and_the_next_fine_tunes_from_it(copy_trainer, feed, 
         controller.stop(grace_s=0.2)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_register_only_and_a_margin_not_met_leave_the_pointer(copy_trainer, feed, draft_registry):
     reg = draft_registry.client(token=ADMIN_TOKEN)
     # (d) auto-promotion off: a candidate that clearly beats no draft is registered, not promoted
@@ -139,7 +139,7 @@ def test_register_only_and_a_margin_not_met_leave_the_pointer(copy_trainer, feed
     assert pointer.current == out.candidate_version and pointer.history[0].reason == "by hand"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_auto_trigger_starts_a_run_once_enough_is_buffered(copy_trainer, feed, draft_registry):
     svc = copy_trainer(auto_train=True, auto_check_s=60.0)  # only the intake wakes it within the test
     feed(svc, "a", n=3)  # 768 tokens < 1000
@@ -156,7 +156,7 @@ def test_auto_trigger_starts_a_run_once_enough_is_buffered(copy_trainer, feed, d
     assert status(svc).buffered_tokens == 0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_unreachable_registry_fails_the_run_and_keeps_the_chunks(make_trainer, copy_dir, feed):
     svc = make_trainer(target=str(copy_dir), registry_addr="127.0.0.1:1")
     tokens = feed(svc, "a", n=2)
