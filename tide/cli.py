@@ -44,18 +44,24 @@ def _bench(args) -> int:
         from services.inference.bench_policies import run_cli
 
         return run_cli(args)
+    if args.bench == "adapt":
+        from services.inference.bench_adapt import run_cli
+
+        return run_cli(args)
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
 def add_bench_parser(subparsers) -> None:
-    """`tide bench engine|policies`: benchmarks that print a short table and write JSON."""
+    """`tide bench engine|policies|adapt`: benchmarks that print a short table and write JSON."""
     bench = subparsers.add_parser("bench", help="benchmarks that print JSON and a short table")
     kinds = bench.add_subparsers(dest="bench", required=True)
+    from services.inference.bench_adapt import add_arguments as adapt_args
     from services.inference.bench_engine import add_arguments as engine_args
     from services.inference.bench_policies import add_arguments as policies_args
 
     engine_args(kinds.add_parser("engine", help="latency table, speculative tokens/s, overheads"))
     policies_args(kinds.add_parser("policies", help="every γ policy on the real engine over a load trace"))
+    adapt_args(kinds.add_parser("adapt", help="static draft vs the online loop over domain shifts, via the gateway"))
     bench.set_defaults(func=_bench)
 
 

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -58,6 +59,9 @@ class StackConfig:
     collection: bool = True
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
+    # Extra variables per service name ("inference" = every worker), merged last over service_env's
+    # own: e.g. {"trainer": {"TIDE_TRAINER_MIN_TOKENS": "2048"}} (benchmarks, experiments).
+    env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,12 @@ class Endpoints:
 
 def service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int = 0) -> dict[str, str]:
     """The `TIDE_*` environment of service `name` (worker `index` for inference): the single source
-    of truth for how the services are wired, also checked against docker-compose.yml."""
+    of truth for how the services are wired, also checked against docker-compose.yml. `cfg.env`'s
+    entries for `name` are merged last (they win)."""
+    return {**_service_env(name, cfg, ep, index), **cfg.env.get(name, {})}
+
+
+def _service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int) -> dict[str, str]:
     s3 = {"TIDE_S3_ENDPOINT": ep.s3_endpoint, "TIDE_S3_ACCESS_KEY": ep.s3_access_key,
           "TIDE_S3_SECRET_KEY": ep.s3_secret_key, "TIDE_S3_BUCKET": BUCKET}
     redis = {"TIDE_REDIS_URL": ep.redis_url, "TIDE_STREAM_PREFIX": STREAM_PREFIX}

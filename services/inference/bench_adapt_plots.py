@@ -1,0 +1,84 @@
+"""Plots of `tide bench adapt` (matplotlib, PNG), from the result JSON only.
+
+adapt.png  accept length (top) and client-side tokens/s (bottom) over time, static vs online on
+           shared axes; dotted vertical lines at the phase boundaries (domain shifts), shaded spans
+           where the online workers collected hidden states, dashed lines + markers at promotions.
+loop.png   the online loop's plumbing over time: chunk MB written by the workers, tokens buffered
+           at the trainer, tokens collected since collection was last enabled (controller); it runs
+           on past the traffic window while in-flight requests finish (solid black line).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COLORS = {"static": "tab:blue", "online": "tab:orange"}
+
+
+def _xy(timeline: list, col: int) -> tuple[list, list]:
+    pts = [(row[0], row[col]) for row in timeline if row[col] is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _decorate(ax, res: dict, label: bool) -> None:
+    for ph in res["phases"]:
+        ax.axvline(ph["start_s"], color="grey", ls=":", lw=0.9)
+        if label:
+            ax.text(ph["start_s"] + 2, 1.0, ph["name"], transform=ax.get_xaxis_transform(), va="top", fontsize=8)
+    for i, (a, b) in enumerate(res["online"].get("collection_intervals", [])):
+        ax.axvspan(a, b, color="tab:green", alpha=0.12, lw=0, label="online: collecting" if i == 0 and label else None)
+    for i, p in enumerate(res.get("promotions", [])):
+        ax.axvline(p["t_s"], color="tab:red", ls="--", lw=0.9, label="promotion" if i == 0 and label else None)
+
+
+def plot(res: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, (top, bot) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
+    for mode in ("static", "online"):
+        tl = res[mode]["timeline"]
+        top.plot(*_xy(tl, 2), color=COLORS[mode], lw=1.6, label=mode)
+        bot.plot(*_xy(tl, 1), color=COLORS[mode], lw=1.6, label=mode)
+    for ax in (top, bot):
+        _decorate(ax, res, ax is top)
+    for p in res.get("promotions", []):
+        y = p.get("eval_accept_length")
+        if y:
+            top.plot([p["t_s"]], [y], marker="v", color="tab:red", ms=7)
+            top.annotate(p["version"].rsplit("/", 1)[-1], (p["t_s"], y), fontsize=7, xytext=(3, 3),
+                         textcoords="offset points")
+    end = res["phases"][-1]["end_s"]
+    bot.set_xlim(0, end)  # promotions after the traffic ended are in loop.png
+    top.set_ylabel("accept length (tokens / verify step)")
+    bot.set_ylabel("completion tokens/s (client side)")
+    bot.set_xlabel(f"seconds since traffic started ({res['bin_s']:g} s bins; concurrency {res['concurrency']})")
+    top.legend(fontsize=8, loc="lower right")
+    bot.legend(fontsize=8, loc="lower right")
+    top.set_title("tide bench adapt: static draft vs the online loop, domain shifts at the dotted lines")
+    fig.tight_layout()
+    paths = [out_dir / "adapt.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    samples = res["online"].get("samples", [])
+    fig, ax = plt.subplots(figsize=(13, 3.5))
+    ts = [s["t"] for s in samples]
+    for key, scale, name in (("chunk_bytes", 1e-6, "chunk MB written (workers)"),
+                             ("buffered_tokens", 1e-3, "k tokens buffered (trainer)"),
+                             ("tokens_collected", 1e-3, "k tokens collected (controller)")):
+        pts = [(t, s[key] * scale) for t, s in zip(ts, samples, strict=True) if s.get(key) is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.3, label=name)
+    _decorate(ax, res, True)
+    ax.axvline(end, color="k", lw=0.9, label="traffic ends (in-flight requests finish)")
+    ax.set_xlabel("seconds since traffic started (online mode)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    paths.append(out_dir / "loop.png")
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return [str(p) for p in paths]
