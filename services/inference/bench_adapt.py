@@ -243,9 +243,10 @@ def run(args) -> dict:
     res["chunk_bytes"] = {m: r["chunk_bytes"] for m, r in modes.items()}
     res["training"] = modes.get("online", {}).get("training")
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
-    if not args.keep_data:  # S3 data and trainer outputs; the services' logs stay
+    if not args.keep_data:  # S3 data, trainer outputs, downloaded drafts; the services' logs stay
         for mode in modes:
-            shutil.rmtree(work / mode / "s3", ignore_errors=True)
+            for sub in ("s3", "trainer", "draft-cache"):
+                shutil.rmtree(work / mode / sub, ignore_errors=True)
     return res
 
 
@@ -301,7 +302,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run [both]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", help="stacks' data and logs [a new temp dir]")
-    parser.add_argument("--keep-data", action="store_true", help="keep the stacks' S3 data (logs are always kept)")
+    parser.add_argument("--keep-data", action="store_true", help="keep S3 data, trainer outputs, drafts (logs stay)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take to start")
 
 
