@@ -491,3 +491,13 @@ class S3Server(_ManagedProcess):
         client.remove_object(self.PROBE_BUCKET, "probe")
         client.remove_bucket(self.PROBE_BUCKET)
         return ok
+
+
+def local_data_plane(stack: contextlib.ExitStack, env: dict[str, str]) -> dict[str, str]:
+    """`env` (TIDE_* variables) pointing at Redis + S3: as given when TIDE_S3_ENDPOINT is set, else
+    at a RedisServer and an S3Server started here and stopped when `stack` closes (benchmarks)."""
+    if env.get("TIDE_S3_ENDPOINT"):
+        return dict(env)
+    redis, s3 = stack.enter_context(RedisServer()), stack.enter_context(S3Server())
+    return {**env, "TIDE_REDIS_URL": redis.url, "TIDE_S3_ENDPOINT": s3.endpoint.endpoint,
+            "TIDE_S3_ACCESS_KEY": s3.endpoint.access_key, "TIDE_S3_SECRET_KEY": s3.endpoint.secret_key}

@@ -10,25 +10,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class TrainingOutcome:
-    """Mirrors tide.v1.TrainingOutcome (accept lengths include the bonus token)."""
-
-    run_id: str
-    target_model: str
-    candidate_version: str = ""
-    base_version: str = ""
-    eval_accept_length_candidate: float = 0.0
-    eval_accept_length_base: float = 0.0
-    promoted: bool = False
-    detail: str = ""
-    train_tokens: int = 0
-    eval_tokens: int = 0
-    duration_s: float = 0.0
-    finished_unix_s: float = 0.0
+from tide.outcomes import TrainingOutcome
 
 
 class OutcomeLog:

@@ -30,6 +30,7 @@ from services.inference.control import Decision
 from services.inference.requests import ErrorEvent, FinalEvent, GenerationRequest
 from services.inference.settings import InferenceSettings
 from tide.blobs import StorageSettings
+from tide.servers import local_data_plane
 
 TOPICS = ["the sea", "a mountain", "bread", "rain", "a library", "trains", "the moon", "coffee", "winter", "a city",
           "music", "gardens", "rivers", "clocks", "birds", "friendship"]
@@ -60,13 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     with contextlib.ExitStack() as stack:
-        env = dict(os.environ)
-        if not env.get("TIDE_S3_ENDPOINT"):
-            from tide.servers import RedisServer, S3Server
-
-            r, s = stack.enter_context(RedisServer()), stack.enter_context(S3Server())
-            env.update(TIDE_REDIS_URL=r.url, TIDE_S3_ENDPOINT=s.endpoint.endpoint,
-                       TIDE_S3_ACCESS_KEY=s.endpoint.access_key, TIDE_S3_SECRET_KEY=s.endpoint.secret_key)
+        env = local_data_plane(stack, dict(os.environ))
         env.setdefault("TIDE_STREAM_PREFIX", f"bench-{uuid.uuid4().hex[:8]}")
         base = InferenceSettings.from_env(env)
         settings = InferenceSettings(**{**base.__dict__, "listen": "127.0.0.1:0", "metrics_port": 0,

@@ -75,14 +75,10 @@ def chunk_exporter(model: LlamaModel, model_id: str):
     """The worker's real hand-off: a ChunkExporter writing checksummed chunks to S3 and refs to a
     Redis stream, on local servers started here (or TIDE_S3_ENDPOINT / TIDE_REDIS_URL when set)."""
     from tide import blobs
-    from tide.servers import RedisServer, S3Server
+    from tide.servers import local_data_plane
 
     with contextlib.ExitStack() as stack:
-        env = dict(os.environ)
-        if not env.get("TIDE_S3_ENDPOINT"):
-            r, s3 = stack.enter_context(RedisServer()), stack.enter_context(S3Server())
-            env.update(TIDE_REDIS_URL=r.url, TIDE_S3_ENDPOINT=s3.endpoint.endpoint,
-                       TIDE_S3_ACCESS_KEY=s3.endpoint.access_key, TIDE_S3_SECRET_KEY=s3.endpoint.secret_key)
+        env = local_data_plane(stack, dict(os.environ))
         storage = blobs.StorageSettings.from_env(env)
         client = storage.s3_client()
         blobs.ensure_bucket(client, storage.s3_bucket)

@@ -31,30 +31,12 @@ from services.trainer.manifest import Manifest, ManifestEntry
 from services.trainer.promotion import NO_DRAFT, decide, served_at
 from services.trainer.settings import TrainerSettings
 from tide import blobs
+from tide.outcomes import TrainingOutcome
 
 log = logging.getLogger(__name__)
 
 PROMOTED, REGISTERED, FAILED = "promoted", "registered", "failed"  # a run's result
 MAX_PROVENANCE_CHUNK_IDS = 1000  # beyond this the provenance lists the count and the manifest's run record
-
-
-@dataclass(frozen=True)
-class TrainingOutcome:
-    """Mirrors tide.v1.TrainingOutcome. Accept lengths: served at γ, bonus token included; the
-    base's is 1.0 (no draft: one token per step) when there was no base version."""
-
-    run_id: str
-    target_model: str
-    candidate_version: str = ""
-    base_version: str = ""
-    eval_accept_length_candidate: float = 0.0
-    eval_accept_length_base: float = 0.0
-    promoted: bool = False
-    detail: str = ""
-    train_tokens: int = 0
-    eval_tokens: int = 0
-    duration_s: float = 0.0
-    finished_unix_s: float = 0.0
 
 
 @dataclass(frozen=True)
