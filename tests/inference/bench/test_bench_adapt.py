@@ -116,7 +116,27 @@ def test_json_shape_table_and_plots(tmp_path, capsys):
         assert ba.Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_phases_prompts_env_and_cli(monkeypatch):
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    """A TIDE_DATA_DIR with small files in the shared-data formats (CI's checkout has no ../shared)."""
+    import gzip
+
+    d = tmp_path / "data"
+    d.mkdir()
+    cats = ["writing", "math", "qa", "coding", "roleplay"]
+    rows = [{"turns": [f"chat question {i} " + "x" * 30], "category": cats[i % 5]} for i in range(40)]
+    rows.append({"turns": ["a very long question " + "y" * 2000], "category": "writing"})
+    (d / "spec_bench_questions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "gsm8k_test.jsonl").write_text("".join(json.dumps({"question": f"How many {i} apples are there?",
+                                                            "answer": "#### 1"}) + "\n" for i in range(30)))
+    with gzip.open(d / "humaneval.jsonl.gz", "wt") as f:
+        for i in range(30):
+            f.write(json.dumps({"prompt": f"def f{i}(x):\n    ", "canonical_solution": "return x"}) + "\n")
+    monkeypatch.setenv("TIDE_DATA_DIR", str(d))
+    return d
+
+
+def test_phases_prompts_env_and_cli(monkeypatch, data_dir):
     prompts = ba.phase_prompts(0, 1500)
     assert [len(p) > 20 for p in prompts] == [True] * 3
     assert {p.domain for p in prompts[0]} <= set(ba.PHASES[0][2]) and not prompts[2][0].chat  # HumanEval: raw
@@ -146,7 +166,7 @@ def test_phases_prompts_env_and_cli(monkeypatch):
     assert seen["args"].quick and seen["args"].concurrency == 4 and seen["args"].modes == ["static", "online"]
 
 
-def test_run_cli_assembles_both_modes_without_a_stack(monkeypatch, tmp_path, capsys):
+def test_run_cli_assembles_both_modes_without_a_stack(monkeypatch, tmp_path, capsys, data_dir):
     """run() → JSON + plots with run_mode replaced by canned modes (the stack path is exercised by hand)."""
     seen = []
 
