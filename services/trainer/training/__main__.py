@@ -11,6 +11,8 @@ import dataclasses
 import json
 import logging
 
+import torch.distributed as dist
+
 from services.trainer.training.loop import TrainConfig
 from services.trainer.training.run import DRAFT_VOCAB, train_draft
 from tide.allocator import keep_freed_memory
@@ -38,9 +40,15 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "betas"})
-    summary = train_draft(a.target, a.data, a.out, init=a.init, cfg=cfg, draft_vocab_size=a.draft_vocab,
-                          eval_fraction=a.eval_fraction, expected_target=a.expected_target)
-    print(json.dumps({k: summary[k] for k in ("train", "baseline", "candidate")}, indent=2))
+    try:
+        summary = train_draft(a.target, a.data, a.out, init=a.init, cfg=cfg, draft_vocab_size=a.draft_vocab,
+                              eval_fraction=a.eval_fraction, expected_target=a.expected_target)
+        print(json.dumps({k: summary[k] for k in ("train", "baseline", "candidate")}, indent=2))
+    finally:
+        # Under torchrun: tear gloo/NCCL down before interpreter exit (left to static destructors,
+        # a rank sometimes aborted with "terminate called without an active exception").
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
