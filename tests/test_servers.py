@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -115,3 +116,12 @@ def test_server_dies_with_its_parent():
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid)
+
+
+def test_relative_workdirs_work(tmp_path, monkeypatch):
+    """`tide up` passes var/run-.../redis and var/s3 (relative to the checkout): both servers start."""
+    monkeypatch.chdir(tmp_path)
+    with RedisServer(workdir=Path("var/run/redis")) as r, S3Server(workdir=Path("var/s3")) as s:
+        assert redis.Redis.from_url(r.url).ping()
+        assert s.endpoint.client().list_buckets() is not None
+    assert (tmp_path / "var/run/redis").is_dir() and (tmp_path / "var/s3").is_dir()

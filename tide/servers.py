@@ -184,7 +184,9 @@ class _ManagedProcess:
         stop_timeout_s: float = 10.0,
     ):
         self._own_workdir = workdir is None
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"tide-{self.name}-")) if workdir is None else Path(workdir)
+        # absolute: the server runs with this as its cwd, so a relative path in its flags would not resolve
+        self.workdir = (Path(tempfile.mkdtemp(prefix=f"tide-{self.name}-")) if workdir is None
+                        else Path(workdir).resolve())
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / f"{self.name}.log"
         self.startup_timeout_s = startup_timeout_s
