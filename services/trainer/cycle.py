@@ -3,7 +3,11 @@
 1. Base: the registry's effective version for the target (what the workers run), downloaded and
    verified; no version yet -> from scratch. Registry unreachable -> the run fails before training.
 2. Train: `services.trainer.training.train_draft(init=<base checkpoint>)` on the buffered chunks
-   (verified again on read); it evaluates the base and the candidate on the same held-out chunks.
+   (verified again on read) plus a replayed sample of earlier runs' chunks (TIDE_TRAINER_REPLAY
+   times the new tokens: rehearsal against forgetting earlier domains); it evaluates the base and
+   the candidate on the same held-out chunks. The held-out split is a fixed hash of the chunk id,
+   so replayed held-out chunks were never trained on by any version and the comparison spans every
+   domain collected so far, not only the newest.
 3. Compare on the served accept length at TIDE_TRAINER_EVAL_GAMMA (promotion.py).
 4. Register the candidate with its metrics and provenance (parent = the base version).
 5. Promote when it beats the base by TIDE_TRAINER_PROMOTE_MARGIN and auto-promotion is on, only if
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minio import Minio
+from minio.error import S3Error
 
 from services.trainer.drafts import BaseDraft, DraftRegistry, PointerMoved, RegistryError
 from services.trainer.manifest import Manifest, ManifestEntry
@@ -73,10 +78,15 @@ class TrainingCycle:
 
         phase("training", 0.1)
         out_dir = Path(s.work_dir) / "runs" / run_id / "draft"
+        new_tokens = sum(e.num_tokens for e in entries)
+        replay = self.manifest.replay_sample(target, int(s.replay * new_tokens), seed=run_id) if s.replay else []
+        if replay:
+            log.info("training run %s: %d new chunks (%d tokens) + %d replayed (%d tokens)", run_id, len(entries),
+                     new_tokens, len(replay), sum(e.num_tokens for e in replay))
         try:
             cfg = config_cls(steps=s.steps or None, epochs=s.epochs, batch_rows=s.batch_rows, max_len=s.max_len,
                              lr=s.lr, warmup_steps=s.warmup_steps, device=s.device, seed=s.seed, progress=False)
-            summary = train_draft(s.target, self._blobs(entries), out_dir, init=base.path, cfg=cfg,
+            summary = train_draft(s.target, self._blobs(entries, replay), out_dir, init=base.path, cfg=cfg,
                                   draft_vocab_size=s.draft_vocab, eval_fraction=s.eval_fraction,
                                   expected_target=target)
         except Exception as e:
@@ -96,7 +106,8 @@ class TrainingCycle:
         try:
             version = self.registry.register(target, out_dir, eval_metrics=self._metrics(summary, candidate,
                                                                                          base_served),
-                                             provenance=self._provenance(run_id, reason, base, entries, summary),
+                                             provenance=self._provenance(run_id, reason, base, entries, replay,
+                                                                         summary),
                                              parent_version=base.version)
         except RegistryError as e:
             log.error("training run %s: candidate not registered: %s", run_id, e)
@@ -123,8 +134,9 @@ class TrainingCycle:
         result = finish(PROMOTED if promoted else REGISTERED, loss, **numbers, candidate_version=version,
                         promoted=promoted, detail=detail)
         try:
-            self.manifest.record_run(target, run_id, [e.chunk_id for e in entries],
-                                     {"reason": reason, "outcome": dataclasses.asdict(result.outcome),
+            self.manifest.record_run(target, run_id, entries,
+                                     {"reason": reason, "replayed_chunk_ids": [e.chunk_id for e in replay],
+                                      "outcome": dataclasses.asdict(result.outcome),
                                       "result": result.result, "out_dir": str(out_dir), "train": summary["train"],
                                       "baseline": summary.get("baseline"), "candidate": summary.get("candidate")})
         except Exception as e:  # the candidate exists; only the bookkeeping of its chunks is lost
@@ -133,13 +145,19 @@ class TrainingCycle:
                 result.outcome, detail=f"{detail} (run record not written: {type(e).__name__}: {e})"))
         return result
 
-    def _blobs(self, entries: list[ManifestEntry]) -> Iterator[bytes]:
-        """The chunks' blobs, verified again (one that went bad since intake is skipped, not trained on)."""
+    def _blobs(self, entries: list[ManifestEntry], replay: list[ManifestEntry] = ()) -> Iterator[bytes]:
+        """The chunks' blobs, verified again (one that went bad since intake is skipped, not trained
+        on), then the replayed ones (one that storage no longer has, e.g. expired, is skipped too)."""
         for e in entries:
             try:
                 yield blobs.get_bytes(self.s3, e.bucket, e.key, expected_sha256=e.sha256)
             except blobs.ChecksumMismatch as err:
                 log.error("skipping chunk %s: %s", e.chunk_id, err)
+        for e in replay:
+            try:
+                yield blobs.get_bytes(self.s3, e.bucket, e.key, expected_sha256=e.sha256)
+            except (blobs.ChecksumMismatch, S3Error) as err:
+                log.warning("not replaying chunk %s: %s", e.chunk_id, err)
 
     def _metrics(self, summary: dict, candidate: float | None, base: float | None) -> dict[str, float]:
         ev = summary.get("candidate") or {}
@@ -152,7 +170,7 @@ class TrainingCycle:
         return {k: float(v) for k, v in m.items() if v is not None and math.isfinite(float(v))}
 
     def _provenance(self, run_id: str, reason: str, base: BaseDraft, entries: list[ManifestEntry],
-                    summary: dict) -> dict:
+                    replay: list[ManifestEntry], summary: dict) -> dict:
         s, ids = self.settings, [e.chunk_id for e in entries]
         target = entries[0].target_model if entries else ""
         return {
@@ -160,12 +178,13 @@ class TrainingCycle:
             "base_version": base.version, "base_pinned": base.pinned,
             "run_record": f"s3://{self.manifest.bucket}/{self.manifest.run_key(target, run_id)}",
             "chunk_count": len(ids), "chunk_ids": ids[:MAX_PROVENANCE_CHUNK_IDS],
+            "replayed_chunk_count": len(replay),
             "chunk_ids_truncated": len(ids) > MAX_PROVENANCE_CHUNK_IDS,
             "eval_chunk_ids": summary.get("eval_chunk_ids", []),
             "train": {"tokens": summary["train"]["tokens"], "steps": summary["train"]["steps"],
                       "seconds": summary["train"]["seconds"]},
             "config": {"steps": s.steps, "epochs": s.epochs, "batch_rows": s.batch_rows, "max_len": s.max_len,
                        "lr": s.lr, "warmup_steps": s.warmup_steps, "seed": s.seed, "draft_vocab": s.draft_vocab,
-                       "eval_fraction": s.eval_fraction, "eval_gamma": s.eval_gamma,
+                       "eval_fraction": s.eval_fraction, "replay": s.replay, "eval_gamma": s.eval_gamma,
                        "promote_margin": s.promote_margin, "auto_promote": s.auto_promote, "device": s.device},
         }

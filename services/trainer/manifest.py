@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -139,12 +140,41 @@ class Manifest:
             entries = [e for g in groups for e in g.values()]
         return len(entries), sum(e.num_tokens for e in entries)
 
-    def record_run(self, target_model: str, run_id: str, chunk_ids: list[str], record: dict) -> None:
-        """Write a finished run's record; its chunks stop being buffered."""
-        value = {**record, "run_id": run_id, "target_model": target_model, "chunk_ids": list(chunk_ids)}
+    def record_run(self, target_model: str, run_id: str, entries: list[ManifestEntry], record: dict) -> None:
+        """Write a finished run's record; its chunks stop being buffered. The record keeps where each
+        chunk lies (`chunks`), so later runs can replay them without reading every entry object."""
+        value = {**record, "run_id": run_id, "target_model": target_model,
+                 "chunk_ids": [e.chunk_id for e in entries], "chunks": [dataclasses.asdict(e) for e in entries]}
+        chunk_ids = value["chunk_ids"]
         blobs.put_pointer(self.s3, self.bucket, self.run_key(target_model, run_id), value, expected_etag=None)
         with self._lock:
             self.runs.setdefault(target_model, {})[run_id] = value
             buffered = self._buffered.get(target_model, {})
             for c in chunk_ids:
                 buffered.pop(c, None)
+
+    def trained(self, target_model: str) -> list[ManifestEntry]:
+        """Chunks that recorded runs of a target trained on (runs recorded before the record kept
+        chunk locations contribute nothing), in run order, each once."""
+        with self._lock:
+            records = list(self.runs.get(target_model, {}).values())
+        seen: dict[str, ManifestEntry] = {}
+        for record in records:
+            for fields in record.get("chunks", []):
+                entry = ManifestEntry(**fields)
+                seen.setdefault(entry.chunk_id, entry)
+        return list(seen.values())
+
+    def replay_sample(self, target_model: str, tokens: int, seed: str) -> list[ManifestEntry]:
+        """Earlier runs' chunks to rehearse: a uniform random sample (seeded, so a retried run
+        picks the same) of about `tokens` tokens over the whole history, so every domain the draft
+        learned keeps being represented in proportion to what was collected."""
+        pool = sorted(self.trained(target_model), key=lambda e: e.chunk_id)
+        random.Random(seed).shuffle(pool)
+        picked, total = [], 0
+        for entry in pool:
+            if total >= tokens:
+                break
+            picked.append(entry)
+            total += entry.num_tokens
+        return picked

@@ -21,6 +21,9 @@ Environment variables (all optional; defaults in brackets):
     TIDE_TRAINER_MAX_LEN         tokens per packed row                                    [512]
     TIDE_TRAINER_DRAFT_VOCAB     draft vocabulary of from-scratch drafts                  [8192]
     TIDE_TRAINER_EVAL_FRACTION   share of the chunks held out for evaluation              [0.1]
+    TIDE_TRAINER_REPLAY          chunks of earlier runs mixed into each run, as a multiple of the new
+                                 chunks' tokens (rehearsal: fine-tuning on the newest domain alone
+                                 forgets the others); 0 = off                              [1]
     TIDE_TRAINER_EVAL_GAMMA      γ (1-5) at which candidate and base are compared: the served accept
                                  length (tokens per verification along the engine's walk)  [3]
     TIDE_TRAINER_PROMOTE_MARGIN  promote when candidate - base >= this (tokens/step; no base: vs 1.0) [0.02]
@@ -103,6 +106,7 @@ class TrainerSettings:
     max_len: int = 512
     draft_vocab: int = 8192
     eval_fraction: float = 0.1
+    replay: float = 1.0
     eval_gamma: int = 3
     promote_margin: float = 0.02
     auto_promote: bool = True
@@ -138,6 +142,8 @@ class TrainerSettings:
             raise ValueError(f"nice must be in 0..19 (an increment; lowering priority needs no privilege), "
                              f"got {self.nice}")
         parse_cpus(self.cpus)
+        if self.replay < 0:
+            raise ValueError(f"TIDE_TRAINER_REPLAY must be >= 0, got {self.replay}")
         if not 0 < self.eval_fraction < 1 or self.epochs <= 0:
             raise ValueError("eval fraction must be in (0, 1) and epochs > 0")
         if not self.prefix.strip("/") or not self.consumer:
@@ -187,6 +193,7 @@ class TrainerSettings:
             max_len=get("TIDE_TRAINER_MAX_LEN", "max_len", int),
             draft_vocab=get("TIDE_TRAINER_DRAFT_VOCAB", "draft_vocab", int),
             eval_fraction=get("TIDE_TRAINER_EVAL_FRACTION", "eval_fraction", float),
+            replay=get("TIDE_TRAINER_REPLAY", "replay", float),
             eval_gamma=get("TIDE_TRAINER_EVAL_GAMMA", "eval_gamma", int),
             promote_margin=get("TIDE_TRAINER_PROMOTE_MARGIN", "promote_margin", float),
             auto_promote=get("TIDE_TRAINER_AUTO_PROMOTE", "auto_promote", _flag),

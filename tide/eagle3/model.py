@@ -39,7 +39,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        # Under bf16 autocast x is bf16 while the (master) weight stays float32: mixed dtypes miss
+        # torch's fused kernel and take the decomposed one. The cast keeps the gradient to the
+        # float32 weight and is a no-op when the dtypes already agree (inference, fp32 training).
+        return rms_norm(x, self.weight.to(x.dtype), self.eps)
 
 
 class Attention(nn.Module):

@@ -106,6 +106,13 @@ def test_first_run_promotes_and_the_next_fine_tunes_from_it(copy_trainer, feed, 
         assert v2.parent_version == first.candidate_version
         assert provenance(draft_registry, v2.version)["base_version"] == first.candidate_version
         assert sorted(provenance(draft_registry, v2.version)["chunk_ids"]) == [f"b-{i}" for i in range(5)]
+        # rehearsal: the first run's chunks (as many tokens as the new ones: all five) are trained on
+        # again and recorded as replayed, while the run's own chunk list (the buffer accounting) has
+        # only the new ones
+        record = svc.manifest.runs[TARGET][second.run_id]
+        assert sorted(record["chunk_ids"]) == [f"b-{i}" for i in range(5)]
+        assert sorted(record["replayed_chunk_ids"]) == [f"a-{i}" for i in range(5)]
+        assert provenance(draft_registry, v2.version)["replayed_chunk_count"] == 5
         gain = second.eval_accept_length_candidate - second.eval_accept_length_base
         assert second.promoted == (gain >= 0.02), second
         assert reg.pointer(TARGET).current == (second.candidate_version if second.promoted else first.candidate_version)
