@@ -4,7 +4,9 @@ One process, one model (the reference target in bf16 unless `--target`), one dra
 `--draft DIR`, else the n-gram drafter), one profiled LatencyProfile (services.inference.profiling,
 disk-cached) given to every policy that takes one. The trace is wall-clock: phases of open-loop
 arrivals — Poisson at several rates and a bursty phase (`burst` requests at once, on a jittered
-period) — carrying prompts mixed from ../shared/data (Spec-Bench, GSM8K, HumanEval, Alpaca; greedy,
+period) — and closed-loop phases (a fixed number of requests in flight: the low- and high-load
+regimes, where tokens/s measures the policy rather than the offered load), carrying prompts mixed
+from ../shared/data (Spec-Bench, GSM8K, HumanEval, Alpaca; greedy,
 max_tokens drawn per request). The same trace replays for: no speculation (static γ = 0), static
 γ ∈ {1..5}, the peers (vllm, sglang, dsd, nightjar, onthefly, fsm, cache-fsm) and ours (tide,
 adaptive), each on a fresh engine.
@@ -19,8 +21,9 @@ in `drain` — a policy that leaves a backlog behind gets no credit for it):
   mean_gamma      mean γ over the phase's decode rows;  accept_length: mean tokens per speculative row
 The oracle per phase is the best static γ (0 included) by tok_s in that phase. `--repeat N` runs N
 interleaved rounds and reports medians (and each round's tok/s under `rounds`). `--quick` runs
-3 phases × 10 s and drops static γ = 2 and 4 (oracle over {0, 1, 3, 5}). `--clock cpu --threads 1`
-replaces wall time by this thread's CPU time (arrivals in virtual time): for shared, loaded machines.
+3 phases × 10 s (1 client, 16 clients, bursts) and drops static γ = 2 and 4 (oracle over
+{0, 1, 3, 5}). `--clock cpu --threads 1` replaces wall time by this thread's CPU time (arrivals in
+virtual time): for shared, loaded machines.
 """
 
 from __future__ import annotations
@@ -57,18 +60,31 @@ PROMPT_FILES = ("spec_bench_questions.jsonl", "gsm8k_test.jsonl", "humaneval.jso
 @dataclass(frozen=True)
 class PhaseSpec:
     """`rate_rps` Poisson arrivals for `duration_s` s; `burst` > 1: bursts of `burst` requests at once,
-    round(duration·rate/burst) of them spread evenly over the phase (± 25 % jitter): load spikes."""
+    round(duration·rate/burst) of them spread evenly over the phase (± 25 % jitter): load spikes.
+    `clients` > 0 makes the phase closed-loop instead: that many requests in flight, each replaced
+    by the next as soon as it finishes, until the phase ends (rate and burst unused)."""
 
     name: str
     duration_s: float
-    rate_rps: float
+    rate_rps: float = 0.0
     burst: float = 1.0
+    clients: int = 0
+
+    @property
+    def load(self) -> float:
+        """For ranking phases by load: requests in flight (closed) or arriving per second (open)."""
+        return self.clients if self.clients else self.rate_rps
 
 
-# On the reference model (2 CPU cores) a 64-token request takes ≈ 3 s alone: 0.5 rps keeps 1–3 in
-# flight, 4 rps saturates 16 slots and queues, the bursty phase brings 6 at once every ≈ 6 s.
-QUICK_PHASES = (PhaseSpec("low", 10, 0.5), PhaseSpec("high", 10, 4.0), PhaseSpec("bursty", 10, 1.0, burst=6))
-FULL_PHASES = (PhaseSpec("low", 30, 0.5), PhaseSpec("mid", 30, 1.2), PhaseSpec("high", 30, 4.0),
+# Open-loop phases whose rate stays under the engine's capacity give every policy that keeps up the
+# same tokens/s (the offered load): only latency tells them apart. Closed-loop phases keep the
+# engine busy at a set concurrency, so their tokens/s is the policy's own throughput there. On the
+# reference model (2 CPU cores) a 64-token request takes several seconds alone: 1 client is the
+# low-load regime where speculation pays most, 16 clients fill every slot (the high-load regime),
+# and the bursty phase brings 6 requests at once every ≈ 6 s (open loop: spikes and idle gaps).
+QUICK_PHASES = (PhaseSpec("low", 10, clients=1), PhaseSpec("high", 10, clients=16),
+                PhaseSpec("bursty", 10, 1.0, burst=6))
+FULL_PHASES = (PhaseSpec("low", 30, clients=1), PhaseSpec("mid", 30, 1.2), PhaseSpec("high", 30, clients=16),
                PhaseSpec("bursty", 30, 1.0, burst=6), PhaseSpec("low-2", 30, 0.5))
 
 
@@ -85,7 +101,9 @@ def make_trace(phases, n_prompts: int, seed: int, tokens: tuple[int, int]) -> li
     rng, out, start = random.Random(seed), [], 0.0
     for i, ph in enumerate(phases):
         times: list[float] = []
-        if ph.rate_rps > 0 and ph.burst > 1:  # `burst` requests at once, evenly spread bursts ± 25 % jitter
+        if ph.clients:  # closed loop: arrivals follow completions (run_policy, ClosedLoop)
+            pass
+        elif ph.rate_rps > 0 and ph.burst > 1:  # `burst` requests at once, evenly spread bursts ± 25 % jitter
             n_bursts = max(1, round(ph.duration_s * ph.rate_rps / ph.burst))
             period = ph.duration_s / n_bursts
             for j in range(n_bursts):
@@ -98,6 +116,28 @@ def make_trace(phases, n_prompts: int, seed: int, tokens: tuple[int, int]) -> li
         out += [Arrival(t, i, rng.randrange(n_prompts), rng.randint(*tokens)) for t in times]
         start += ph.duration_s
     return out
+
+
+class ClosedLoop:
+    """The requests of closed-loop phases: one seeded (prompt, max_tokens) sequence per phase, so
+    every policy gets the same requests in the same order (a faster one gets further into it)."""
+
+    def __init__(self, phases, n_prompts: int, seed: int, tokens: tuple[int, int]) -> None:
+        self.phases, self.n_prompts, self.tokens = phases, n_prompts, tokens
+        self.rngs = {i: random.Random(f"{seed}:closed:{i}") for i, ph in enumerate(phases) if ph.clients}
+        self.in_flight = dict.fromkeys(self.rngs, 0)
+
+    def due(self, phase: int, t: float) -> list[Arrival]:
+        """Requests to submit now to keep `phase`'s clients busy (none outside a closed phase)."""
+        if phase not in self.rngs:
+            return []
+        rng, missing = self.rngs[phase], self.phases[phase].clients - self.in_flight[phase]
+        self.in_flight[phase] += max(0, missing)
+        return [Arrival(t, phase, rng.randrange(self.n_prompts), rng.randint(*self.tokens)) for _ in range(missing)]
+
+    def finished(self, phase: int) -> None:
+        if phase in self.in_flight:
+            self.in_flight[phase] -= 1
 
 
 def policy_list(quick: bool) -> list[tuple[str, str, dict]]:
@@ -169,13 +209,15 @@ def engine_clock(kind: str):
 
 
 def run_policy(model, drafter, policy, prompts: list[list[int]], trace: list[Arrival], phases, cfg: EngineConfig,
-               drain_s: float, clock: str = "wall", bin_s: float = 0.5) -> dict:
-    """Replay `trace` on a fresh engine under `policy`; stats per phase and overall (the trace window)."""
+               drain_s: float, clock: str = "wall", bin_s: float = 0.5, seed: int = 0,
+               tokens: tuple[int, int] = (32, 96)) -> dict:
+    """Replay `trace` (open-loop arrivals) plus the closed-loop phases' requests (seeded by `seed`,
+    max_tokens in `tokens`) on a fresh engine under `policy`; stats per phase and overall."""
     engine = LLMEngine(model, cfg, drafter=drafter, policy=policy)
     starts = [sum(p.duration_s for p in phases[:i]) for i in range(len(phases))]
     end = sum(p.duration_s for p in phases)
     accs, drain = [_Acc() for _ in phases], _Acc()
-    reqs = [{"arrival": a.t_s, "phase": a.phase, "first": None, "finish": None, "n": 0} for a in trace]
+    reqs: list[dict] = []  # in submission order; request id "r<index>"
     bins: dict[int, list[float]] = {}
     now = Clock(clock)
     acc_at = lambda t: drain if t >= end else accs[max(i for i, s in enumerate(starts) if s <= t)]  # noqa: E731
@@ -192,14 +234,23 @@ def run_policy(model, drafter, policy, prompts: list[list[int]], trace: list[Arr
         b[0], b[1], b[2] = b[0] + 1, b[1] + rec.batch_size, b[2] + g / rec.batch_size
 
     engine.step_listeners.append(on_step)
+    closed = ClosedLoop(phases, len(prompts), seed, tokens)
+    closed_starts = [s for s, ph in zip(starts, phases, strict=True) if ph.clients]
+
+    def submit(a: Arrival) -> None:
+        reqs.append({"arrival": a.t_s, "phase": a.phase, "first": None, "finish": None, "n": 0})
+        engine.add_request(f"r{len(reqs) - 1}", prompts[a.prompt], SamplingParams(max_tokens=a.max_tokens))
+
     nxt = 0
     with engine_clock(clock):
         while True:
             t = now()
             while nxt < len(trace) and trace[nxt].t_s <= t:
-                a = trace[nxt]
-                engine.add_request(f"r{nxt}", prompts[a.prompt], SamplingParams(max_tokens=a.max_tokens))
+                submit(trace[nxt])
                 nxt += 1
+            if t < end:
+                for a in closed.due(max(i for i, s in enumerate(starts) if s <= t), t):
+                    submit(a)
             if engine.has_work() and t <= end + drain_s:
                 outs = engine.step()
                 t = now()
@@ -211,10 +262,12 @@ def run_policy(model, drafter, policy, prompts: list[list[int]], trace: list[Arr
                     acc_at(t).tokens += len(o.new_token_ids)
                     if o.finished:
                         r["finish"] = t
-            elif nxt < len(trace):
-                now.wait_until(trace[nxt].t_s)
-            else:
-                break
+                        closed.finished(r["phase"])
+            else:  # idle until the next open-loop arrival or closed-loop phase, if any
+                upcoming = [s for s in closed_starts if s > t] + ([trace[nxt].t_s] if nxt < len(trace) else [])
+                if not upcoming:
+                    break
+                now.wait_until(min(upcoming))
     stop = now()
     total = _Acc()
     for a in accs:
@@ -360,7 +413,8 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
         for label, name, params in (args.policies or policy_list(args.quick)):
             pol = FixedGamma(params["gamma"]) if name == "static" else make_policy(name, params, _copy(prof))
             load = os.getloadavg()[0]
-            r = run_policy(model, new_drafter(), pol, prompts, trace, phases, cfg, drain_s, args.clock)
+            r = run_policy(model, new_drafter(), pol, prompts, trace, phases, cfg, drain_s, args.clock,
+                           seed=args.seed, tokens=(args.min_tokens, args.max_tokens))
             r["loadavg_1m"] = round(load, 2)
             if getattr(pol, "kv", None):  # adaptive's learnt measured/profiled verify ms per (batch bucket, n)
                 r["verify_ratio"] = {f"{b},{n}": round(v, 3) for (b, n), v in sorted(pol.kv.items())}
@@ -373,7 +427,7 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
     has_static = any(k == "none" or k.startswith("static-") for k in res["policies"])
     res["oracle"] = oracle(res["policies"], phases) if has_static else {}
     names = [p.name for p in phases]
-    high = max(phases, key=lambda p: p.rate_rps).name
+    high = max(phases, key=lambda p: p.load).name
     needed = {"none", "static-3"} <= set(res["policies"])
     res["checks"] = checks(res["policies"], res["oracle"], names[0], high) if needed else {}
     res["wall_s"] = round(time.perf_counter() - t_start, 1)

@@ -80,6 +80,46 @@ def test_bench_runs_end_to_end_on_tiny_model(tiny_model, tmp_path):
     assert wall["policies"]["none"]["overall"]["tokens"] > 0
 
 
+def test_closed_loop_phase_keeps_its_clients_busy_with_the_same_requests(tiny_model):
+    """A closed-loop phase holds `clients` requests in flight (each finished one is replaced at once),
+    and every policy gets the same seeded request sequence: a faster policy only gets further."""
+    from services.inference.engine.engine import EngineConfig
+    from tide.policies import FixedGamma
+
+    rng = random.Random(1)
+    prompts = [[1] + [rng.randrange(3, 96) for _ in range(rng.randint(4, 12))] for _ in range(8)]
+    phases = (bp.PhaseSpec("busy", 0.6, clients=3), bp.PhaseSpec("open", 0.3, 20.0))
+    trace = bp.make_trace(phases, len(prompts), 0, (4, 8))
+    assert trace and {a.phase for a in trace} == {1}  # closed phases have no pre-drawn arrivals
+    cfg = EngineConfig(max_batch=4, max_seq_len=64, max_gamma=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = [bp.run_policy(tiny_model, bp.NgramDrafter(), FixedGamma(g), prompts, trace, phases, cfg, 5.0, "cpu",
+                              seed=7, tokens=(4, 8)) for g in (0, 2)]
+    finally:
+        torch.set_num_threads(threads)
+    for r in runs:
+        busy = r["phases"]["busy"]
+        assert busy["requests"] > 3 and busy["completed"] >= busy["requests"] - 3  # replaced as they finished
+        assert busy["mean_batch"] > 2.0  # three in flight nearly all the time (a finish leaves a gap of a step)
+        assert r["unfinished"] == 0 and r["phases"]["open"]["requests"] == len(trace)
+    assert runs[1]["phases"]["busy"]["mean_gamma"] > 0 == runs[0]["phases"]["busy"]["mean_gamma"]
+
+    def requests(seed: int) -> list[tuple[int, int]]:
+        loop = bp.ClosedLoop(phases, len(prompts), seed, (4, 8))
+        got = loop.due(0, 0.0)
+        assert len(got) == 3 and loop.due(0, 0.1) == []  # all three clients busy: nothing more
+        for _ in range(4):  # one finishes, one replaces it
+            loop.finished(0)
+            got += loop.due(0, 0.2)
+        assert loop.due(1, 0.3) == []  # an open-loop phase gets nothing from the closed loop
+        return [(a.prompt, a.max_tokens) for a in got]
+
+    # the same request sequence whatever the timing (a policy's speed only decides how far it gets)
+    assert len(requests(7)) == 7 and requests(7) == requests(7) != requests(8)
+
+
 @pytest.mark.parametrize("argv", [["--quick"], []])
 def test_cli_arguments(argv):
     parser = argparse.ArgumentParser()
