@@ -84,7 +84,8 @@ def bounds(phase_s: float) -> list[tuple[str, float, float]]:
 
 def starting_draft(target: str, minutes: float, seed: int) -> tuple[Path, dict]:
     """The cached chat-only bootstrap draft (bootstrapped now when missing) and its summary."""
-    from services.trainer.bootstrap import BootstrapConfig, bootstrap, resolve_draft_dir
+    from services.trainer.bootstrap import BootstrapConfig, bootstrap
+    from services.trainer.draft_eval import resolve_draft_dir
     from tide.target import cache_dir, resolve_target
 
     model_id = resolve_target(target).model_id
@@ -219,7 +220,7 @@ def run(args) -> dict:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.draft:
-        from services.trainer.bootstrap import resolve_draft_dir
+        from services.trainer.draft_eval import resolve_draft_dir
 
         draft_dir, draft_info = resolve_draft_dir(args.draft), {"path": str(args.draft), "cached": None}
     else:

@@ -6,7 +6,8 @@ budget of N minutes (model loading, generation, training, evaluation and export 
 1. **Generate.** Prompts (the formats of `tide.prompts`) are deduplicated, shuffled (seeded) and
    the first `eval_prompts` are held out (never trained on). The engine decodes greedy
    continuations (chat template via `encode_prompt`, `max_tokens` each) in groups of
-   2 x `batch` prompts with continuous batching over `batch` slots, with a capture listener as an
+   2 x `batch` prompts with continuous batching over `batch` slots (a group joins as soon as slots
+   free up, so groups overlap: `generation.generate_groups`), with a capture listener as an
    inference worker has: every committed row (prompt rows and generated tokens, their aux and
    final states) becomes a chunk row, learnable when its next token is generated
    (`services.inference.exporter.learnable_rows`). Chunks are the workers' format
@@ -32,27 +33,32 @@ finished prompts, resumes training from its last segment and only re-exports whe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import itertools
 import json
 import logging
 import math
 import os
 import random
-import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from services.inference.exporter import learnable_rows
-from tide.chunks import ChunkBuilder, encode_chunk
-from tide.prompts import Prompt, encode_prompt, load_prompts
+from services.trainer.generation import (
+    SequenceChunks,
+    encode_prompts,
+    generate_groups,
+    load_prompt_files,
+    make_engine,
+    progress_bar,
+    prompt_key,
+    torch_threads,
+    write_blob,
+)
+from tide.prompts import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +72,6 @@ EXPORT_RESERVE_S = 5.0  # budget kept back for export + report, on top of one ev
 
 # ---- prompts ------------------------------------------------------------------------------------
 
-def prompt_key(p: Prompt) -> str:
-    return hashlib.sha256(f"{p.source}\0{p.chat}\0{p.text}".encode()).hexdigest()[:16]
-
-
-def load_prompt_files(files: Iterable, limit: int | None = None) -> list[Prompt]:
-    """Prompts of every file (see tide.prompts), duplicates dropped, at most `limit` per file."""
-    seen, out = set(), []
-    for f in files:
-        for p in load_prompts(f, limit):
-            k = prompt_key(p)
-            if k not in seen:
-                seen.add(k)
-                out.append(p)
-    return out
-
-
 def split_prompts(prompts: list[Prompt], eval_prompts: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
     """(train, held-out): a seeded shuffle (sources mixed, so a budget cut keeps every domain), the
     first `eval_prompts` held out. The split of a prompt does not depend on the budget."""
@@ -89,128 +79,6 @@ def split_prompts(prompts: list[Prompt], eval_prompts: int, seed: int) -> tuple[
     random.Random(seed).shuffle(order)
     n = min(eval_prompts, max(0, len(order) - 1))
     return order[n:], order[:n]
-
-
-# ---- generation with capture ----------------------------------------------------------------------
-
-class SequenceChunks:
-    """Capture listener turning engine rows into chunk blobs, one whole sequence at a time.
-
-    Rows are collected per request while the engine runs; `close(request_ids)` appends each
-    finished sequence's rows, in order, to a `ChunkBuilder` (a new chunk starts when a sequence
-    does not fit the current one; longer sequences are split) and returns the encoded chunks with
-    deterministic ids `<prefix>-<k>` (a rerun of the same group rewrites the same files)."""
-
-    def __init__(self, hidden_size: int, target_model: str, chunk_tokens: int = 2048, worker_id: str = "bootstrap",
-                 workload: str = "bootstrap") -> None:
-        self.builder = ChunkBuilder(chunk_tokens, hidden_size, target_model, worker_id)
-        self.workload = workload
-        self.rows: dict[str, list] = {}
-        self.prompt_lens: dict[str, int] = {}
-
-    def __call__(self, rows) -> None:  # engine capture listener (CapturedRows)
-        for r in rows:
-            self.prompt_lens[r.request_id] = r.num_prompt
-            self.rows.setdefault(r.request_id, []).append(
-                (r.start, list(r.token_ids), r.aux.to("cpu", torch.bfloat16, copy=True),
-                 r.final.to("cpu", torch.bfloat16, copy=True)))
-
-    def close(self, request_ids: list[str], prefix: str) -> list[tuple[str, bytes]]:
-        out: list[tuple[str, bytes]] = []
-
-        def flush() -> None:
-            chunk = self.builder.flush(workload=self.workload, chunk_id=f"{prefix}-{len(out)}")
-            if chunk is not None:
-                out.append((chunk.meta.chunk_id, encode_chunk(chunk)))
-
-        for rid in request_ids:
-            parts = sorted(self.rows.pop(rid, []), key=lambda p: p[0])
-            if not parts:
-                continue
-            start = parts[0][0]
-            ids = [t for p in parts for t in p[1]]
-            aux = torch.cat([p[2] for p in parts])
-            final = torch.cat([p[3] for p in parts])
-            pos, mask = learnable_rows(start, len(ids), self.prompt_lens.pop(rid, 0))
-            if len(ids) > self.builder.free and self.builder.num_tokens:
-                flush()
-            done = 0
-            while done < len(ids):
-                done += self.builder.append(rid, ids[done:], pos[done:], aux[done:], final[done:], mask[done:])
-                if self.builder.free == 0:
-                    flush()
-        flush()
-        return out
-
-
-@dataclass
-class GroupResult:
-    keys: list[str]
-    chunks: list[tuple[str, bytes]]
-    output_tokens: list[int]  # per prompt
-    seconds: float
-    verify_steps: int = 0
-    accepted_tokens: int = 0
-
-
-def run_group(engine, sink: SequenceChunks, items: list[tuple[str, list[int]]], max_tokens: int,
-              prefix: str, speculative: bool = False, on_done: Callable[[int], None] | None = None) -> GroupResult:
-    """Greedy continuations of `items` ((key, prompt ids)) with the engine's continuous batching;
-    `on_done(n)` is told whenever n more sequences have finished (progress bars)."""
-    from services.inference.engine.sequence import SamplingParams
-
-    t0 = time.perf_counter()
-    params = SamplingParams(max_tokens=max_tokens)
-    seqs = [engine.add_request(f"{prefix}/{i}", ids, params, speculative, workload=sink.workload)
-            for i, (_, ids) in enumerate(items)]
-    finished = 0
-    while finished < len(seqs):
-        engine.step()
-        n = sum(s.status.is_finished() for s in seqs)
-        if n > finished and on_done is not None:
-            on_done(n - finished)
-        finished = n
-    chunks = sink.close([s.request_id for s in seqs], prefix)
-    return GroupResult(
-        keys=[k for k, _ in items], chunks=chunks, output_tokens=[s.num_output for s in seqs],
-        seconds=time.perf_counter() - t0, verify_steps=sum(s.verify_steps for s in seqs),
-        accepted_tokens=sum(s.accepted_tokens for s in seqs))
-
-
-def write_blob(directory: Path, name: str, data: bytes) -> Path:
-    """Atomic write (temp file + rename): a crash never leaves a half-written chunk under `name`."""
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    path = directory / name
-    os.replace(tmp, path)
-    return path
-
-
-def group_prefix(keys: list[str]) -> str:
-    return "boot-" + hashlib.sha256("\0".join(keys).encode()).hexdigest()[:12]
-
-
-def encode_prompts(tokenizer, prompts: list[Prompt], max_prompt_tokens: int) -> tuple[list[tuple[str, list[int]]], int]:
-    """[(key, ids)] of the prompts that fit `max_prompt_tokens`, and how many were too long."""
-    out, skipped = [], 0
-    for p in prompts:
-        ids = encode_prompt(tokenizer, p)
-        if not ids or len(ids) > max_prompt_tokens:
-            skipped += 1
-            continue
-        out.append((prompt_key(p), ids))
-    return out, skipped
-
-
-def make_engine(model, batch: int, max_prompt_tokens: int, max_tokens: int, drafter=None, gamma: int = 0):
-    from services.inference.engine.engine import EngineConfig, LLMEngine
-    from tide.policies import FixedGamma
-
-    max_len = min(max_prompt_tokens + max_tokens + 1, model.cfg.max_position_embeddings)
-    cfg = EngineConfig(max_batch=batch, max_seq_len=max_len, max_gamma=max(gamma, 1), worker_id="bootstrap")
-    return LLMEngine(model, cfg, drafter=drafter, policy=FixedGamma(gamma))
 
 
 # ---- configuration and manifest -----------------------------------------------------------------
@@ -318,24 +186,7 @@ class Clock:
         return dt
 
 
-def _bar(total, desc: str, unit: str, enabled: bool, initial: int = 0):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True)
-
-
 # ---- the pipeline -----------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def torch_threads(n: int | None):
-    """Set torch's intra-op threads for the block (None: leave as is)."""
-    before = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def bootstrap(cfg: BootstrapConfig) -> dict:
@@ -402,49 +253,59 @@ def generate_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: C
     sink = SequenceChunks(model.cfg.hidden_size, target.model_id, cfg.chunk_tokens)
     engine.capture_listeners.append(sink)
     group = 2 * cfg.batch
-    rate = None  # seconds per prompt, measured
     n_train_done = sum(1 for v in done.values() if v["split"] == "train")
     for split in ("eval", "train"):
-        pending = iter(todo[split])  # encoded a group at a time: a big prompt file costs nothing up front
         initial = n_train_done if split == "train" else len(eval_prompts) - len(todo["eval"])
-        bar = _bar(initial + len(todo[split]), f"generate ({split})", "prompt", cfg.progress, initial)
-        while True:
+        bar = progress_bar(initial + len(todo[split]), f"generate ({split})", "prompt", cfg.progress, initial)
+        made = {"t0": time.perf_counter(), "prompts": 0, "tokens": 0}  # this split, this run
+
+        def groups(todo_split=todo[split], bar=bar):
+            """Encoded groups of prompts (encoded lazily: a big prompt file costs nothing up front)."""
+            pending = iter(todo_split)
+            while part := list(itertools.islice(pending, group)):
+                items, _ = encode_prompts(tokenizer, part, cfg.max_prompt_tokens)
+                keep = {k for k, _ in items}
+                for p in part:
+                    if prompt_key(p) not in keep:
+                        done[prompt_key(p)] = {"split": "skipped", "tokens": 0}  # too long (or empty)
+                bar.update(len(part) - len(items))
+                yield items
+
+        def admit(split=split, made=made) -> bool:
+            """Another group may start: the held-out set is always completed; training data stops at
+            the token target or when a group would not finish by the deadline (after one group at
+            least, whatever the budget: training needs data)."""
+            if split == "eval":
+                return True
+            if train_full():
+                return False
+            rate = (time.perf_counter() - made["t0"]) / made["prompts"] if made["prompts"] else None
             left = gen_deadline - clock.elapsed()
             out_of_time = left <= 0 or (rate is not None and rate * group / 2 > left)
-            if split == "train" and (train_full() or (out_of_time and manifest.tokens("train") > 0)):
-                break  # (one group at least, whatever the budget: training needs data)
-            part = list(itertools.islice(pending, group))
-            if not part:
-                break
-            items, _ = encode_prompts(tokenizer, part, cfg.max_prompt_tokens)
-            keep = {k for k, _ in items}
-            for p in part:
-                if prompt_key(p) not in keep:
-                    done[prompt_key(p)] = {"split": "skipped", "tokens": 0}  # too long (or empty)
-            bar.update(len(part) - len(items))
-            if not items:
-                continue
-            res = run_group(engine, sink, items, cfg.max_tokens, group_prefix([k for k, _ in items]),
-                            on_done=bar.update)
+            return not (out_of_time and manifest.tokens("train") > 0)
+
+        for res in generate_groups(engine, sink, groups(), cfg.max_tokens, on_done=bar.update, admit=admit):
             for cid, blob in res.chunks:
                 write_blob(out / "chunks" / split, f"{cid}.safetensors", blob)
             manifest.doc["chunks"][split] += [f"{cid}.safetensors" for cid, _ in res.chunks]
-            for (k, _), n in zip(items, res.output_tokens, strict=True):
+            for k, n in zip(res.keys, res.output_tokens, strict=True):
                 done[k] = {"split": split, "tokens": n}
-            stats["prompts"] += len(items)
+            stats["prompts"] += len(res.keys)
             stats["output_tokens"] += sum(res.output_tokens)
-            rate = res.seconds / len(items)
+            made["prompts"] += len(res.keys)
+            made["tokens"] += sum(res.output_tokens)
             clock.charge("generate")
             manifest.save()
+            elapsed = time.perf_counter() - made["t0"]
             if split == "train":
-                fit = bar.n + int(max(0.0, gen_deadline - clock.elapsed()) / rate)
+                fit = bar.n + int(max(0.0, gen_deadline - clock.elapsed()) / (elapsed / made["prompts"]))
                 bar.total = min(bar.total, fit)
                 bar.refresh()
-            bar.set_postfix(tok=manifest.tokens(split), tok_s=f"{sum(res.output_tokens) / max(res.seconds, 1e-9):.0f}")
+            bar.set_postfix(tok=manifest.tokens(split), tok_s=f"{made['tokens'] / max(elapsed, 1e-9):.0f}")
         bar.close()
     stats["seconds"] = time.perf_counter() - t0
-    log.info("generation: %d prompts, %d output tokens in %.0f s", stats["prompts"], stats["output_tokens"],
-             stats["seconds"])
+    log.info("generation: %d prompts, %d output tokens in %.0f s (%.0f tokens/s)", stats["prompts"],
+             stats["output_tokens"], stats["seconds"], stats["output_tokens"] / max(stats["seconds"], 1e-9))
     return stats
 
 
@@ -527,7 +388,7 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
         tr["schedule_steps"] = int(min(max_steps, max(step, step + left / max(t_step, 1e-6))))
         manifest.save()
     total = tr["schedule_steps"]
-    bar = _bar(total, "train", "step", cfg.progress, step)
+    bar = progress_bar(total, "train", "step", cfg.progress, step)
     n_seg = max(1, cfg.evals - (len(tr["curve"]) - 1))  # segments left: `evals` points after the origin
     stopped_early = False
     while step < total:
@@ -642,103 +503,3 @@ def plot_report(report: dict, path: Path) -> None:
     fig.savefig(tmp, dpi=90)
     plt.close(fig)
     os.replace(tmp, path)
-
-
-# ---- evaluation of a draft on prompts -------------------------------------------------------------------
-
-def resolve_draft_dir(path) -> Path:
-    """A checkpoint directory, or a bootstrap output directory (its `draft/`)."""
-    p = Path(path)
-    if (p / "config.json").exists():
-        return p
-    if (p / "draft" / "config.json").exists():
-        return p / "draft"
-    raise FileNotFoundError(f"{p} is neither a draft checkpoint nor a bootstrap directory")
-
-
-def draft_target(draft_dir: Path) -> str:
-    """The target a draft was trained for, from its training record ("ref" when unknown)."""
-    try:
-        return json.loads((draft_dir / "training_record.json").read_text())["args"]["target"]
-    except (OSError, KeyError, ValueError):
-        return "ref"
-
-
-def evaluate_on_prompts(draft, prompt_files: list, target: str | None = None, gammas=(1, 2, 3, 4, 5),
-                        limit: int | None = None, max_tokens: int = 256, batch: int = 32,
-                        max_prompt_tokens: int = 768, dtype: str = "bf16", engine_gamma: int = 0,
-                        ttt_steps: int = 3, chunks_dir=None, progress: bool = True,
-                        threads: int | None = None) -> dict:
-    """Generate greedy continuations of the prompts with capture (with `engine_gamma` > 0: served
-    speculatively by the draft at that γ, which also measures the engine's acceptance length), then
-    evaluate the draft on those chunks (simulated acceptance length per γ, per-step top-1).
-    `chunks_dir`: keep the chunks there (default: a temporary directory, removed)."""
-    with torch_threads(threads):
-        return _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens, batch, max_prompt_tokens,
-                                    dtype, engine_gamma, ttt_steps, chunks_dir, progress)
-
-
-def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens, batch, max_prompt_tokens, dtype,
-                         engine_gamma, ttt_steps, chunks_dir, progress) -> dict:
-    from services.inference.engine.drafters.eagle3 import Eagle3Drafter
-    from services.inference.engine.llama import LlamaModel
-    from services.trainer.training.data import load_dataset
-    from services.trainer.training.evaluate import evaluate
-    from services.trainer.training.head import TargetHead
-    from tide.eagle3 import load_checkpoint
-    from tide.target import load_tokenizer, resolve_target
-
-    draft_dir = resolve_draft_dir(draft)
-    tfiles = resolve_target(target or draft_target(draft_dir))
-    model = LlamaModel.load(tfiles, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
-    prompts = load_prompt_files(prompt_files, limit)
-    items, skipped = encode_prompts(load_tokenizer(tfiles), prompts, max_prompt_tokens)
-    if not items:
-        raise ValueError("no usable prompts")
-    drafter = None
-    if engine_gamma > 0:
-        max_len = min(max_prompt_tokens + max_tokens + engine_gamma + 2, model.cfg.max_position_embeddings)
-        drafter = Eagle3Drafter.from_checkpoint(draft_dir, model, draft_dir.name, batch, max_len)
-    engine = make_engine(model, batch, max_prompt_tokens, max_tokens, drafter, engine_gamma)
-    sink = SequenceChunks(model.cfg.hidden_size, tfiles.model_id, 2048, workload="eval")
-    engine.capture_listeners.append(sink)
-    tmp = None
-    if chunks_dir is None:
-        tmp = tempfile.mkdtemp(prefix="tide-draft-eval-")
-        chunks_dir = tmp
-    chunks_dir = Path(chunks_dir)
-    try:
-        out_tokens = steps = accepted = 0
-        t0 = time.perf_counter()
-        bar = _bar(len(items), "generate", "prompt", progress)
-        for a in range(0, len(items), 2 * batch):
-            part = items[a:a + 2 * batch]
-            res = run_group(engine, sink, part, max_tokens, group_prefix([k for k, _ in part]),
-                            speculative=engine_gamma > 0, on_done=bar.update)
-            for cid, blob in res.chunks:
-                write_blob(chunks_dir, f"{cid}.safetensors", blob)
-            out_tokens += sum(res.output_tokens)
-            steps += res.verify_steps
-            accepted += res.accepted_tokens
-        bar.close()
-        gen_s = time.perf_counter() - t0
-        head = TargetHead.load(tfiles)
-        max_len = max_prompt_tokens + max_tokens + 1  # one piece per sequence: the whole context, as served
-        data = load_dataset(chunks_dir, head, max_len, expected_target=tfiles.model_id)
-        d = load_checkpoint(draft_dir, head.embed, head.config, dtype=torch.float32)
-        r = evaluate(d, data, head, gammas=tuple(gammas), ttt_steps=ttt_steps, max_len=max_len)
-    finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-    result = {
-        "draft": str(draft_dir), "target": tfiles.model_id,
-        "accept_length": {str(k): v for k, v in r.served.items()},
-        "accept_length_all_rows": {str(k): v for k, v in r.acceptance.items()},
-        "top1": r.ttt_top1, "chain_accuracy": r.chain_accuracy, "ttt_loss": r.ttt_loss, "coverage": r.coverage,
-        "chains": r.chains, "rows": r.tokens, "prompts": len(items), "skipped_long": skipped,
-        "output_tokens": out_tokens, "generation_seconds": gen_s, "max_tokens": max_tokens,
-    }
-    if engine_gamma > 0:
-        result["engine"] = {"gamma": engine_gamma, "verify_steps": steps,
-                            "accept_length": (accepted + steps) / steps if steps else None}
-    return result

@@ -161,7 +161,7 @@ def _bootstrap(args) -> int:
 
 
 def _eval(args) -> int:
-    from services.trainer.bootstrap import evaluate_on_prompts
+    from services.trainer.draft_eval import evaluate_on_prompts
 
     result = evaluate_on_prompts(
         args.draft, list(args.prompts), target=args.target, gammas=args.gamma, limit=args.limit,
@@ -177,7 +177,8 @@ def _eval(args) -> int:
 
 
 def _finetune(args) -> int:
-    from services.trainer.bootstrap import draft_target, resolve_draft_dir, torch_threads
+    from services.trainer.draft_eval import draft_target, resolve_draft_dir
+    from services.trainer.generation import torch_threads
     from services.trainer.training.loop import TrainConfig
     from services.trainer.training.run import train_draft
 
