@@ -147,6 +147,17 @@ def policy_list(quick: bool) -> list[tuple[str, str, dict]]:
             + [(p, p, {}) for p in PEERS + OURS])
 
 
+def select(policies: list[tuple[str, str, dict]], only: list[str] | None) -> list[tuple[str, str, dict]]:
+    """The policies labelled in `only` (all when None), in run order; an unknown label is an error."""
+    if not only:
+        return policies
+    labels = [label for label, _, _ in policies]
+    unknown = sorted(set(only) - set(labels))
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; choose from {labels}")
+    return [p for p in policies if p[0] in only]
+
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))] if s else math.nan
@@ -410,7 +421,7 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
                  "policies": {}}
     rounds: dict[str, list[dict]] = {}
     for _ in range(args.repeat):  # rounds interleave the policies, so slow drift in load hits all alike
-        for label, name, params in (args.policies or policy_list(args.quick)):
+        for label, name, params in (args.policies or select(policy_list(args.quick), args.only)):
             pol = FixedGamma(params["gamma"]) if name == "static" else make_policy(name, params, _copy(prof))
             load = os.getloadavg()[0]
             r = run_policy(model, new_drafter(), pol, prompts, trace, phases, cfg, drain_s, args.clock,
@@ -473,6 +484,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall: real time; cpu: one thread's CPU time, for shared machines (needs --threads 1)")
     parser.add_argument("--reprofile", action="store_true", help="re-measure the profile even if cached")
+    parser.add_argument("--only", nargs="+", metavar="POLICY",
+                        help="run only these (labels as in the table, e.g. none static-3 tide adaptive); the oracle "
+                             "and checks use the static ones among them")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds over all policies; per-phase numbers are the medians (noisy machines)")
     parser.set_defaults(phases=None, policies=None, prompt_ids=None)

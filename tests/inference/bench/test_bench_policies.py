@@ -120,6 +120,14 @@ def test_closed_loop_phase_keeps_its_clients_busy_with_the_same_requests(tiny_mo
     assert len(requests(7)) == 7 and requests(7) == requests(7) != requests(8)
 
 
+def test_only_selects_policies_in_run_order():
+    full = bp.policy_list(quick=False)
+    assert [p[0] for p in bp.select(full, ["tide", "none", "static-3"])] == ["none", "static-3", "tide"]
+    assert bp.select(full, None) == full
+    with pytest.raises(SystemExit, match="unknown policies"):
+        bp.select(full, ["static-9"])
+
+
 @pytest.mark.parametrize("argv", [["--quick"], []])
 def test_cli_arguments(argv):
     parser = argparse.ArgumentParser()
