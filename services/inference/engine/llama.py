@@ -119,6 +119,23 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+# Most rows one lm_head GEMM gets. On the Intel AMX machines (oneDNN bf16), a row's logits from a
+# GEMM of 33 or more rows differ in the last bit from the same row in a GEMM of 1-32 rows (measured
+# for the reference model's 49152 x 576 head: M = 1..32 agree, 33, 48, 64 do not). Verification
+# of a batch (B x (γ + 1) rows) must give each row the bits plain decoding gives it, so larger row
+# counts go in blocks of this many. On machines where every M agrees it costs one more pass over
+# the head per 32 rows, only in verification of large batches.
+LOGITS_BLOCK_ROWS = 32
+
+
+def vocab_logits(rows: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """rows [R, H] @ head[V, H].T in GEMMs of at most LOGITS_BLOCK_ROWS rows (batch-invariant)."""
+    if rows.shape[0] <= LOGITS_BLOCK_ROWS:
+        return F.linear(rows, head)
+    return torch.cat([F.linear(rows[i:i + LOGITS_BLOCK_ROWS], head)
+                      for i in range(0, rows.shape[0], LOGITS_BLOCK_ROWS)])
+
+
 class LlamaModel:
     """The target model: weights + a forward over the slot cache."""
 
@@ -232,7 +249,7 @@ class LlamaModel:
         final = rms_norm(x, self.norm, cfg.rms_norm_eps)
         flat = final.view(B * q, -1)
         rows = flat if fb.logits_rows is None else flat.index_select(0, fb.logits_rows)
-        logits = F.linear(rows, self.lm_head)
+        logits = vocab_logits(rows, self.lm_head)
         if not fb.capture:
             return logits, None, None
         if len(self._aux) != 3:

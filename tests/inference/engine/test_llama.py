@@ -68,3 +68,19 @@ def test_reference_model_matches_transformers(ref_target):
     ref, _ = _hf_logits(ref_target, ids)
     logits, _, _ = model.forward(_prefill_batch(ids), model.new_cache(1, 32))
     assert (logits - ref).abs().max() <= 1e-3
+
+
+@pytest.mark.parametrize("rows", [33, 48, 97])
+def test_vocab_logits_of_a_row_do_not_depend_on_how_many_rows_share_the_gemm(rows):
+    """Verification computes B x (γ + 1) logits rows at once, plain decoding one: each row must get
+    the same bits either way (greedy losslessness). On oneDNN's AMX path a bf16 GEMM of 33+ rows
+    rounds a row differently from one of 1-32 rows (the reference head's shape), which one plain
+    `F.linear` over all rows fails here; `vocab_logits` blocks the rows."""
+    from services.inference.engine.llama import vocab_logits
+
+    g = torch.Generator().manual_seed(0)
+    head = (torch.randn(49152, 576, generator=g) * 0.05).bfloat16()  # the reference model's lm_head shape
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    together = vocab_logits(x, head)
+    for i in (0, rows // 2, rows - 1):
+        assert torch.equal(together[i], vocab_logits(x[i:i + 1], head)[0]), i
