@@ -164,7 +164,10 @@ def test_readme_command_serves_the_reference_model(tmp_path):
         with httpx.Client(base_url=m.group(2), timeout=120) as client:
             r = client.post("/v1/chat/completions", json={
                 "model": "SmolLM2-135M-Instruct", "max_tokens": 24, "temperature": 0,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+                # "What is the capital of France?" alone is a near-tie for this model: fp32 puts "The"
+                # 0.08 above "L" (a bf16 ulp there is 0.125), so bf16 rounding on some CPUs (Intel
+                # AMX) starts "L'Étoile, ..." instead. This phrasing answers "Paris" in bf16 and fp32.
+                "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]})
             assert r.status_code == 200, r.text
             body = r.json()
             assert "Paris" in body["choices"][0]["message"]["content"]
