@@ -70,6 +70,10 @@ class PhaseSpec:
     burst: float = 1.0
     clients: int = 0
 
+    def __post_init__(self) -> None:
+        if self.clients and self.rate_rps:
+            raise ValueError(f"phase {self.name!r}: closed-loop (clients) or open-loop (rate_rps), not both")
+
     @property
     def load(self) -> float:
         """For ranking phases by load: requests in flight (closed) or arriving per second (open)."""
@@ -100,10 +104,8 @@ def make_trace(phases, n_prompts: int, seed: int, tokens: tuple[int, int]) -> li
     """Seeded arrivals (times in s from the trace start), each with a prompt index and max_tokens."""
     rng, out, start = random.Random(seed), [], 0.0
     for i, ph in enumerate(phases):
-        times: list[float] = []
-        if ph.clients:  # closed loop: arrivals follow completions (run_policy, ClosedLoop)
-            pass
-        elif ph.rate_rps > 0 and ph.burst > 1:  # `burst` requests at once, evenly spread bursts ± 25 % jitter
+        times: list[float] = []  # none for a closed-loop phase (rate 0): its arrivals follow completions
+        if ph.rate_rps > 0 and ph.burst > 1:  # `burst` requests at once, evenly spread bursts ± 25 % jitter
             n_bursts = max(1, round(ph.duration_s * ph.rate_rps / ph.burst))
             period = ph.duration_s / n_bursts
             for j in range(n_bursts):

@@ -91,6 +91,8 @@ def test_closed_loop_phase_keeps_its_clients_busy_with_the_same_requests(tiny_mo
     phases = (bp.PhaseSpec("busy", 0.6, clients=3), bp.PhaseSpec("open", 0.3, 20.0))
     trace = bp.make_trace(phases, len(prompts), 0, (4, 8))
     assert trace and {a.phase for a in trace} == {1}  # closed phases have no pre-drawn arrivals
+    with pytest.raises(ValueError, match="not both"):
+        bp.PhaseSpec("mixed", 1.0, 2.0, clients=3)
     cfg = EngineConfig(max_batch=4, max_seq_len=64, max_gamma=3)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
