@@ -47,18 +47,22 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
 
 
 def rope_table(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] (halves duplicated, HF's rotate_half layout)."""
+    """RoPE tables [max_positions, head_dim] for `apply_rope`: cos, and sin with its first half
+    negated (the sign HF's rotate_half puts on it, folded in once here instead of every step)."""
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    sin[:, : inv_freq.shape[0]].neg_()
+    return emb.cos(), sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, q, D]; cos/sin: [B, 1, q, D] gathered at each token's position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x: [B, heads, q, D]; cos/sin: [B, 1, q, D] from `rope_table`, gathered at each token's position.
+
+    HF's x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]: here [x2, x1] * [-s, s],
+    the same products bit for bit in 4 ops instead of 7 (this runs twice per layer per step)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Linear:

@@ -18,7 +18,7 @@ from services.inference.engine.drafters.base import DraftAlgorithm, Drafter
 from services.inference.engine.features import FeatureStore
 from services.inference.engine.llama import LlamaModel
 from services.inference.engine.model_runner import ModelRunner
-from services.inference.engine.sampling import sample, target_probs, verify_greedy, verify_sampling
+from services.inference.engine.sampling import greedy_tokens, sample, target_probs, verify_greedy, verify_sampling
 from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tide.policies import FixedGamma, GammaPolicy, RequestView, StepContext, StepFeedback
@@ -221,7 +221,7 @@ class LLMEngine:
             if not completes:
                 continue
             if seq.params.greedy:
-                token = int(out.logits[-1].argmax())
+                token = int(greedy_tokens(out.logits[-1:])[0])
             else:
                 token = sample(target_probs(out.logits[-1:].cpu(), seq.params)[0], self._generators[seq.request_id])
             seq.status = SequenceStatus.RUNNING
@@ -246,7 +246,7 @@ class LLMEngine:
         new_tokens = [[seq.token_ids[-1], *d] for seq, d in zip(seqs, drafts, strict=True)]
         starts = [seq.num_cached for seq in seqs]
         out = self.runner.run(seqs, new_tokens, starts, [0] * len(seqs), self._capture())
-        greedy_rows = out.logits.argmax(-1).tolist() if any(s.params.greedy for s in seqs) else None
+        greedy_rows = greedy_tokens(out.logits).tolist() if any(s.params.greedy for s in seqs) else None
         results: list[_Decoded] = []
         for i, seq in enumerate(seqs):
             lo, hi = out.row_offsets[i], out.row_offsets[i + 1]

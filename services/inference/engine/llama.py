@@ -199,7 +199,12 @@ class LlamaModel:
         cfg = self.cfg
         B, q = fb.input_ids.shape
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = F.embedding(fb.input_ids, self.embed)
+        # A lone row (batch-1 decode) goes through the projections as two identical rows: oneDNN's
+        # single-row GEMV path rounds differently from the GEMM path every M >= 2 shares, and
+        # plain decoding must give the bits verification (several rows) gives. Padding the stream
+        # here costs one copy per layer instead of one per projection (see Linear.__call__).
+        pair = B * q == 1 and self.device.type == "cpu"
+        x = F.embedding(fb.input_ids.expand(1, 2) if pair else fb.input_ids, self.embed)
         cos = self.cos[fb.positions].unsqueeze(1)  # [B, 1, q, hd]
         sin = self.sin[fb.positions].unsqueeze(1)
         small = q <= self.SMALL_Q
@@ -219,7 +224,7 @@ class LlamaModel:
         aux: dict[int, torch.Tensor] = {}
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = rms_norm(x, ln1, cfg.rms_norm_eps)
-            qkv = qkv_proj(h)
+            qkv = qkv_proj(h)[:, :1] if pair else qkv_proj(h)
             # RoPE on q and k heads together: one rotation for both.
             qk = apply_rope(qkv[..., :(nh + nkv) * hd].view(B, q, nh + nkv, hd).transpose(1, 2), cos, sin)
             qh, kh = qk[:, :nh], qk[:, nh:]
@@ -240,13 +245,14 @@ class LlamaModel:
             else:
                 attn = F.scaled_dot_product_attention(qh, keys.to(qh.dtype), values.to(qh.dtype), attn_mask=fb.mask,
                                                       enable_gqa=nkv != nh)
-            x = x + o_proj(attn.transpose(1, 2).reshape(B, q, nh * hd))
+            attn = attn.transpose(1, 2).reshape(B, q, nh * hd)
+            x = x + o_proj(attn.expand(1, 2, -1).contiguous() if pair else attn)
             h = rms_norm(x, ln2, cfg.rms_norm_eps)
             gate, up = gate_up_proj(h).chunk(2, dim=-1)
             x = x + down_proj(F.silu(gate) * up)
             if fb.capture and i in self._aux:
-                aux[i] = x
-        final = rms_norm(x, self.norm, cfg.rms_norm_eps)
+                aux[i] = x[:, :1] if pair else x
+        final = rms_norm(x[:, :1] if pair else x, self.norm, cfg.rms_norm_eps)
         flat = final.view(B * q, -1)
         rows = flat if fb.logits_rows is None else flat.index_select(0, fb.logits_rows)
         logits = vocab_logits(rows, self.lm_head)

@@ -33,6 +33,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax per row of logits [R, V]. bf16 -> float32 is exact, so this is the bf16 argmax (ties
+    included: both return the first maximum); on CPU torch's bf16 argmax is unvectorised and took
+    173 us for the reference model's 49k-entry rows, float32 36 us with the conversion."""
+    return logits.float().argmax(-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
