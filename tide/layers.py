@@ -130,8 +130,14 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     On CPU (MKL), a GEMM's result for one row changes with the number of rows, but
     `K[L, D] @ Q_j[D, g]` with a fixed g (the query heads of one KV head at one position) and
     zero-padded `P_j[g, L] @ V[L, D]` give the same bits for any L >= 8 and any batch. So we loop
-    over the t query positions (t <= γ + 1) instead of folding them into one GEMM; L is padded
-    to at least MIN_KEYS by the caller (tiny L takes a different MKL path).
+    over the t query positions (t <= γ + 1) instead of folding them into one GEMM.
+
+    The caller pads L to a multiple of GROUPED_KEY_BLOCK (masking the padding with -inf): torch's
+    CPU softmax adds a row's last L mod 16 entries in another order than the vectorised body, so
+    the same row padded to another length (a longer batch mate) could get a normaliser one ulp
+    off — measured on 8 of 252 random rows, and seen as 18,944 vs 18,950 tokens from the same
+    prompts batched differently. Over multiples of 64 padding only adds zeros to the same partial
+    sums (P @ V likewise), and tiny L (< 8), which takes another MKL path, cannot occur.
     """
     B, hq, t, d = q.shape
     hkv = k.shape[1]
@@ -153,4 +159,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     return out.to(q.dtype).view(B, hq, t, d)
 
 
-GROUPED_MIN_KEYS = 8  # grouped_attention needs L >= this for batch invariance (see its docstring)
+GROUPED_KEY_BLOCK = 64  # grouped_attention's key length is a multiple of this (see its docstring)
+
+
+def pad_keys(n: int) -> int:
+    """n rounded up to a multiple of GROUPED_KEY_BLOCK."""
+    return -(-n // GROUPED_KEY_BLOCK) * GROUPED_KEY_BLOCK

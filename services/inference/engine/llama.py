@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from tide.layers import GROUPED_MIN_KEYS, Linear, apply_rope, grouped_attention, rms_norm, rope_inv_freq, rope_table
+from tide.layers import Linear, apply_rope, grouped_attention, pad_keys, rms_norm, rope_inv_freq, rope_table
 from tide.target import TargetFiles
 
 
@@ -108,6 +108,7 @@ class KVCache:
     """
 
     def __init__(self, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype, device) -> None:
+        max_len = pad_keys(max_len)  # decode attention reads keys in whole blocks (tide.layers.pad_keys)
         shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         if torch.device(device).type == "cpu":
             dtype = torch.float32  # see the class docstring
@@ -129,7 +130,10 @@ LOGITS_BLOCK_ROWS = 32
 
 
 def vocab_logits(rows: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """rows [R, H] @ head[V, H].T in GEMMs of at most LOGITS_BLOCK_ROWS rows (batch-invariant)."""
+    """rows [R, H] @ head[V, H].T in GEMMs of 2 to LOGITS_BLOCK_ROWS rows (batch-invariant). A lone
+    row goes as two, as in Linear.__call__: MKL's float32 GEMV rounds differently from its GEMM."""
+    if rows.shape[0] == 1 and rows.device.type == "cpu":
+        return F.linear(rows.expand(2, -1), head)[:1]
     if rows.shape[0] <= LOGITS_BLOCK_ROWS:
         return F.linear(rows, head)
     return torch.cat([F.linear(rows[i:i + LOGITS_BLOCK_ROWS], head)
@@ -211,7 +215,7 @@ class LlamaModel:
         bias = None
         kv_len = fb.kv_len
         if small:
-            kv_len = max(kv_len, GROUPED_MIN_KEYS)
+            kv_len = pad_keys(kv_len)
             if fb.mask is not None or kv_len != fb.kv_len:
                 visible = fb.mask[:, 0] if fb.mask is not None else torch.ones((B, q, fb.kv_len), dtype=torch.bool)
                 visible = F.pad(visible, (0, kv_len - fb.kv_len), value=False)
