@@ -20,7 +20,8 @@ in `drain` — a policy that leaves a backlog behind gets no credit for it):
   tpot_ms         mean (finish − first token) / (output tokens − 1), ms
   mean_gamma      mean γ over the phase's decode rows;  accept_length: mean tokens per speculative row
 The oracle per phase is the best static γ (0 included) by tok_s in that phase. `--repeat N` runs N
-interleaved rounds and reports medians (and each round's tok/s under `rounds`). `--quick` runs
+interleaved rounds, every other one in reverse order, and reports medians (and each round's tok/s
+under `rounds`). `--quick` runs
 3 phases × 10 s (1 client, 16 clients, bursts) and drops static γ = 2 and 4 (oracle over
 {0, 1, 3, 5}). `--clock cpu --threads 1` replaces wall time by this thread's CPU time (arrivals in
 virtual time): for shared, loaded machines.
@@ -422,8 +423,11 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
                            "tokens": [args.min_tokens, args.max_tokens], "prompts": len(prompts)},
                  "policies": {}}
     rounds: dict[str, list[dict]] = {}
-    for _ in range(args.repeat):  # rounds interleave the policies, so slow drift in load hits all alike
-        for label, name, params in (args.policies or select(policy_list(args.quick), args.only)):
+    order = args.policies or select(policy_list(args.quick), args.only)
+    for r in range(args.repeat):
+        # Rounds interleave the policies, so slow drift in load hits all alike; every other round
+        # runs them in reverse (ABBA), so a policy's place in the round does not favour it either.
+        for label, name, params in (order if r % 2 == 0 else order[::-1]):
             pol = FixedGamma(params["gamma"]) if name == "static" else make_policy(name, params, _copy(prof))
             load = os.getloadavg()[0]
             r = run_policy(model, new_drafter(), pol, prompts, trace, phases, cfg, drain_s, args.clock,
