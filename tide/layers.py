@@ -82,20 +82,12 @@ class Linear:
         self.packed = None
         if weight.device.type == "cpu" and weight.shape[0] <= self.PACK_MAX_OUT and _can_pack():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        # Two-row staging buffer for single-row inputs (see __call__); row 1 stays zero.
-        self._pair = torch.zeros((2, weight.shape[1]), dtype=weight.dtype, device=weight.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1] and x.device.type == "cpu":
-            # A single row takes oneDNN/MKL's GEMV path, whose sums differ in the last bit from
-            # the GEMM path every M >= 2 shares (measured: M = 2..256 agree row for row). Plain
-            # decoding (one row) must equal verification (several rows), so run it as two rows.
-            # Not thread-safe: an engine's model is driven by one thread.
-            self._pair[0].copy_(x.reshape(-1))
-            return self._mm(self._pair)[:1].view(*x.shape[:-1], -1)
-        return self._mm(x)
-
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in]. On CPU give it two or more rows: a single row takes oneDNN/MKL's GEMV
+        path, whose sums differ in the last bit from the GEMM path every M >= 2 shares (measured:
+        M = 2..256 agree row for row), and plain decoding must equal verification. LlamaModel.forward
+        runs a lone decode row as two for that reason."""
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

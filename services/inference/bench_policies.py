@@ -424,10 +424,10 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
                  "policies": {}}
     rounds: dict[str, list[dict]] = {}
     order = args.policies or select(policy_list(args.quick), args.only)
-    for r in range(args.repeat):
+    for rnd in range(args.repeat):
         # Rounds interleave the policies, so slow drift in load hits all alike; every other round
         # runs them in reverse (ABBA), so a policy's place in the round does not favour it either.
-        for label, name, params in (order if r % 2 == 0 else order[::-1]):
+        for label, name, params in (order if rnd % 2 == 0 else order[::-1]):
             pol = FixedGamma(params["gamma"]) if name == "static" else make_policy(name, params, _copy(prof))
             load = os.getloadavg()[0]
             r = run_policy(model, new_drafter(), pol, prompts, trace, phases, cfg, drain_s, args.clock,

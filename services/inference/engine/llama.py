@@ -131,7 +131,8 @@ LOGITS_BLOCK_ROWS = 32
 
 def vocab_logits(rows: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     """rows [R, H] @ head[V, H].T in GEMMs of 2 to LOGITS_BLOCK_ROWS rows (batch-invariant). A lone
-    row goes as two, as in Linear.__call__: MKL's float32 GEMV rounds differently from its GEMM."""
+    row goes as two, as in the projections (see Linear): MKL's float32 GEMV rounds differently
+    from its GEMM."""
     if rows.shape[0] == 1 and rows.device.type == "cpu":
         return F.linear(rows.expand(2, -1), head)[:1]
     if rows.shape[0] <= LOGITS_BLOCK_ROWS:
@@ -206,7 +207,7 @@ class LlamaModel:
         # A lone row (batch-1 decode) goes through the projections as two identical rows: oneDNN's
         # single-row GEMV path rounds differently from the GEMM path every M >= 2 shares, and
         # plain decoding must give the bits verification (several rows) gives. Padding the stream
-        # here costs one copy per layer instead of one per projection (see Linear.__call__).
+        # here costs one copy per layer (the attention output) instead of one per projection.
         pair = B * q == 1 and self.device.type == "cpu"
         x = F.embedding(fb.input_ids.expand(1, 2) if pair else fb.input_ids, self.embed)
         cos = self.cos[fb.positions].unsqueeze(1)  # [B, 1, q, hd]
