@@ -22,6 +22,11 @@ class RunOutput:
     final: torch.Tensor | None  # [B, q, H] post-norm final states (padded), or None
 
 
+# Attention over a span of cache slots computes every slot in it, idle ones too; up to this many
+# slots per sequence in the batch that is cheaper than gathering the batch's keys and values.
+SPAN_MAX_IDLE = 2
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, max_batch: int, max_seq_len: int, max_new_per_step: int) -> None:
         self.model = model
@@ -55,6 +60,7 @@ class ModelRunner:
         slots_list = [s.slot for s in seqs]
         kv_len = max(st + q for st in starts)
         contiguous = slots_list == list(range(slots_list[0], slots_list[0] + B))
+        span = (min(slots_list), max(slots_list) + 1)
         mask = None
         if not (B == 1 and q == 1):
             # Key position k is visible to the query at position p iff k <= p: causal within the new
@@ -68,6 +74,7 @@ class ModelRunner:
             kv_len=kv_len,
             mask=mask,
             slot_range=(slots_list[0], slots_list[0] + B) if contiguous else None,
+            slot_span=span if not contiguous and span[1] - span[0] <= SPAN_MAX_IDLE * B else None,
             logits_rows=None if len(rows) == B * q else torch.tensor(rows, dtype=torch.long, device=self.device),
             capture=capture,
         )

@@ -111,3 +111,35 @@ def test_decode_logits_do_not_depend_on_a_longer_batch_mate(tmp_path):
         if not torch.equal(alone[0], both[0]):
             mismatched.append(n)
     assert not mismatched
+
+
+def test_attention_over_a_slot_span_equals_gathering_the_slots(tmp_path):
+    """Batches whose slots are not one range read the span of cache slots around them (an idle slot
+    with a stale sequence included, out of order) instead of gathering: each sequence's decode and
+    verify logits must have the bits the gathered batch gives it (and, decoding, the bits it gets
+    alone), and the idle slot's stale contents must not leak in."""
+    model = LlamaModel.load(save_tiny_target(tmp_path), dtype=torch.float32)
+    cache = model.new_cache(4, 200)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 96, (4, 120), generator=g)
+    lengths = {0: 37, 1: 90, 2: 64, 3: 101}
+    for slot, n in lengths.items():  # slot 1 keeps a stale sequence, idle in the batch below
+        fb = _prefill_batch(ids[slot:slot + 1, :n])
+        model.forward(ForwardBatch(fb.input_ids, fb.positions, torch.tensor([slot]), fb.kv_len, fb.mask,
+                                   slot_range=(slot, slot + 1)), cache)
+    slots = [3, 0, 2]
+    for q in (1, 3):  # decode, and verification of 3 tokens
+        pos = torch.stack([torch.arange(lengths[s], lengths[s] + q) for s in slots])
+        kv_len = int(pos.max()) + 1
+        mask = torch.arange(kv_len)[None, None, None, :] <= pos[:, None, :, None]
+        batch = torch.stack([ids[s, lengths[s]:lengths[s] + q] for s in slots])
+        spanned, _, _ = model.forward(ForwardBatch(batch, pos, torch.tensor(slots), kv_len, mask,
+                                                   slot_span=(0, 4)), cache)
+        gathered, _, _ = model.forward(ForwardBatch(batch, pos, torch.tensor(slots), kv_len, mask), cache)
+        assert torch.equal(spanned, gathered), q
+        if q == 1:
+            for i, s in enumerate(slots):
+                n = lengths[s]
+                alone, _, _ = model.forward(ForwardBatch(ids[s:s + 1, n:n + 1], torch.tensor([[n]]), torch.tensor([s]),
+                                                         n + 1, None, slot_range=(s, s + 1)), cache)
+                assert torch.equal(spanned[i], alone[0]), s
