@@ -229,8 +229,12 @@ class RegistryClient:
             registry_pb2.UnpinRequest(target_model=target_model, reason=reason), timeout=self.timeout_s
         )
 
-    def rollback(self, target_model: str, reason: str = "", to_version: str = "") -> registry_pb2.PointerState:
+    def rollback(
+        self, target_model: str, reason: str = "", to_version: str = "", expected_current: str | None = None
+    ) -> registry_pb2.PointerState:
         req = registry_pb2.RollbackRequest(target_model=target_model, reason=reason, to_version=to_version)
+        if expected_current is not None:
+            req.expected_current = expected_current
         return self.stub.Rollback(req, timeout=self.timeout_s)
 
     # watch

@@ -28,9 +28,10 @@ class GrpcRegistry:
             raise _error(e) from None
         return p.current, p.pinned
 
-    def rollback(self, target_model: str, to_version: str, reason: str) -> str:
+    def rollback(self, target_model: str, to_version: str, reason: str, expected_current: str) -> str:
         try:
-            return self.client.rollback(target_model, reason=reason, to_version=to_version).current
+            return self.client.rollback(target_model, reason=reason, to_version=to_version,
+                                        expected_current=expected_current).current
         except grpc.RpcError as e:
             raise _error(e) from None
 

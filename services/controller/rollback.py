@@ -39,8 +39,9 @@ class RegistryPort(Protocol):
         """(current, pinned) versions of the target."""
         ...
 
-    def rollback(self, target_model: str, to_version: str, reason: str) -> str:
-        """Make `to_version` current again; returns the new current version."""
+    def rollback(self, target_model: str, to_version: str, reason: str, expected_current: str) -> str:
+        """Make `to_version` current again if `expected_current` still is (RollbackRefused
+        otherwise); returns the new current version."""
         ...
 
 
@@ -175,7 +176,8 @@ class RollbackGuard:
                     self._end(target, f"would roll back, but the registry points elsewhere now (current "
                                       f"{current or '-'}, pinned {pinned or '-'}): {record.reason}")
                 return None
-            self.port.rollback(target, w.previous, record.reason)
+            # expected_current: a promotion between the check above and this call wins, atomically
+            self.port.rollback(target, w.previous, record.reason, expected_current=w.version)
         except RegistryUnavailable as e:
             with self._lock:
                 self.failures[target] += 1

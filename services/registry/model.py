@@ -222,13 +222,18 @@ def _next(
     return replace(state, **changes, history=(event, *state.history)[:HISTORY_LIMIT], generation=gen)
 
 
-def promote(
-    state: PointerState, version: str, reason: str, actor: str, now: float, expected_current: str | None = None
-) -> PointerState:
+def _check_current(state: PointerState, expected_current: str | None) -> None:
+    """Optimistic concurrency of promote/rollback: refuse unless `current` is still the expected one."""
     if expected_current is not None and state.current != expected_current:
         raise FailedPrecondition(
             f"current draft of {state.target_model} is {state.current or 'none'!r}, not {expected_current!r}"
         )
+
+
+def promote(
+    state: PointerState, version: str, reason: str, actor: str, now: float, expected_current: str | None = None
+) -> PointerState:
+    _check_current(state, expected_current)
     if version == state.current:
         raise NoChange(state)
     previous = tuple(v for v in ((state.current,) if state.current else ()) + state.previous if v != version)
@@ -257,7 +262,10 @@ def unpin(state: PointerState, reason: str, actor: str, now: float) -> PointerSt
     return _next(state, "unpin", state.pinned, state.current, reason, actor, now, pinned="")
 
 
-def rollback(state: PointerState, reason: str, actor: str, now: float, to_version: str = "") -> PointerState:
+def rollback(
+    state: PointerState, reason: str, actor: str, now: float, to_version: str = "", expected_current: str | None = None
+) -> PointerState:
+    _check_current(state, expected_current)
     if not state.previous:
         raise FailedPrecondition(f"{state.target_model} has no previous draft to roll back to")
     target = to_version or state.previous[0]

@@ -207,8 +207,9 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
 
     @_rpc
     def Rollback(self, request, context):
+        expected = request.expected_current if request.HasField("expected_current") else None
         return self._changed(
-            self.store.rollback(request.target_model, request.reason, _actor(context), request.to_version)
+            self.store.rollback(request.target_model, request.reason, _actor(context), request.to_version, expected)
         )
 
     def _assignment(self, s: PointerState) -> registry_pb2.TargetAssignment:

@@ -245,11 +245,14 @@ class RegistryStore:
         now = self.clock()
         return self._mutate(m.check_target(target), lambda s: m.unpin(s, reason, actor, now))
 
-    def rollback(self, target: str, reason: str = "", actor: str = "", to_version: str = "") -> PointerState:
+    def rollback(
+        self, target: str, reason: str = "", actor: str = "", to_version: str = "", expected_current: str | None = None
+    ) -> PointerState:
         if to_version:
             target, to_version = self._version_of(target, to_version)
         now = self.clock()
-        return self._mutate(m.check_target(target), lambda s: m.rollback(s, reason, actor, now, to_version))
+        return self._mutate(m.check_target(target),
+                            lambda s: m.rollback(s, reason, actor, now, to_version, expected_current))
 
 
 def _check_json(text: str) -> None:

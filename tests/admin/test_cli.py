@@ -64,7 +64,10 @@ def test_promote_pin_unpin_rollback(seeded, capsys):
     }
     code, out, _ = run(capsys, "drafts", "list")
     assert "effective,pinned" in out and "current" in out
-    code, out, _ = run(capsys, "drafts", "rollback", "--reason", "acceptance fell")  # the only target: inferred
+    code, _, err = run(capsys, "drafts", "rollback", "--expect-current", v1)  # stale: v2 is current
+    assert code == 4 and f"is '{v2}', not '{v1}'" in err
+    # the only target is inferred
+    code, out, _ = run(capsys, "drafts", "rollback", "--reason", "acceptance fell", "--expect-current", v2)
     assert code == 0 and f"rolled back to {v1}" in out and f"pinned to {v3}" in out
     p = run_json(capsys, "drafts", "unpin", TARGET)
     assert (p["effective"], p["pinned"], p["generation"]) == (v1, "", 5)

@@ -24,9 +24,11 @@ class FakeRegistry:
             raise self.error
         return self.current, self.pinned
 
-    def rollback(self, target_model, to_version, reason):
+    def rollback(self, target_model, to_version, reason, expected_current):
         if self.error:
             raise self.error
+        if self.current != expected_current:  # what the real registry answers with FAILED_PRECONDITION
+            raise RollbackRefused(f"current draft is {self.current}, not {expected_current}")
         self.calls.append((target_model, to_version, reason))
         self.current = to_version
         return to_version
@@ -108,6 +110,25 @@ def test_no_rollback_when_the_registry_moved_on_or_is_pinned():
         f.promote()
         f.steps(30, accepted=0, version="v2")
         assert reg.calls == [] and f.guard.watching("m") is None and f.guard.last("m") is None
+
+
+class PromotedMeanwhile(FakeRegistry):
+    """An operator promotes v3 between the guard's pointer check and its rollback call."""
+
+    def pointer(self, target_model):
+        seen = super().pointer(target_model)
+        self.current = "v3"
+        return seen
+
+
+def test_a_promotion_racing_the_rollback_wins():
+    reg = PromotedMeanwhile()
+    f = Fleet(reg, window=20)
+    f.steps(100, accepted=2, version="v1")
+    f.promote()
+    f.steps(30, accepted=0, version="v2")
+    assert reg.calls == [] and reg.current == "v3"  # v3 was not undone
+    assert f.guard.last("m") is None and f.guard.counts() == ({}, {"m": 1})
 
 
 def test_registry_errors_retry_or_give_up():

@@ -82,6 +82,18 @@ def test_rollback_steps_back_and_records_why():
         m.rollback(s2, "", "", 12)
 
 
+def test_rollback_with_expected_current_refuses_after_a_newer_promotion():
+    """The controller decides to roll back v2, an operator promotes v3 meanwhile: the rollback must
+    not undo v3."""
+    s = PointerState(T)
+    for n in (1, 2, 3):
+        s = m.promote(s, v(n), "", "", n)
+    with pytest.raises(FailedPrecondition, match=f"is '{v(3)}', not '{v(2)}'"):
+        m.rollback(s, "auto", "controller", 10, expected_current=v(2))
+    s = m.rollback(s, "auto", "controller", 10, expected_current=v(3))
+    assert s.current == v(2)
+
+
 def test_history_and_previous_are_bounded():
     s = PointerState(T)
     for n in range(1, m.HISTORY_LIMIT + 20):

@@ -76,6 +76,11 @@ def test_status_codes(registry, client, drafts, tmp_path):
     stale = lambda: client.promote(v1, expected_current="")  # noqa: E731  (v1 is current: a no-op is not checked first)
     assert _code(stale) == grpc.StatusCode.FAILED_PRECONDITION
     assert _code(lambda: client.rollback(TARGET)) == grpc.StatusCode.FAILED_PRECONDITION
+    v2 = client.register(TARGET, upload_checkpoint(registry.s3, registry.bucket, drafts(1), TARGET)).version
+    client.promote(v2)
+    assert _code(lambda: client.rollback(TARGET, expected_current=v1)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert client.pointer(TARGET).current == v2  # the stale rollback changed nothing
+    assert client.rollback(TARGET, expected_current=v2).current == v1
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])

@@ -5,7 +5,8 @@
     tidectl drafts pin      VERSION [--reason R]             workers run VERSION until unpin
     tidectl drafts unpin    [TARGET] [--reason R]
     tidectl drafts promote  VERSION [--reason R] [--expect-current V]
-    tidectl drafts rollback [TARGET | VERSION] [--reason R]  back to the previous current (or to VERSION)
+    tidectl drafts rollback [TARGET | VERSION] [--reason R] [--expect-current V]
+                                                              back to the previous current (or to VERSION)
     tidectl drafts watch    TARGET                           print each assignment change (Ctrl-C stops)
 
 Common options (before or after the subcommand): `--registry host:port` (else $TIDE_REGISTRY_ADDR,
@@ -79,12 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("version", metavar="VERSION")
         p.add_argument("--reason", default="")
         if name == "promote":
-            p.add_argument(
-                "--expect-current",
-                dest="expect_current",
-                metavar="VERSION",
-                help="only if this is still the current version ('' = none)",
-            )
+            _expect_current(p)
     p = command("unpin", "remove the pin of a target")
     p.add_argument("name", nargs="?", metavar="TARGET")
     p.add_argument("--reason", default="")
@@ -92,8 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", metavar="TARGET|VERSION")
     p.add_argument("--to", dest="to_version", default="", metavar="VERSION", help="a specific previous version")
     p.add_argument("--reason", default="")
+    _expect_current(p)
     command("watch", "stream a target's assignment").add_argument("name", nargs="?", metavar="TARGET")
     return parser
+
+
+def _expect_current(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expect-current", dest="expect_current", metavar="VERSION",
+                   help="only if this is still the current version ('' = none)")
 
 
 def _target(args, client: RegistryClient, name: str | None = None) -> str:
@@ -146,7 +148,7 @@ def run(args, client: RegistryClient) -> int:
         _pointer_result(args, client.unpin(_target(args, client, args.name), args.reason), "unpinned")
     elif cmd == "rollback":
         to = args.to_version or (args.name if args.name and _VERSION_RE.fullmatch(args.name) else "")
-        state = client.rollback(_target(args, client, args.name or to), args.reason, to)
+        state = client.rollback(_target(args, client, args.name or to), args.reason, to, args.expect_current)
         _pointer_result(args, state, f"rolled back to {state.current}")
     elif cmd == "watch":
         target = _target(args, client, args.name)

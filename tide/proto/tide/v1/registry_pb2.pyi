@@ -128,14 +128,16 @@ class UnpinRequest(_message.Message):
     def __init__(self, target_model: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
-    __slots__ = ("target_model", "reason", "to_version")
+    __slots__ = ("target_model", "reason", "to_version", "expected_current")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CURRENT_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     reason: str
     to_version: str
-    def __init__(self, target_model: _Optional[str] = ..., reason: _Optional[str] = ..., to_version: _Optional[str] = ...) -> None: ...
+    expected_current: str
+    def __init__(self, target_model: _Optional[str] = ..., reason: _Optional[str] = ..., to_version: _Optional[str] = ..., expected_current: _Optional[str] = ...) -> None: ...
 
 class PointerEvent(_message.Message):
     __slots__ = ("action", "from_version", "to_version", "reason", "actor", "time_unix_s")
