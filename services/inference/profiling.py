@@ -5,7 +5,8 @@ process, the tables the γ policies need (seed 000 §4.1: "profile T(n) and D0 a
 returns a `tide.policies.profile.LatencyProfile` (every value in milliseconds):
 
 * T(b, n): one target forward of n new tokens for each of b sequences with `CONTEXT` cached
-  tokens each (the verify step of γ = n − 1), median of `reps` runs after 2 warm-ups;
+  tokens each (the verify step of γ = n − 1), the fastest of `reps` rounds over the whole grid
+  after 2 warm-ups (`interleaved_min_ms`);
 * D(b): one draft step for b sequences (EAGLE-3: one new feature row + one token; n-gram: one
   prompt lookup per sequence; no drafter: 0);
 * c(lag, b): the extra draft cost of feeding `lag` missed feature rows per sequence (EAGLE-3
@@ -25,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -48,10 +48,10 @@ CONTEXT = 128  # cached tokens per sequence when timing forwards (a typical chat
 PREFILL_CHUNK = 128  # tokens in the timed prefill forward
 # Policies whose constructor takes a LatencyProfile (tide and adaptive refuse to run without one).
 PROFILE_POLICIES = ("tide", "adaptive", "nightjar", "onthefly", "vllm", "dsd")
-PROFILE_FORMAT = 2  # bump when what a profile means changes (part of the cache key)
+PROFILE_FORMAT = 3  # bump when what a profile means changes (part of the cache key); 3: minima over rounds
 
 
-_TIMER: list[Callable[[], float]] = [time.perf_counter]  # what median_ms reads (see cpu_timer)
+_TIMER: list[Callable[[], float]] = [time.perf_counter]  # what interleaved_min_ms reads (see cpu_timer)
 
 
 @contextlib.contextmanager
@@ -65,17 +65,24 @@ def cpu_timer():
         _TIMER.pop()
 
 
-def median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
-    """Median time of `fn()` in ms (wall, or CPU inside `cpu_timer`) over `reps` runs after `warmup`."""
+def interleaved_min_ms(fns: list[Callable[[], object]], reps: int, warmup: int = 2) -> list[float]:
+    """Per function, the fastest of `reps` timed runs in ms, the runs taken in rounds over all of
+    `fns` (after `warmup` runs of each). Interference from neighbours only ever adds time, and on a
+    shared VM it comes in bursts of seconds to minutes: consecutive repetitions of one point all
+    land in the same burst (a median of them measured T(16, 1) at 89 ms, above T(16, 2) at 87 ms,
+    and made every policy speculate at batch 16), while rounds spread a burst over all points and
+    the minimum drops it."""
     timer = _TIMER[-1]
-    for _ in range(warmup):
-        fn()
-    times = []
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    best = [float("inf")] * len(fns)
     for _ in range(max(reps, 1)):
-        t0 = timer()
-        fn()
-        times.append((timer() - t0) * 1e3)
-    return statistics.median(times)
+        for i, fn in enumerate(fns):
+            t0 = timer()
+            fn()
+            best[i] = min(best[i], (timer() - t0) * 1e3)
+    return best
 
 
 def fake_seqs(batch: int, length: int, vocab: int | None = None, seed: int = 0) -> list[Sequence]:
@@ -96,14 +103,15 @@ def fake_seqs(batch: int, length: int, vocab: int | None = None, seed: int = 0) 
 def profile_target(model: LlamaModel, batches: Seq[int], ns: Seq[int], reps: int) -> dict[int, dict[int, float]]:
     """T(b, n) in ms: one forward of n new tokens for each of b sequences at CONTEXT cached tokens."""
     runner = ModelRunner(model, max(batches), CONTEXT + max(ns) + 8, max(ns) + 1)
-    table: dict[int, dict[int, float]] = {}
+    points, fwds = [], []
     for b in batches:
         seqs = fake_seqs(b, CONTEXT)
-        table[b] = {}
         for n in ns:
-            toks = [[7] * n for _ in range(b)]
-            fwd = partial(runner.run, seqs, toks, [CONTEXT] * b, [0] * b, False)
-            table[b][n] = round(median_ms(fwd, reps), 3)
+            points.append((b, n))
+            fwds.append(partial(runner.run, seqs, [[7] * n for _ in range(b)], [CONTEXT] * b, [0] * b, False))
+    table: dict[int, dict[int, float]] = {b: {} for b in batches}
+    for (b, n), ms in zip(points, interleaved_min_ms(fwds, reps), strict=True):
+        table[b][n] = round(ms, 3)
     return table
 
 
@@ -113,7 +121,7 @@ def profile_prefill(model: LlamaModel, reps: int) -> float:
     runner = ModelRunner(model, 1, PREFILL_CHUNK + 8, PREFILL_CHUNK)
     seq = fake_seqs(1, PREFILL_CHUNK)
     fwd = partial(runner.run, seq, [[7] * PREFILL_CHUNK], [0], [PREFILL_CHUNK - 1], False)
-    return round(median_ms(fwd, reps) / PREFILL_CHUNK, 4)
+    return round(interleaved_min_ms([fwd], reps)[0] / PREFILL_CHUNK, 4)
 
 
 def random_draft(model: LlamaModel, draft_vocab: int = 8192) -> Eagle3Draft:
@@ -150,8 +158,9 @@ def profile_draft(drafter: Eagle3Drafter, model: LlamaModel, batches: Seq[int], 
                 drafter._consumed[s.request_id] = s.num_cached - lag
             drafter.propose(seqs, [1] * len(seqs), store, [None] * len(seqs))
 
-        step_ms[b] = round(median_ms(partial(run, 1), reps), 3)
-        catchup[b] = {lag: round(max(0.0, median_ms(partial(run, lag), reps) - step_ms[b]), 3) for lag in lags}
+        step, *lagged = interleaved_min_ms([partial(run, 1)] + [partial(run, lag) for lag in lags], reps)
+        step_ms[b] = round(step, 3)
+        catchup[b] = {lag: round(max(0.0, ms - step), 3) for lag, ms in zip(lags, lagged, strict=True)}
         for s in seqs:
             drafter.remove_sequence(s)
     return step_ms, catchup
@@ -162,7 +171,7 @@ def profile_lookup_draft(drafter, vocab: int, batches: Seq[int], reps: int) -> d
     out = {}
     for b in batches:
         seqs = fake_seqs(b, CONTEXT, vocab=vocab, seed=b)
-        out[b] = round(median_ms(partial(drafter.propose, seqs, [1] * b, None, [None] * b), reps), 4)
+        out[b] = round(interleaved_min_ms([partial(drafter.propose, seqs, [1] * b, None, [None] * b)], reps)[0], 4)
     return out
 
 
