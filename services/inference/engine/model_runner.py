@@ -24,7 +24,7 @@ class RunOutput:
 
 # Attention over a span of cache slots computes every slot in it, idle ones too; up to this many
 # slots per sequence in the batch that is cheaper than gathering the batch's keys and values.
-SPAN_MAX_IDLE = 2
+SPAN_MAX_SLOTS_PER_SEQUENCE = 2
 
 
 class ModelRunner:
@@ -74,7 +74,7 @@ class ModelRunner:
             kv_len=kv_len,
             mask=mask,
             slot_range=(slots_list[0], slots_list[0] + B) if contiguous else None,
-            slot_span=span if not contiguous and span[1] - span[0] <= SPAN_MAX_IDLE * B else None,
+            slot_span=span if not contiguous and span[1] - span[0] <= SPAN_MAX_SLOTS_PER_SEQUENCE * B else None,
             logits_rows=None if len(rows) == B * q else torch.tensor(rows, dtype=torch.long, device=self.device),
             capture=capture,
         )
