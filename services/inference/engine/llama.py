@@ -95,7 +95,8 @@ class ForwardBatch:
     # Set when the slots are not one range but lie within range(a, b) = `slot_span`, not too sparse:
     # decode/verify attention then reads the span as a view (every slot in it, in slot order) and
     # each sequence takes its row `slots - a`, instead of gathering its keys and values (a copy of
-    # the batch's whole cache every layer: at batch 32 with 640 keys, 73 of 190 ms a step).
+    # the batch's whole cache every layer: at batch 32 with 640 keys a step took 190 ms gathered,
+    # 141 ms over the span, 117 ms with contiguous slots).
     slot_span: tuple[int, int] | None = None
 
 
