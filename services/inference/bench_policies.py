@@ -21,7 +21,8 @@ in `drain` — a policy that leaves a backlog behind gets no credit for it):
   mean_gamma      mean γ over the phase's decode rows;  accept_length: mean tokens per speculative row
 The oracle per phase is the best static γ (0 included) by tok_s in that phase. `--repeat N` runs N
 interleaved rounds, every other one in reverse order, and reports medians (and each round's tok/s
-under `rounds`). `--quick` runs
+under `rounds`); the done-when `checks` are medians over rounds of ratios taken within a round,
+between runs placed next to each other (`policy_list`). `--quick` runs
 3 phases × 10 s (1 client, 16 clients, bursts) and drops static γ = 2 and 4 (oracle over
 {0, 1, 3, 5}). `--clock cpu --threads 1` replaces wall time by this thread's CPU time (arrivals in
 virtual time): for shared, loaded machines.
@@ -144,10 +145,13 @@ class ClosedLoop:
 
 
 def policy_list(quick: bool) -> list[tuple[str, str, dict]]:
-    """(label, registry name, params) in run order."""
-    statics = (1, 3, 5) if quick else (1, 2, 3, 4, 5)
-    return ([("none", "static", {"gamma": 0})] + [(f"static-{g}", "static", {"gamma": g}) for g in statics]
-            + [(p, p, {}) for p in PEERS + OURS])
+    """(label, registry name, params) in run order. Ours run between the two policies the checks
+    divide by, no speculation and static γ = 3, so that each check's ratio is taken between runs a
+    policy apart (≈ 35 s in --quick) and not minutes apart: this VM's speed drifts over minutes."""
+    statics = (1, 5) if quick else (1, 2, 4, 5)
+    static = lambda g: (f"static-{g}", "static", {"gamma": g})  # noqa: E731
+    return ([static(g) for g in statics] + [(p, p, {}) for p in PEERS] + [("none", "static", {"gamma": 0})]
+            + [(p, p, {}) for p in OURS] + [static(3)])
 
 
 def select(policies: list[tuple[str, str, dict]], only: list[str] | None) -> list[tuple[str, str, dict]]:
@@ -326,6 +330,32 @@ def checks(results: dict, orc: dict, low: str = "low", high: str = "high") -> di
     return out
 
 
+def paired_checks(rounds: dict[str, list[dict]], phases, low: str, high: str) -> dict:
+    """`checks` taken within each round (its own oracle too), then the median of every ratio over
+    the rounds: a ratio of two runs of one round, not of two medians that may come from different
+    rounds (minutes apart on a drifting machine). `per_round` keeps each round's ratios."""
+    n = min(len(runs) for runs in rounds.values())
+    per_round = []
+    for i in range(n):
+        results = {label: runs[i] for label, runs in rounds.items()}
+        per_round.append(checks(results, oracle(results, phases), low, high))
+    med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
+    out: dict = {}
+    for ours in [p for p in OURS if p in per_round[0]]:
+        rs = [c[ours] for c in per_round]
+        r = {k: med([x[k] for x in rs]) for k in ("vs_static3_overall", "vs_none_high", "vs_oracle_low")}
+        r["vs_peers_overall"] = {p: med([x["vs_peers_overall"][p] for x in rs]) for p in rs[0]["vs_peers_overall"]}
+        r["meets"] = {"static3_x1.10": r["vs_static3_overall"] >= 1.10, "none_high_x0.97": r["vs_none_high"] >= 0.97,
+                      "oracle_low_x0.97": r["vs_oracle_low"] >= 0.97,
+                      "beats_all_peers": all(v > 1.0 for v in r["vs_peers_overall"].values())}
+        r["per_round"] = [{k: x[k] for k in ("vs_static3_overall", "vs_none_high", "vs_oracle_low")} for x in rs]
+        out[ours] = r
+    if out:
+        tok = lambda k: statistics.median(run["overall"]["tok_s"] for run in rounds[k])  # noqa: E731
+        out["best"] = max(out, key=tok)
+    return out
+
+
 def plots(res: dict, out_dir: Path) -> list[str]:
     """throughput.png (tok/s per phase per policy) and gamma.png (γ and batch over time)."""
     import matplotlib
@@ -446,7 +476,10 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
     names = [p.name for p in phases]
     high = max(phases, key=lambda p: p.load).name
     needed = {"none", "static-3"} <= set(res["policies"])
-    res["checks"] = checks(res["policies"], res["oracle"], names[0], high) if needed else {}
+    # the done-when ratios: medians of within-round ratios (see paired_checks); `checks_of_medians`
+    # divides the per-policy medians instead, for comparison
+    res["checks"] = paired_checks(rounds, phases, names[0], high) if needed else {}
+    res["checks_of_medians"] = checks(res["policies"], res["oracle"], names[0], high) if needed else {}
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
     return res
 

@@ -23,7 +23,9 @@ def test_trace_is_seeded_and_phased():
     per = [sum(x.phase == i for x in a) for i in range(3)]
     assert per[1] > per[0]  # the high-rate phase brings more requests
     labels = [p[0] for p in bp.policy_list(quick=True)]
-    assert labels[:4] == ["none", "static-1", "static-3", "static-5"]
+    # each done-when ratio divides runs placed next to each other: none | ours | static-3
+    assert labels[-4:] == ["none", "tide", "adaptive", "static-3"]
+    assert {"static-1", "static-5"} <= set(labels)
     assert {"adaptive", "tide", "nightjar"} <= set(labels)
     assert len(bp.policy_list(quick=False)) == len(labels) + 2
 
@@ -124,7 +126,7 @@ def test_closed_loop_phase_keeps_its_clients_busy_with_the_same_requests(tiny_mo
 
 def test_only_selects_policies_in_run_order():
     full = bp.policy_list(quick=False)
-    assert [p[0] for p in bp.select(full, ["tide", "none", "static-3"])] == ["none", "static-3", "tide"]
+    assert [p[0] for p in bp.select(full, ["tide", "none", "static-3"])] == ["none", "tide", "static-3"]
     assert bp.select(full, None) == full
     with pytest.raises(SystemExit, match="unknown policies"):
         bp.select(full, ["static-9"])
@@ -145,3 +147,31 @@ def test_tide_cli_registers_bench_policies(capsys):
         with pytest.raises(SystemExit) as exc:
             main(["bench", kind, "--help"])
         assert exc.value.code == 0 and "--quick" in capsys.readouterr().out
+
+
+def _round(speed: dict[str, float]) -> dict[str, dict]:
+    """One round's results: every policy at `speed[label]` tok/s in every phase (others at 50)."""
+    labels = [label for label, _, _ in bp.policy_list(quick=True)]
+    tok = {label: speed.get(label, 50.0) for label in labels}
+    return {label: {"overall": {"tok_s": t}, "phases": {ph: {"tok_s": t} for ph in ("low", "high")}, "loadavg_1m": 0.0}
+            for label, t in tok.items()}
+
+
+def test_checks_divide_runs_of_the_same_round():
+    """A burst of load that slows one policy's run in one round must not decide a check: the ratio is
+    taken within each round (median over rounds), not between medians that come from different
+    rounds. Here tide runs at 0.98x none in two rounds and at a third of its speed in one."""
+    phases = (bp.PhaseSpec("low", 1, clients=1), bp.PhaseSpec("high", 1, clients=16))
+    speeds = [{"none": 60.0, "tide": 58.8, "static-3": 40.0}, {"none": 100.0, "tide": 98.0, "static-3": 70.0},
+              {"none": 100.0, "tide": 33.0, "static-3": 70.0}]
+    rounds: dict[str, list[dict]] = {}
+    for sp in speeds:
+        for label, run in _round(sp).items():
+            rounds.setdefault(label, []).append(run)
+    paired = bp.paired_checks(rounds, phases, "low", "high")["tide"]
+    assert paired["vs_none_high"] == pytest.approx(0.98, abs=1e-3) and paired["meets"]["none_high_x0.97"]
+    assert [r["vs_none_high"] for r in paired["per_round"]] == pytest.approx([0.98, 0.98, 0.33], abs=1e-3)
+    assert paired["vs_static3_overall"] == pytest.approx(1.4, abs=1e-3)
+    medians = {label: bp._median_run(runs) for label, runs in rounds.items()}
+    pooled = bp.checks(medians, bp.oracle(medians, phases), "low", "high")["tide"]
+    assert pooled["vs_none_high"] == pytest.approx(0.588, abs=1e-3)  # 58.8 / 100: two different rounds
