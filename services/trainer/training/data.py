@@ -40,7 +40,9 @@ class Piece:
     loss_mask: torch.Tensor  # [n] bool: row's target distribution may be learned
     aux: torch.Tensor  # [n, 3T] bf16
     final: torch.Tensor  # [n, T] bf16
-    greedy: torch.Tensor  # [n] long: argmax of the target's logits at the row (the next token it would pick)
+    # [n] long: argmax of the target's logits at the row (the next token it would pick); 0 where
+    # loss_mask is 0 (never read there)
+    greedy: torch.Tensor
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -136,7 +138,9 @@ def load_dataset(source, head: TargetHead, max_len: int, expected_target: str | 
             return ChunkInvalid(chunk.meta.chunk_id, problem)
         if int(chunk.input_ids.max()) >= head.vocab_size:
             return ChunkInvalid(chunk.meta.chunk_id, "token id outside the target vocabulary")
-        return chunk, head.greedy(chunk.final)
+        # greedy tokens are read only on learnable rows (targets and the evaluator's checks start
+        # at a row whose next token was generated, and generated rows run to a sequence's end)
+        return chunk, head.greedy(chunk.final, rows=chunk.loss_mask.bool())
 
     data = Dataset([], [], [])
     seen = set(skip_ids)

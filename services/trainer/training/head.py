@@ -45,11 +45,15 @@ class TargetHead:
         return int(self.lm_head.shape[1])
 
     @torch.no_grad()
-    def greedy(self, final: torch.Tensor) -> torch.Tensor:
-        """argmax over the full vocabulary of lm_head(final) [N] long: the target's greedy next tokens."""
-        out = torch.empty(final.shape[0], dtype=torch.long)
-        for a in range(0, final.shape[0], _ARGMAX_ROWS):
-            out[a:a + _ARGMAX_ROWS] = (final[a:a + _ARGMAX_ROWS].float() @ self.lm_head.T).argmax(-1)
+    def greedy(self, final: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """argmax over the full vocabulary of lm_head(final) [N] long: the target's greedy next tokens.
+        With a bool mask `rows` [N], only those rows are computed and the others hold 0 (the
+        full-vocabulary matmul is most of the cost of loading training data)."""
+        out = torch.zeros(final.shape[0], dtype=torch.long)
+        idx = torch.arange(final.shape[0]) if rows is None else rows.nonzero().squeeze(1)
+        for a in range(0, idx.shape[0], _ARGMAX_ROWS):
+            part = idx[a:a + _ARGMAX_ROWS]
+            out[part] = (final[part].float() @ self.lm_head.T).argmax(-1)
         return out
 
 
