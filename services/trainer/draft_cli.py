@@ -71,7 +71,10 @@ def add_bootstrap_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", required=True, help="draft checkpoint directory, or a bootstrap --out directory")
-    p.add_argument("--prompts", nargs="+", required=True, help="prompt files (tide.prompts formats)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", nargs="+", help="prompt files (tide.prompts formats): generate, then evaluate")
+    source.add_argument("--chunks", help="evaluate on chunks captured before instead (directory or s3://bucket/prefix, "
+                                         "e.g. a bootstrap's chunks/eval): drafts compared on the same sequences")
     p.add_argument("--gamma", type=_gammas, default=[1, 2, 3, 4, 5], help="γ values: 3, 1,3,5 or 1..5 [1..5]")
     p.add_argument("--json", type=Path, required=True, help="write the result here")
     p.add_argument("--target", default=None, help="target (default: the one in the draft's training record)")
@@ -161,13 +164,21 @@ def _bootstrap(args) -> int:
 
 
 def _eval(args) -> int:
-    from services.trainer.draft_eval import evaluate_on_prompts
+    from services.trainer.draft_eval import evaluate_on_chunks, evaluate_on_prompts
 
-    result = evaluate_on_prompts(
-        args.draft, list(args.prompts), target=args.target, gammas=args.gamma, limit=args.limit,
-        max_tokens=args.max_tokens, batch=args.batch, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
-        engine_gamma=args.engine_gamma, ttt_steps=args.ttt_steps, chunks_dir=args.chunks_dir,
-        progress=not args.no_progress, threads=args.threads)
+    if args.chunks and args.engine_gamma:
+        print("tide draft eval: --engine-gamma serves prompts; it does not apply to --chunks", file=sys.stderr)
+        return 2
+    if args.chunks:
+        result = evaluate_on_chunks(args.draft, args.chunks, target=args.target, gammas=args.gamma,
+                                    ttt_steps=args.ttt_steps, max_len=args.max_prompt_tokens + args.max_tokens + 1,
+                                    threads=args.threads)
+    else:
+        result = evaluate_on_prompts(
+            args.draft, list(args.prompts), target=args.target, gammas=args.gamma, limit=args.limit,
+            max_tokens=args.max_tokens, batch=args.batch, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
+            engine_gamma=args.engine_gamma, ttt_steps=args.ttt_steps, chunks_dir=args.chunks_dir,
+            progress=not args.no_progress, threads=args.threads)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     acc = " ".join(f"γ={g}:{v:.3f}" for g, v in result["accept_length"].items())

@@ -59,10 +59,6 @@ def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens,
                          engine_gamma, ttt_steps, chunks_dir, progress) -> dict:
     from services.inference.engine.drafters.eagle3 import Eagle3Drafter
     from services.inference.engine.llama import LlamaModel
-    from services.trainer.training.data import load_dataset
-    from services.trainer.training.evaluate import evaluate
-    from services.trainer.training.head import TargetHead
-    from tide.eagle3 import load_checkpoint
     from tide.target import load_tokenizer, resolve_target
 
     draft_dir = resolve_draft_dir(draft)
@@ -98,23 +94,50 @@ def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens,
             accepted += res.accepted_tokens
         bar.close()
         gen_s = time.perf_counter() - t0
-        head = TargetHead.load(tfiles)
         max_len = max_prompt_tokens + max_tokens + 1  # one piece per sequence: the whole context, as served
-        data = load_dataset(chunks_dir, head, max_len, expected_target=tfiles.model_id)
-        d = load_checkpoint(draft_dir, head.embed, head.config, dtype=torch.float32)
-        r = evaluate(d, data, head, gammas=tuple(gammas), ttt_steps=ttt_steps, max_len=max_len)
+        result = _evaluate_chunks(draft_dir, tfiles, chunks_dir, gammas, ttt_steps, max_len)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    result = {
-        "draft": str(draft_dir), "target": tfiles.model_id,
-        "accept_length": {str(k): v for k, v in r.served.items()},
-        "accept_length_all_rows": {str(k): v for k, v in r.acceptance.items()},
-        "top1": r.ttt_top1, "chain_accuracy": r.chain_accuracy, "ttt_loss": r.ttt_loss, "coverage": r.coverage,
-        "chains": r.chains, "rows": r.tokens, "prompts": len(items), "skipped_long": skipped,
-        "output_tokens": out_tokens, "generation_seconds": gen_s, "max_tokens": max_tokens,
-    }
+    result.update(prompts=len(items), skipped_long=skipped, output_tokens=out_tokens, generation_seconds=gen_s,
+                  max_tokens=max_tokens)
     if engine_gamma > 0:
         result["engine"] = {"gamma": engine_gamma, "verify_steps": steps,
                             "accept_length": (accepted + steps) / steps if steps else None}
     return result
+
+
+def evaluate_on_chunks(draft, chunks, target: str | None = None, gammas=(1, 2, 3, 4, 5), ttt_steps: int = 3,
+                       max_len: int = 1025, threads: int | None = None) -> dict:
+    """The draft's acceptance on chunks captured before (a directory or s3://bucket/prefix: e.g. a
+    bootstrap's held-out `chunks/eval`, or the `--chunks-dir` of an earlier eval), so that several
+    drafts are compared on exactly the same sequences. Sequences up to `max_len` rows stay whole."""
+    from tide.target import resolve_target
+
+    draft_dir = resolve_draft_dir(draft)
+    with torch_threads(threads):
+        result = _evaluate_chunks(draft_dir, resolve_target(target or draft_target(draft_dir)), chunks, gammas,
+                                  ttt_steps, max_len)
+    result["chunks"] = str(chunks)
+    return result
+
+
+def _evaluate_chunks(draft_dir: Path, tfiles, chunks, gammas, ttt_steps: int, max_len: int) -> dict:
+    from services.trainer.training.data import load_dataset
+    from services.trainer.training.evaluate import evaluate
+    from services.trainer.training.head import TargetHead
+    from tide.eagle3 import load_checkpoint
+
+    head = TargetHead.load(tfiles)
+    data = load_dataset(chunks, head, max_len, expected_target=tfiles.model_id)
+    if not data.pieces:
+        raise ValueError(f"no usable chunks in {chunks}")
+    d = load_checkpoint(draft_dir, head.embed, head.config, dtype=torch.float32)
+    r = evaluate(d, data, head, gammas=tuple(gammas), ttt_steps=ttt_steps, max_len=max_len)
+    return {
+        "draft": str(draft_dir), "target": tfiles.model_id,
+        "accept_length": {str(k): v for k, v in r.served.items()},
+        "accept_length_all_rows": {str(k): v for k, v in r.acceptance.items()},
+        "top1": r.ttt_top1, "chain_accuracy": r.chain_accuracy, "ttt_loss": r.ttt_loss, "coverage": r.coverage,
+        "chains": r.chains, "rows": r.tokens, "rejected_chunks": data.rejected,
+    }

@@ -132,6 +132,25 @@ def test_draft_eval_cli_reports_acceptance_and_top1(booted, tmp_path):
     assert res["prompts"] == 16 and res["chains"] > 0
 
 
+def test_eval_on_the_held_out_chunks_reproduces_the_bootstrap_report(booted, tmp_path, capsys):
+    """`tide draft eval --chunks` scores a draft on sequences captured before: on a bootstrap's
+    held-out chunks it gives exactly the report's held-out numbers (same rows, same exported weights),
+    which is what makes two drafts comparable on one held-out set."""
+    from tide.cli import main
+
+    cfg, report, paths = booted
+    out = tmp_path / "eval.json"
+    argv = ["draft", "eval", "--draft", str(paths["out"]), "--chunks", str(paths["out"] / "chunks" / "eval"),
+            "--json", str(out), "--max-prompt-tokens", str(cfg.max_prompt_tokens), "--max-tokens", str(cfg.max_tokens),
+            "--threads", "1", "--no-progress"]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["accept_length"] == report["accept_length"] and res["top1"] == report["top1"]
+    assert res["chains"] > 0 and res["rejected_chunks"] == []
+    assert main([*argv, "--engine-gamma", "3"]) == 2
+    assert "does not apply to --chunks" in capsys.readouterr().err
+
+
 def test_predicted_acceptance_matches_the_engine(booted):
     """Greedy, γ = 3, the same prompts: the engine serves them with the draft (and captures the chunks
     the evaluator reads); the evaluator's prediction is within 10% of the engine's measurement.
