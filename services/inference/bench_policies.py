@@ -311,6 +311,13 @@ def oracle(results: dict, phases) -> dict:
     return out
 
 
+def _meets(r: dict) -> dict:
+    """The issue's thresholds applied to one policy's ratios."""
+    return {"static3_x1.10": r["vs_static3_overall"] >= 1.10, "none_high_x0.97": r["vs_none_high"] >= 0.97,
+            "oracle_low_x0.97": r["vs_oracle_low"] >= 0.97,
+            "beats_all_peers": all(v > 1.0 for v in r["vs_peers_overall"].values())}
+
+
 def checks(results: dict, orc: dict, low: str = "low", high: str = "high") -> dict:
     """The issue's done-when ratios for each of our policies (and which one is best overall)."""
     tok = lambda k, ph=None: results[k]["overall"]["tok_s"] if ph is None else results[k]["phases"][ph]["tok_s"]  # noqa: E731
@@ -321,9 +328,7 @@ def checks(results: dict, orc: dict, low: str = "low", high: str = "high") -> di
              "vs_none_high": ratio(tok(ours, high), tok("none", high)),
              "vs_oracle_low": ratio(tok(ours, low), orc[low]["tok_s"]),
              "vs_peers_overall": {p: ratio(tok(ours), tok(p)) for p in PEERS if p in results}}
-        r["meets"] = {"static3_x1.10": r["vs_static3_overall"] >= 1.10, "none_high_x0.97": r["vs_none_high"] >= 0.97,
-                      "oracle_low_x0.97": r["vs_oracle_low"] >= 0.97,
-                      "beats_all_peers": all(v > 1.0 for v in r["vs_peers_overall"].values())}
+        r["meets"] = _meets(r)
         out[ours] = r
     if out:
         out["best"] = max(out, key=lambda k: tok(k))
@@ -345,9 +350,7 @@ def paired_checks(rounds: dict[str, list[dict]], phases, low: str, high: str) ->
         rs = [c[ours] for c in per_round]
         r = {k: med([x[k] for x in rs]) for k in ("vs_static3_overall", "vs_none_high", "vs_oracle_low")}
         r["vs_peers_overall"] = {p: med([x["vs_peers_overall"][p] for x in rs]) for p in rs[0]["vs_peers_overall"]}
-        r["meets"] = {"static3_x1.10": r["vs_static3_overall"] >= 1.10, "none_high_x0.97": r["vs_none_high"] >= 0.97,
-                      "oracle_low_x0.97": r["vs_oracle_low"] >= 0.97,
-                      "beats_all_peers": all(v > 1.0 for v in r["vs_peers_overall"].values())}
+        r["meets"] = _meets(r)
         r["per_round"] = [{k: x[k] for k in ("vs_static3_overall", "vs_none_high", "vs_oracle_low")} for x in rs]
         out[ours] = r
     if out:

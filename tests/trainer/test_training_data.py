@@ -54,6 +54,7 @@ def test_pieces_hold_rows_and_the_targets_greedy_tokens(head, copy_chunks):
     learn = p.loss_mask  # greedy tokens are computed where they are read: on learnable rows
     assert learn.any() and not learn.all()
     assert torch.equal(p.greedy[learn], logits.argmax(-1)[learn])
+    assert not p.greedy[~learn].any()  # prompt rows are not labelled (0), as documented
     assert p.aux.dtype == torch.bfloat16 and p.aux.shape == (len(p), 3 * head.hidden_size)
     # copy target: the greedy continuation repeats, and the data is that continuation
     gen = p.loss_mask[:-1]
