@@ -145,13 +145,16 @@ class ClosedLoop:
 
 
 def policy_list(quick: bool) -> list[tuple[str, str, dict]]:
-    """(label, registry name, params) in run order. Ours run between the two policies the checks
-    divide by, no speculation and static γ = 3, so that each check's ratio is taken between runs a
-    policy apart (≈ 35 s in --quick) and not minutes apart: this VM's speed drifts over minutes."""
-    statics = (1, 5) if quick else (1, 2, 4, 5)
+    """(label, registry name, params) in run order. Every done-when check of our best policy
+    (adaptive) divides its run by a run placed next to it or one further: the low-load oracle
+    (static-1 on the reference CPU), no speculation, dsd (the peer that runs closest to it) and
+    static γ = 3. This VM's speed drifts over minutes, and runs a policy apart are ≈ 35 s apart in
+    --quick, where the first and last of a round are seven minutes apart."""
+    statics = (5,) if quick else (2, 4, 5)
     static = lambda g: (f"static-{g}", "static", {"gamma": g})  # noqa: E731
-    return ([static(g) for g in statics] + [(p, p, {}) for p in PEERS] + [("none", "static", {"gamma": 0})]
-            + [(p, p, {}) for p in OURS] + [static(3)])
+    far_peers = [(p, p, {}) for p in PEERS if p != "dsd"]
+    return ([static(g) for g in statics] + far_peers + [("tide", "tide", {}), static(1), ("none", "static", {"gamma": 0}),
+            ("adaptive", "adaptive", {}), ("dsd", "dsd", {}), static(3)])
 
 
 def select(policies: list[tuple[str, str, dict]], only: list[str] | None) -> list[tuple[str, str, dict]]:
@@ -468,6 +471,8 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
             r["loadavg_1m"] = round(load, 2)
             if getattr(pol, "kv", None):  # adaptive's learnt measured/profiled verify ms per (batch bucket, n)
                 r["verify_ratio"] = {f"{b},{n}": round(v, 3) for (b, n), v in sorted(pol.kv.items())}
+                r["draft_ratio"] = {str(b): round(v, 3) for b, v in sorted(pol.kd.items())}
+                r["catchup_ratio"] = {str(b): round(v, 3) for b, v in sorted(pol.kc.items())}
             rounds.setdefault(label, []).append(r)
             o = r["overall"]
             print(f"  {label:10s} {o['tok_s']:7.1f} tok/s  lat {o['mean_latency_s']:6.2f}s  γ {o['mean_gamma']:.2f}  "

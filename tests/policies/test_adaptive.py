@@ -134,3 +134,21 @@ def test_acceptance_is_learnt_per_decision_when_the_drafter_proposes_less():
         est[share] = pol.alpha.value
     assert est[0.5] < 0.75 * est[1.0]
     assert AdaptivePolicy.asked([3, 0, 2], (1, 0, 0)) == (3, 0, 2) and AdaptivePolicy.asked([], (1, 2)) == (1, 2)
+
+
+def test_catch_up_cost_is_learnt_apart_from_the_draft_step():
+    """The engine's catch-up after an off period costs 10x what the profile says, its ordinary
+    draft step what the profile says: κ_c learns the first, and κ_d stays clean of it (a catch-up
+    folded into κ_d would price every later ordinary draft 10x too high for a while)."""
+    pol = AdaptivePolicy(PROFILE, explore=0.0, probe_interval=0)
+    for step in range(200):
+        lag = 32 if step % 10 == 0 else 1  # every tenth step catches up 32 rows
+        reqs = (RequestView("r0", lag=lag), RequestView("r1", lag=lag))
+        g = pol.decide(StepContext(2, reqs))
+        gammas = tuple(max(x, 1) for x in g)
+        catchup = PROFILE.catchup_ms(lag, 2) * (10 if lag > 4 else 1)  # as profiled for short lags
+        draft = max(gammas) * PROFILE.draft_ms(2) + catchup
+        verify = PROFILE.target_ms(2, 1 + max(gammas))
+        pol.observe(StepFeedback(2, gammas, (1, 1), step_ms=draft + verify, draft_ms=draft, verify_ms=verify))
+    assert pol.kd[2] == pytest.approx(1.0, abs=0.05)
+    assert pol.catchup_ratio(2) == pytest.approx(10.0, rel=0.05)

@@ -16,6 +16,10 @@ to the largest lag of the batch (c(L_max, b), Nightjar Table 1) when it resumes.
 Online corrections (all exponentially forgetting, so they follow drift):
 * κ(B, n): measured / profiled verify ms per bucket and tokens-per-sequence (falls back to the
   bucket's mean ratio, then 1); κ_d(B) likewise for draft ms — a stale or wrong profile heals.
+  κ_c(B) corrects the catch-up cost c(L, b) separately, from the steps whose draft had to catch
+  up more than `REGULAR_LAG` rows (their draft ms minus κ_d·γ·D(b)): on the reference CPU the
+  engine's catch-up of 23 rows at batch 1 took ≈ 5 ms where the profile measured 0.2 ms, and
+  one such step folded into κ_d used to inflate the price of every ordinary draft after it.
 * r_j: the depth-j acceptance relative to the geometric model — accepted tokens at depth j over
   Σ α̂_i of the requests that reached depth j (prior r_j = 1 with 20 pseudo-attempts). EAGLE
   drafts decay with depth; every step informs all depths it reached, so deep levels are learnt
@@ -63,6 +67,9 @@ from tide.policies.estimators import (
 from tide.policies.profile import LatencyProfile
 
 _DEPTH_PRIOR = 20.0  # pseudo-attempts behind r_j = 1: a few steps' evidence before trusting r_j
+# Lags up to this are ordinary drafting (the previous step's bonus and accepted rows, ≤ γ + 1):
+# their cost is in D(b) and κ_d. Longer lags are catch-ups after speculation was off (κ_c).
+REGULAR_LAG = 4
 
 
 class _ReqState:
@@ -116,6 +123,7 @@ class AdaptivePolicy:
         self.kv: dict[tuple[int, int], float] = {}
         self.kv_bucket: dict[int, float] = {}  # fallback for n not measured yet in the bucket
         self.kd: dict[int, float] = {}
+        self.kc: dict[int, float] = {}  # measured / profiled catch-up ms per batch bucket
         # depth j → [accepted tokens, Σ α̂ of attempts] (index 0 unused)
         self.depth = [[_DEPTH_PRIOR, _DEPTH_PRIOR] for _ in range(max_gamma + 1)]
         self._pending: dict | None = None
@@ -139,6 +147,9 @@ class AdaptivePolicy:
             p *= min(alpha * r, ALPHA_CAP)
             out.append(p)
         return out
+
+    def catchup_ratio(self, bucket: int) -> float:
+        return self.kc.get(bucket, 1.0)
 
     def verify_ratio(self, bucket: int, n: int) -> float:
         got = self.kv.get((bucket, n))
@@ -167,7 +178,7 @@ class AdaptivePolicy:
         t = [self.verify_ratio(bucket, m + 1) * self.profile.target_ms(b, m + 1) for m in range(gmax + 1)]
         d = self.kd.get(bucket, 1.0) * self.profile.draft_ms(b)
         lag = max((r.lag for r in ctx.requests), default=0)
-        switch = self.profile.catchup_ms(lag, b) / self.switch_horizon if lag > 0 else 0.0
+        switch = self.catchup_ratio(bucket) * self.profile.catchup_ms(lag, b) / self.switch_horizon if lag > 0 else 0.0
 
         goodput = [
             sum(c * cum[a][m] for a, c in groups.items()) / (t[m] + m * d + (switch if m else 0.0))
@@ -212,13 +223,16 @@ class AdaptivePolicy:
         """Tokens per sequence the verify forward costs: 1 + max γ when padded, else 1 + mean γ."""
         return 1 + (max(gammas, default=0) if self.padded else sum(gammas) / b)
 
-    def raw_times(self, b: int, gammas: tuple[int, ...], lags: list[int]) -> tuple[float, float]:
-        """Uncorrected profile (verify ms, draft ms) for the γs the engine actually ran."""
+    def raw_times(self, b: int, gammas: tuple[int, ...], lags: list[int]) -> tuple[float, float, float]:
+        """Uncorrected profile (verify ms, draft ms, catch-up ms) for the γs the engine actually ran;
+        the catch-up is 0 unless a drafting request lagged more than REGULAR_LAG rows (the draft ms
+        then holds the ordinary catch-up, as D(b) was profiled)."""
         spec = [lag for lag, g in zip(lags, gammas, strict=False) if g > 0]
         draft = max(gammas, default=0) * self.profile.draft_ms(b)
-        if spec and max(spec) > 0:
-            draft += self.profile.catchup_ms(max(spec), len(spec))
-        return self.profile.target_ms(b, self.verify_n(b, gammas)), draft
+        catchup = self.profile.catchup_ms(max(spec), len(spec)) if spec and max(spec) > 0 else 0.0
+        if spec and max(spec) <= REGULAR_LAG:
+            draft, catchup = draft + catchup, 0.0
+        return self.profile.target_ms(b, self.verify_n(b, gammas)), draft, catchup
 
     # ------------------------------------------------------------------ observe
     def observe(self, feedback: StepFeedback) -> None:
@@ -234,12 +248,15 @@ class AdaptivePolicy:
         if p is None or not states or b <= 0:
             return
         bucket = batch_bucket(b)
-        verify, draft = self.raw_times(b, feedback.gammas, p["lags"])
+        verify, draft, catchup = self.raw_times(b, feedback.gammas, p["lags"])
         if feedback.verify_ms > 0 and verify > 0:
             ratio = feedback.verify_ms / verify
             self._ema(self.kv, (bucket, round(self.verify_n(b, feedback.gammas))), ratio)
             self._ema(self.kv_bucket, bucket, ratio)
-        if feedback.draft_ms > 0 and draft > 0:
+        if feedback.draft_ms > 0 and catchup > 0:  # a catch-up step: what the ordinary draft leaves
+            extra = max(feedback.draft_ms - self.kd.get(bucket, 1.0) * draft, 0.0)
+            self._ema(self.kc, bucket, extra / catchup)
+        elif feedback.draft_ms > 0 and draft > 0:
             self._ema(self.kd, bucket, feedback.draft_ms / draft)
         self._learn_depths(p["alphas"], asked, feedback.accepted)
 

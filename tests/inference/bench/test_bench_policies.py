@@ -23,8 +23,9 @@ def test_trace_is_seeded_and_phased():
     per = [sum(x.phase == i for x in a) for i in range(3)]
     assert per[1] > per[0]  # the high-rate phase brings more requests
     labels = [p[0] for p in bp.policy_list(quick=True)]
-    # each done-when ratio divides runs placed next to each other: none | ours | static-3
-    assert labels[-4:] == ["none", "tide", "adaptive", "static-3"]
+    # each done-when ratio of adaptive divides runs at most one run apart: oracle-low | none | ours | dsd | static-3
+    assert labels[-5:] == ["static-1", "none", "adaptive", "dsd", "static-3"]
+    assert set(labels) == {"static-1", "static-3", "static-5", "none", *bp.PEERS, *bp.OURS}
     assert {"static-1", "static-5"} <= set(labels)
     assert {"adaptive", "tide", "nightjar"} <= set(labels)
     assert len(bp.policy_list(quick=False)) == len(labels) + 2
@@ -126,7 +127,7 @@ def test_closed_loop_phase_keeps_its_clients_busy_with_the_same_requests(tiny_mo
 
 def test_only_selects_policies_in_run_order():
     full = bp.policy_list(quick=False)
-    assert [p[0] for p in bp.select(full, ["tide", "none", "static-3"])] == ["none", "tide", "static-3"]
+    assert [p[0] for p in bp.select(full, ["static-3", "none", "tide"])] == ["tide", "none", "static-3"]
     assert bp.select(full, None) == full
     with pytest.raises(SystemExit, match="unknown policies"):
         bp.select(full, ["static-9"])
