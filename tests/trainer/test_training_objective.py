@@ -41,6 +41,24 @@ def test_objective_shapes_and_counts(setup, steps):
     assert (stats[:, 1] <= counted).all()
 
 
+def test_the_draft_sees_prompt_tokens_it_does_not_learn(setup):
+    """The loss mask decides which rows are learnt, not what the draft sees: prompt rows (loss
+    mask 0) are context every later row attends to, built from their real tokens as the engine's
+    drafter builds them. Changing an early prompt token must change the loss at generated rows."""
+    head, data, draft = setup
+    piece = data.pieces[0]
+    assert int(piece.positions[0]) == 0 and not piece.loss_mask[:3].any()  # rows 0-2 are prompt rows
+    targets = torch.arange(draft.cfg.draft_vocab_size) + draft.d2t
+    objective = Eagle3Objective(draft, head.lm_head[targets], ttt_steps=1)
+    batch = collate(data.pieces, [[0]])
+    other = collate(data.pieces, [[0]])
+    other.input_ids[0, 2] = (other.input_ids[0, 2] + 1) % head.vocab_size  # x_2: row 1's step-0 token
+    with torch.no_grad():
+        (loss, stats), (loss_other, stats_other) = objective(batch), objective(other)
+    assert torch.equal(stats[:, 2], stats_other[:, 2])  # the same rows are learnt
+    assert not torch.allclose(loss, loss_other)  # ... from a context that holds the prompt
+
+
 def test_attention_masks_never_cross_pieces():
     seg = torch.tensor([[0, 0, 0, 1, 1, -1]])
     att = TTTAttention(seg, "inference")

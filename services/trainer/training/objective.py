@@ -100,11 +100,15 @@ class Eagle3Objective(nn.Module):
         stats = []
         for k in range(self.ttt_steps):
             with torch.no_grad():
-                ahead = (shift(seg, 1 + k, -1) == seg) & counted_rows & shift(batch.loss_mask, 1 + k, False)
+                inside = (shift(seg, 1 + k, -1) == seg) & (seg >= 0)  # row r+1+k is in r's piece
+                ahead = inside & counted_rows & shift(batch.loss_mask, 1 + k, False)
                 greedy = shift(batch.greedy, 1 + k)
                 in_vocab = draft.t2d[greedy]
                 p = torch.softmax(shift(target_logits, 1 + k), dim=-1)
-                ids = shift(batch.input_ids, 1 + k) * ahead  # token x_{r+1+k}; 0 where unused
+                # token x_{r+1+k} wherever it exists, learnable or not: prompt rows are keys every
+                # later row attends to, and the engine's draft builds them from their real tokens
+                # (masking them to token 0 here trained the draft on a context it never sees)
+                ids = shift(batch.input_ids, 1 + k) * inside
             out = draft.step(ids, hidden, pos + k, attend)
             logq = F.log_softmax(draft.logits(out).float(), dim=-1)
             learn = ahead & in_vocab
