@@ -87,9 +87,14 @@ class AdaptivePolicy:
         self,
         profile: LatencyProfile,
         max_gamma: int = 8,
-        history: int = 8,
-        prior_weight: float = 4.0,
-        alpha_decay: float = 0.95,
+        # At batch 1 both α̂_i and α̂_g see only the one running request: with 8 steps of history,
+        # 4 pseudo-observations and α̂_g over ≈ 20 steps, a run of 6 rejections (26 % likely at
+        # α = 0.2, above the break-even 0.15 of the reference CPU) switched speculation off, and
+        # adaptive ran at 0.91x static-1 over 30 s at batch 1; with 16 / 8 / ≈ 200 steps, 1.02x
+        # (docs/results/2026-11-23/README.md). α̂_g still follows a shift within ≈ 200 steps.
+        history: int = 16,
+        prior_weight: float = 8.0,
+        alpha_decay: float = 0.995,
         alpha_prior: float = 0.5,
         stale_decay: float = 0.95,
         correction_decay: float = 0.95,
