@@ -153,8 +153,9 @@ def policy_list(quick: bool) -> list[tuple[str, str, dict]]:
     statics = (5,) if quick else (2, 4, 5)
     static = lambda g: (f"static-{g}", "static", {"gamma": g})  # noqa: E731
     far_peers = [(p, p, {}) for p in PEERS if p != "dsd"]
-    return ([static(g) for g in statics] + far_peers + [("tide", "tide", {}), static(1), ("none", "static", {"gamma": 0}),
-            ("adaptive", "adaptive", {}), ("dsd", "dsd", {}), static(3)])
+    closing = [("tide", "tide", {}), static(1), ("none", "static", {"gamma": 0}), ("adaptive", "adaptive", {}),
+               ("dsd", "dsd", {}), static(3)]
+    return [static(g) for g in statics] + far_peers + closing
 
 
 def select(policies: list[tuple[str, str, dict]], only: list[str] | None) -> list[tuple[str, str, dict]]:
