@@ -76,11 +76,13 @@ class Linear:
 
     PACK_MAX_OUT = 8192  # above this many output features F.linear wins (lm_head: 3.5 vs 4.2 ms)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack_wide: bool = False) -> None:
+        """`pack_wide`: pre-pack whatever the width (where row invariance matters more than speed)."""
         self.weight = weight
         self.bias = bias
         self.packed = None
-        if weight.device.type == "cpu" and weight.shape[0] <= self.PACK_MAX_OUT and _can_pack():
+        wide_ok = pack_wide or weight.shape[0] <= self.PACK_MAX_OUT
+        if weight.device.type == "cpu" and wide_ok and _can_pack():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -103,8 +103,17 @@ def test_tide_up_serves_and_ctrl_c_stops_everything(chat_target, tmp_path):
             st = worker.GetStatus(inference_pb2.GetWorkerStatusRequest(), timeout=10)
         assert st.last_decision_id.startswith("ctl-")  # the controller pushed its decision
         metrics = f"http://127.0.0.1:{state['endpoints']['metrics']['controller']}/"
-        seen = re.search(r"^tide_controller_telemetry_records_total (\S+)$", httpx.get(metrics).text, re.M)
-        assert seen and float(seen.group(1)) > 0  # worker -> Redis stream -> controller
+
+        def telemetry_records() -> float:
+            seen = re.search(r"^tide_controller_telemetry_records_total (\S+)$", httpx.get(metrics).text, re.M)
+            return float(seen.group(1)) if seen else -1.0
+
+        # the worker flushes telemetry every 0.5 s and the controller reads the stream in its own
+        # loop: the completion's records arrive shortly after its response, not with it
+        deadline = time.monotonic() + 30
+        while telemetry_records() <= 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert telemetry_records() > 0  # worker -> Redis stream -> controller
         pids = list(state["pids"].values())
         assert all(alive(p) for p in pids)
 

@@ -135,16 +135,29 @@ class KVCache:
 LOGITS_BLOCK_ROWS = 32
 
 
-def vocab_logits(rows: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+def logits_head(weight: torch.Tensor) -> Linear:
+    """The lm_head as `vocab_logits` uses it. float32 on CPU: MKL's GEMM (F.linear) gives a row
+    other bits in a GEMM of 3 or more rows than of 2 on the Intel AMX machines (the reference
+    49152 x 576 head from 16 rows on, a 256 x 64 head from 3), which would let verification diverge
+    from plain decoding; oneDNN's pre-packed GEMM is row-invariant there (M = 2..64), at 7.1 vs
+    5.4 ms for 2 rows of the reference head. bf16 keeps F.linear: row-invariant up to
+    LOGITS_BLOCK_ROWS, and faster."""
+    return Linear(weight, pack_wide=weight.dtype == torch.float32)
+
+
+def vocab_logits(rows: torch.Tensor, head: Linear) -> torch.Tensor:
     """rows [R, H] @ head[V, H].T in GEMMs of 2 to LOGITS_BLOCK_ROWS rows (batch-invariant). A lone
     row goes as two, as in the projections (see Linear): MKL's float32 GEMV rounds differently
     from its GEMM."""
     if rows.shape[0] == 1 and rows.device.type == "cpu":
-        return F.linear(rows.expand(2, -1), head)[:1]
-    if rows.shape[0] <= LOGITS_BLOCK_ROWS:
-        return F.linear(rows, head)
-    return torch.cat([F.linear(rows[i:i + LOGITS_BLOCK_ROWS], head)
-                      for i in range(0, rows.shape[0], LOGITS_BLOCK_ROWS)])
+        return head(rows.expand(2, -1))[:1]
+    R = rows.shape[0]
+    if R <= LOGITS_BLOCK_ROWS:
+        return head(rows)
+    starts = list(range(0, R, LOGITS_BLOCK_ROWS))
+    if R - starts[-1] == 1:  # never a block of one row (the GEMV path): end on 2
+        starts[-1] -= 1
+    return torch.cat([head(rows[a:b]) for a, b in zip(starts, [*starts[1:], R], strict=True)])
 
 
 class LlamaModel:
@@ -158,6 +171,7 @@ class LlamaModel:
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
+        self.head = logits_head(self.lm_head)
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -276,7 +290,7 @@ class LlamaModel:
         final = rms_norm(x[:, :1] if pair else x, self.norm, cfg.rms_norm_eps)
         flat = final.view(B * q, -1)
         rows = flat if fb.logits_rows is None else flat.index_select(0, fb.logits_rows)
-        logits = vocab_logits(rows, self.lm_head)
+        logits = vocab_logits(rows, self.head)
         if not fb.capture:
             return logits, None, None
         if len(self._aux) != 3:

@@ -70,17 +70,20 @@ def test_reference_model_matches_transformers(ref_target):
     assert (logits - ref).abs().max() <= 1e-3
 
 
-@pytest.mark.parametrize("rows", [33, 48, 97])
-def test_vocab_logits_of_a_row_do_not_depend_on_how_many_rows_share_the_gemm(rows):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [3, 16, 33, 48, 97])
+def test_vocab_logits_of_a_row_do_not_depend_on_how_many_rows_share_the_gemm(rows, dtype):
     """Verification computes B x (γ + 1) logits rows at once, plain decoding one: each row must get
     the same bits either way (greedy losslessness). On oneDNN's AMX path a bf16 GEMM of 33+ rows
     rounds a row differently from one of 1-32 rows (the reference head's shape), which one plain
-    `F.linear` over all rows fails here; `vocab_logits` blocks the rows."""
-    from services.inference.engine.llama import vocab_logits
+    `F.linear` over all rows fails here; `vocab_logits` blocks the rows. On the same machines MKL's
+    float32 GEMM rounds a row differently from 16 rows on (`logits_head` packs float32 heads)."""
+    from services.inference.engine.llama import logits_head, vocab_logits
 
     g = torch.Generator().manual_seed(0)
-    head = (torch.randn(49152, 576, generator=g) * 0.05).bfloat16()  # the reference model's lm_head shape
-    x = torch.randn(rows, 576, generator=g).bfloat16()
+    weight = (torch.randn(49152, 576, generator=g) * 0.05).to(dtype)  # the reference model's lm_head shape
+    head = logits_head(weight)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
     together = vocab_logits(x, head)
     for i in (0, rows // 2, rows - 1):
         assert torch.equal(together[i], vocab_logits(x[i:i + 1], head)[0]), i
