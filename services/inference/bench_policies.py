@@ -340,14 +340,21 @@ def checks(results: dict, orc: dict, low: str = "low", high: str = "high") -> di
 
 
 def paired_checks(rounds: dict[str, list[dict]], phases, low: str, high: str) -> dict:
-    """`checks` taken within each round (its own oracle too), then the median of every ratio over
-    the rounds: a ratio of two runs of one round, not of two medians that may come from different
-    rounds (minutes apart on a drifting machine). `per_round` keeps each round's ratios."""
+    """`checks` taken within each round, then the median of every ratio over the rounds: a ratio of
+    two runs of one round, not of two medians that may come from different rounds (minutes apart on
+    a drifting machine). `per_round` keeps each round's ratios.
+
+    The oracle's γ per phase is chosen once, from the medians over rounds; each round then divides
+    by that γ's run of the round. Choosing it anew in every round would divide by the luckiest of
+    the static runs: with γ = 0, 1, 3, 5 within noise of each other at low load, the maximum of four
+    noisy runs overstates the best one's speed (winner's curse)."""
     n = min(len(runs) for runs in rounds.values())
+    best = oracle({label: _median_run(runs) for label, runs in rounds.items()}, phases)
     per_round = []
     for i in range(n):
         results = {label: runs[i] for label, runs in rounds.items()}
-        per_round.append(checks(results, oracle(results, phases), low, high))
+        orc = {ph: {**o, "tok_s": results[o["policy"]]["phases"][ph]["tok_s"]} for ph, o in best.items()}
+        per_round.append(checks(results, orc, low, high))
     med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
     out: dict = {}
     for ours in [p for p in OURS if p in per_round[0]]:

@@ -107,6 +107,7 @@ class BootstrapConfig:
     # at 3e-4 1.63 after 6.4 min (docs/results/2026-11-22/README.md).
     lr: float = 1e-3
     batch_rows: int = 2
+    learn_prompt_rows: bool = False  # see training.data.load_dataset
     max_len: int = 512
     ttt_steps: int = 3
     warmup_steps: int = 20
@@ -131,7 +132,7 @@ class BootstrapConfig:
 
 # Settings a resumed run must share with the first one (the rest may change, e.g. --minutes).
 _FIXED = ("target", "eval_prompts", "max_tokens", "max_prompt_tokens", "seed", "draft_vocab", "lr", "batch_rows",
-          "max_len", "ttt_steps", "warmup_steps")
+          "max_len", "ttt_steps", "warmup_steps", "learn_prompt_rows")
 
 
 class Manifest:
@@ -146,7 +147,9 @@ class Manifest:
             doc = json.loads(path.read_text())
             if doc.get("version") != MANIFEST_VERSION:
                 raise ValueError(f"{path}: manifest version {doc.get('version')}, expected {MANIFEST_VERSION}")
-            changed = {k: (doc["fixed"].get(k), v) for k, v in fixed.items() if doc["fixed"].get(k) != v}
+            # a setting newer than the manifest counts as its default there
+            was = {k: doc["fixed"].get(k, getattr(BootstrapConfig, k)) for k in fixed}
+            changed = {k: (was[k], v) for k, v in fixed.items() if was[k] != v}
             if changed:
                 raise ValueError(f"{out} was bootstrapped with other settings {changed}; use another --out")
             return cls(path, doc)
@@ -331,7 +334,8 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
     from services.trainer.training.state import load_state
 
     head = TargetHead.load(target)
-    train_set = load_dataset(out / "chunks" / "train", head, cfg.max_len, expected_target=head.model_id)
+    train_set = load_dataset(out / "chunks" / "train", head, cfg.max_len, expected_target=head.model_id,
+                             learn_prompt_rows=cfg.learn_prompt_rows)
     # held-out sequences stay whole (one piece each): the draft sees their whole context, as when served
     eval_set = load_dataset(out / "chunks" / "eval", head, cfg.eval_len, expected_target=head.model_id)
     if not train_set.pieces:

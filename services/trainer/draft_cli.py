@@ -59,6 +59,9 @@ def add_bootstrap_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--evals", type=int, default=d.evals, help=f"held-out evaluations during training [{d.evals}]")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--batch-rows", type=int, default=d.batch_rows)
+    p.add_argument("--learn-prompt-rows", action=argparse.BooleanOptionalAction, default=d.learn_prompt_rows,
+                   help="also train on prompt rows (the target's distribution there) "
+                        f"[{'on' if d.learn_prompt_rows else 'off'}]")
     p.add_argument("--max-len", type=int, default=d.max_len)
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
@@ -150,7 +153,7 @@ def _bootstrap(args) -> int:
         eval_prompts=args.eval_prompts, batch=args.batch, max_tokens=args.max_tokens,
         max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype, draft_vocab=args.draft_vocab,
         max_epochs=args.max_epochs, evals=args.evals, lr=args.lr, batch_rows=args.batch_rows, max_len=args.max_len,
-        ttt_steps=args.ttt_steps, warmup_steps=args.warmup_steps, autocast=args.autocast, seed=args.seed,
+        learn_prompt_rows=args.learn_prompt_rows, ttt_steps=args.ttt_steps, warmup_steps=args.warmup_steps, autocast=args.autocast, seed=args.seed,
         threads=args.threads,
         progress=not args.no_progress)
     report = bootstrap(cfg)

@@ -61,6 +61,20 @@ def test_pieces_hold_rows_and_the_targets_greedy_tokens(head, copy_chunks):
     assert torch.equal(p.input_ids[1:][gen], p.greedy[:-1][gen])
 
 
+def test_prompt_rows_can_be_learnt_with_the_targets_labels(head, copy_chunks):
+    """--learn-prompt-rows: prompt rows become learnable and carry the target's own greedy token
+    there (not the prompt's next token); the rows and their order are unchanged."""
+    plain = load_dataset(copy_chunks[:1], head, max_len=16)
+    full = load_dataset(copy_chunks[:1], head, max_len=16, learn_prompt_rows=True)
+    assert [len(p) for p in full.pieces] == [len(p) for p in plain.pieces]
+    for a, b in zip(plain.pieces, full.pieces, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and b.loss_mask.all()
+        assert torch.equal(b.greedy, (b.final.float() @ head.lm_head.T).argmax(-1))
+        assert torch.equal(b.greedy[a.loss_mask], a.greedy[a.loss_mask])
+    prompt = ~plain.pieces[0].loss_mask
+    assert prompt.any() and full.pieces[0].greedy[prompt].any()
+
+
 def test_split_is_by_chunk_and_deterministic(head, copy_chunks):
     data = load_dataset(copy_chunks, head, max_len=64)
     a, b = split(data, 0.3, seed=0)

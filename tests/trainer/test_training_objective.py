@@ -59,6 +59,44 @@ def test_the_draft_sees_prompt_tokens_it_does_not_learn(setup):
     assert not torch.allclose(loss, loss_other)  # ... from a context that holds the prompt
 
 
+def dense_loss(objective, batch):
+    """The objective written out over every row, masked afterwards (what the trainer computes on
+    learnt rows only): per step, soft cross-entropy against softmax(lm_head(final_{r+1+k})) at rows
+    r whose row r+1+k is a generated row of the same piece and whose greedy token is in vocabulary."""
+    draft, seg, pos = objective.draft, batch.seg, batch.positions
+    p_all = torch.softmax(batch.final.float() @ objective.target_rows.T, dim=-1)
+    attend = TTTAttention(seg, objective.mask)
+    hidden, total, hits = draft.project(batch.aux), 0.0, []
+    for k in range(objective.ttt_steps):
+        inside = (shift(seg, 1 + k, -1) == seg) & (seg >= 0)
+        ahead = inside & (seg >= 0) & (pos > 0) & shift(batch.loss_mask, 1 + k, False)
+        greedy = shift(batch.greedy, 1 + k)
+        learn = ahead & draft.t2d[greedy]
+        hidden = draft.step(shift(batch.input_ids, 1 + k) * inside, hidden, pos + k, attend)
+        logq = F.log_softmax(draft.logits(hidden).float(), dim=-1)
+        ce = -(shift(p_all, 1 + k) * logq).sum(-1)
+        total = total + objective.step_decay**k * (ce * learn).sum() / learn.sum().clamp(min=1)
+        hits.append(int(((draft.to_target_ids(logq.argmax(-1)) == greedy) & ahead).sum()))
+    return total, hits
+
+
+def test_scoring_learnt_rows_only_equals_the_masked_dense_objective(setup):
+    """Pieces of uneven length with padding: the loss, its gradient and the hit counts are those of
+    the objective computed at every row and masked."""
+    head, data, draft = setup
+    targets = torch.arange(draft.cfg.draft_vocab_size) + draft.d2t
+    objective = Eagle3Objective(draft, head.lm_head[targets], ttt_steps=3)
+    batch = collate(data.pieces, [[0, 1], [2], [3, 4]])
+    assert (batch.seg < 0).any() and not batch.loss_mask.all()  # padding and prompt rows are present
+    loss, stats = objective(batch)
+    grad = torch.autograd.grad(loss, draft.lm_head.weight)[0]
+    want, want_hits = dense_loss(objective, batch)
+    want_grad = torch.autograd.grad(want, draft.lm_head.weight)[0]
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-4)
+    assert stats[:, 1].long().tolist() == want_hits
+
+
 def test_attention_masks_never_cross_pieces():
     seg = torch.tensor([[0, 0, 0, 1, 1, -1]])
     att = TTTAttention(seg, "inference")

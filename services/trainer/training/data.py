@@ -125,8 +125,13 @@ def prefetch(items: Iterable, depth: int = 2, fn: Callable | None = None) -> Ite
 
 
 def load_dataset(source, head: TargetHead, max_len: int, expected_target: str | None = None,
-                 skip_ids: Iterable[str] = ()) -> Dataset:
-    """Decode, validate and split every chunk of `source` into pieces (greedy tokens precomputed)."""
+                 skip_ids: Iterable[str] = (), learn_prompt_rows: bool = False) -> Dataset:
+    """Decode, validate and split every chunk of `source` into pieces (greedy tokens precomputed).
+
+    `learn_prompt_rows`: make every row learnable, prompt rows included. The target's state at a
+    prompt row still gives its own next-token distribution (what it would have generated there), so
+    these rows are extra supervision at no generation cost: a third more rows for chat prompts. Only
+    for training sets; held-out data keeps the chunks' mask, which marks what serving drafts."""
 
     def decode(blob: bytes):
         try:
@@ -138,6 +143,8 @@ def load_dataset(source, head: TargetHead, max_len: int, expected_target: str | 
             return ChunkInvalid(chunk.meta.chunk_id, problem)
         if int(chunk.input_ids.max()) >= head.vocab_size:
             return ChunkInvalid(chunk.meta.chunk_id, "token id outside the target vocabulary")
+        if learn_prompt_rows:
+            chunk.loss_mask = torch.ones_like(chunk.loss_mask)
         # greedy tokens are read only on learnable rows (targets and the evaluator's checks start
         # at a row whose next token was generated, and generated rows run to a sequence's end)
         return chunk, head.greedy(chunk.final, rows=chunk.loss_mask.bool())

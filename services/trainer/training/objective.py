@@ -91,9 +91,16 @@ class Eagle3Objective(nn.Module):
     def forward(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         draft = self.draft
         seg, pos = batch.seg, batch.positions
+        B, L = seg.shape
         with torch.no_grad():
-            target_logits = batch.final.float() @ self.target_rows.T  # [B, L, Vd], row r: token r+1
             counted_rows = (seg >= 0) & (pos > 0)
+            # The target's distribution is only ever read at rows with loss_mask (the row after a
+            # learnt one): label those alone, once for all steps. `slot` maps a flat row to its
+            # label; a step-k learner at flat row r reads slot[r + 1 + k] (same piece, same row).
+            labelled = ((seg >= 0) & batch.loss_mask).flatten()
+            slot = torch.cumsum(labelled, 0) - 1
+            final = batch.final.flatten(0, 1)[labelled]
+            p_all = torch.softmax((final.float() @ self.target_rows.T).float(), dim=-1)  # [N, Vd]
         attend = TTTAttention(seg, self.mask)
         hidden = draft.project(batch.aux)
         total = hidden.new_zeros(())
@@ -103,20 +110,22 @@ class Eagle3Objective(nn.Module):
                 inside = (shift(seg, 1 + k, -1) == seg) & (seg >= 0)  # row r+1+k is in r's piece
                 ahead = inside & counted_rows & shift(batch.loss_mask, 1 + k, False)
                 greedy = shift(batch.greedy, 1 + k)
-                in_vocab = draft.t2d[greedy]
-                p = torch.softmax(shift(target_logits, 1 + k), dim=-1)
+                # Rows whose greedy token the draft vocabulary lacks cannot be hit: they count
+                # against the accuracy (in `ahead`) but are neither learnt nor scored.
+                rows = (ahead & draft.t2d[greedy]).flatten().nonzero().squeeze(1)
+                p = p_all[slot[rows + 1 + k]]
                 # token x_{r+1+k} wherever it exists, learnable or not: prompt rows are keys every
                 # later row attends to, and the engine's draft builds them from their real tokens
                 # (masking them to token 0 here trained the draft on a context it never sees)
                 ids = shift(batch.input_ids, 1 + k) * inside
             out = draft.step(ids, hidden, pos + k, attend)
-            logq = F.log_softmax(draft.logits(out).float(), dim=-1)
-            learn = ahead & in_vocab
-            ce = -(p * logq).sum(-1)
-            loss_k = (ce * learn).sum() / learn.sum().clamp(min=1)
+            # the lm_head and the 8192-way softmaxes run on learnt rows only (about half the rows:
+            # prompt rows, padding and piece ends are keys for the others but are never scored)
+            logq = F.log_softmax(draft.logits(out.flatten(0, 1)[rows]).float(), dim=-1)
+            loss_k = -(p * logq).sum() / max(len(rows), 1)
             total = total + self.step_decay**k * loss_k
             with torch.no_grad():
-                hit = (draft.to_target_ids(logq.argmax(-1)) == greedy) & ahead
+                hit = draft.to_target_ids(logq.argmax(-1)) == greedy.flatten()[rows]
                 stats.append(torch.stack([loss_k.detach(), hit.sum().float(), ahead.sum().float()]))
             hidden = out
         return total, torch.stack(stats)
