@@ -153,7 +153,8 @@ def _bootstrap(args) -> int:
         eval_prompts=args.eval_prompts, batch=args.batch, max_tokens=args.max_tokens,
         max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype, draft_vocab=args.draft_vocab,
         max_epochs=args.max_epochs, evals=args.evals, lr=args.lr, batch_rows=args.batch_rows, max_len=args.max_len,
-        learn_prompt_rows=args.learn_prompt_rows, ttt_steps=args.ttt_steps, warmup_steps=args.warmup_steps, autocast=args.autocast, seed=args.seed,
+        learn_prompt_rows=args.learn_prompt_rows, ttt_steps=args.ttt_steps, warmup_steps=args.warmup_steps,
+        autocast=args.autocast, seed=args.seed,
         threads=args.threads,
         progress=not args.no_progress)
     report = bootstrap(cfg)
