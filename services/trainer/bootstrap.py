@@ -348,6 +348,7 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
     state = load_state(state_dir)
     step = int(state["doc"]["progress"]["step"]) if state else 0
     tokens = int(state["doc"]["progress"]["tokens"]) if state else 0
+    step_seconds = float(state["doc"]["progress"]["seconds"]) if state else 0.0  # optimizer steps alone
     if state:  # the trained weights, also when no segment is left to run (stopped before the export)
         draft.load_state_dict({k[len("draft."):]: v for k, v in state["tensors"].items() if k.startswith("draft.")})
     del state
@@ -356,6 +357,10 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
     clock.charge("other")
     t_eval = tr.get("eval_s") or 0.0
     t_step = tr.get("step_s")
+    # A segment's wall time is its steps plus a fixed cost (set-up, the checkpoint it writes, about
+    # a second here). Timing steps apart keeps a short calibration from reading that cost as a
+    # slower step (the 5-step calibration then planned a third fewer steps than the budget held).
+    t_seg = tr.get("segment_s") or 0.0
 
     def evaluate_now(step: int, tokens: int, loss: float | None) -> None:
         t = time.monotonic()
@@ -372,27 +377,28 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
                  [round(x, 3) for x in entry["top1"]])
 
     def segment(end: int, schedule: int | None) -> None:
-        nonlocal step, tokens
+        nonlocal step, tokens, step_seconds, t_step, t_seg
         t = time.monotonic()
         res = train(draft, head, train_set, cfg.train_config(state_dir, end, schedule))
         seconds = time.monotonic() - t
         clock.charge("train")
         tr["history"] += res.history
         if end > step:
-            nonlocal t_step
-            t_step = seconds / (end - step)
-            tr["step_s"] = t_step
-        step, tokens = res.steps, res.tokens
+            compute = res.seconds - step_seconds
+            t_step, t_seg = compute / (end - step), max(0.0, seconds - compute)
+            tr["step_s"], tr["segment_s"] = t_step, t_seg
+        step, tokens, step_seconds = res.steps, res.tokens, res.seconds
         loss = res.history[-1]["loss"] if res.history else None
         evaluate_now(step, tokens, loss)
 
     reserve = lambda: t_eval + EXPORT_RESERVE_S  # noqa: E731 - final evaluation + export
+    per_segment = lambda: t_eval + t_seg  # noqa: E731 - what a segment costs besides its steps
     if step == 0 and not tr["curve"]:
         evaluate_now(0, 0, None)  # the untrained draft: the curve's origin
     if tr["schedule_steps"] is None:  # calibration: warm-up steps do not depend on the schedule's length
         segment(max(1, min(CALIBRATION_STEPS, cfg.warmup_steps, max_steps)), None)
         evals_left = max(1, cfg.evals - 1)
-        left = clock.left() - reserve() - evals_left * t_eval
+        left = clock.left() - reserve() - evals_left * per_segment()
         tr["schedule_steps"] = int(min(max_steps, max(step, step + left / max(t_step, 1e-6))))
         manifest.save()
     total = tr["schedule_steps"]
@@ -402,7 +408,7 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
     while step < total:
         end = min(total, step + max(1, math.ceil((total - step) / n_seg)))
         n_seg = max(1, n_seg - 1)
-        fit = int((clock.left() - reserve() - t_eval) / max(t_step or 1e-6, 1e-6))
+        fit = int((clock.left() - reserve() - per_segment()) / max(t_step or 1e-6, 1e-6))
         if fit < 1:
             stopped_early = True
             break
