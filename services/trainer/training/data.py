@@ -130,8 +130,9 @@ def load_dataset(source, head: TargetHead, max_len: int, expected_target: str | 
 
     `learn_prompt_rows`: make every row learnable, prompt rows included. The target's state at a
     prompt row still gives its own next-token distribution (what it would have generated there), so
-    these rows are extra supervision at no generation cost: a third more rows for chat prompts. Only
-    for training sets; held-out data keeps the chunks' mask, which marks what serving drafts."""
+    these rows are extra supervision at no generation cost (46 % more learnable rows on a bootstrap's
+    GSM8K-heavy data, where 68.5 % were generated). Only for training sets; held-out data keeps the
+    chunks' mask, which marks where serving drafts."""
 
     def decode(blob: bytes):
         try:
