@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -348,7 +349,6 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
     state = load_state(state_dir)
     step = int(state["doc"]["progress"]["step"]) if state else 0
     tokens = int(state["doc"]["progress"]["tokens"]) if state else 0
-    step_seconds = float(state["doc"]["progress"]["seconds"]) if state else 0.0  # optimizer steps alone
     if state:  # the trained weights, also when no segment is left to run (stopped before the export)
         draft.load_state_dict({k[len("draft."):]: v for k, v in state["tensors"].items() if k.startswith("draft.")})
     del state
@@ -357,9 +357,10 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
     clock.charge("other")
     t_eval = tr.get("eval_s") or 0.0
     t_step = tr.get("step_s")
-    # A segment's wall time is its steps plus a fixed cost (set-up, the checkpoint it writes: 0.43 s
-    # on the CI-sized CPU). Timing steps apart keeps a short calibration from reading that cost as a
-    # slower step (the 5-step calibration then planned a third fewer steps than the budget held).
+    # A segment's wall time is its steps plus a fixed cost (set-up, the checkpoint it writes, and a
+    # slower first step: 0.4 s on the CI-sized CPU). The median step time leaves that cost out, so a
+    # short calibration does not read it as slower steps: counted into 5 steps, it once planned a
+    # third fewer steps than the budget held.
     t_seg = tr.get("segment_s") or 0.0
 
     def evaluate_now(step: int, tokens: int, loss: float | None) -> None:
@@ -377,17 +378,17 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
                  [round(x, 3) for x in entry["top1"]])
 
     def segment(end: int, schedule: int | None) -> None:
-        nonlocal step, tokens, step_seconds, t_step, t_seg
+        nonlocal step, tokens, t_step, t_seg
         t = time.monotonic()
         res = train(draft, head, train_set, cfg.train_config(state_dir, end, schedule))
         seconds = time.monotonic() - t
         clock.charge("train")
         tr["history"] += res.history
-        if end > step:
-            compute = res.seconds - step_seconds
-            t_step, t_seg = compute / (end - step), max(0.0, seconds - compute)
+        if res.step_seconds:
+            t_step = statistics.median(res.step_seconds)
+            t_seg = max(0.0, seconds - t_step * len(res.step_seconds))
             tr["step_s"], tr["segment_s"] = t_step, t_seg
-        step, tokens, step_seconds = res.steps, res.tokens, res.seconds
+        step, tokens = res.steps, res.tokens
         loss = res.history[-1]["loss"] if res.history else None
         evaluate_now(step, tokens, loss)
 

@@ -61,6 +61,7 @@ class TrainResult:
     tokens: int
     seconds: float
     history: list[dict] = field(default_factory=list)  # one entry per log_every steps
+    step_seconds: list[float] = field(default_factory=list)  # each step of this call, compute only
 
     @property
     def tokens_per_s(self) -> float:
@@ -142,8 +143,10 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
             grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
             optimizer.step()
             n = _global_tokens(batch.num_tokens, world, device)
+            took = time.perf_counter() - t0
+            result.step_seconds.append(took)
             progress.update(step=step + 1, batch=progress["batch"] + 1, tokens=progress["tokens"] + n,
-                            seconds=progress["seconds"] + time.perf_counter() - t0)
+                            seconds=progress["seconds"] + took)
             window += stats.detach().cpu()
             window_tokens += n
             if (step + 1) % cfg.log_every == 0 or step + 1 == total:
