@@ -19,18 +19,20 @@ from services.inference.app import build
 from services.inference.settings import InferenceSettings
 from tide.allocator import keep_freed_memory
 from tide.logs import configure_logging
+from tide.resources import pin_process
 
 log = logging.getLogger("services.inference")
 
 
 def main() -> int:
     configure_logging(os.environ.get("TIDE_LOG_LEVEL", "INFO"))
-    keep_freed_memory()  # large CPU tensors every step: see tide.allocator
     try:
         settings = InferenceSettings.from_env()
+        pin_process(settings.cpu_set, 0, f"TIDE_CPUS={settings.cpus!r}")  # before torch starts its threads
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2
+    keep_freed_memory()  # large CPU tensors every step: see tide.allocator
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())

@@ -114,19 +114,32 @@ def parse_env(items: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
+def placement(worker_cpus: str, trainer_cpus: str) -> tuple[str, str]:
+    """(worker CPUs, trainer CPUs) as TIDE_CPUS / TIDE_TRAINER_CPUS values; "auto" splits the CPUs this
+    process may use (the trainer gets the upper half, at least one; the worker the rest), "" = all.
+    The issue's "train on separate hardware", on one machine: the trainer never takes the worker's
+    cores, in both modes, so online/static reads what the loop buys and not a CPU tug-of-war."""
+    cpus = sorted(os.sched_getaffinity(0))
+    cut = len(cpus) - max(1, len(cpus) // 2) if len(cpus) > 1 else 0  # one CPU: nothing to split
+    auto = (",".join(map(str, cpus[:cut])), ",".join(map(str, cpus[cut:])) if cut else "")
+    return (auto[0] if worker_cpus == "auto" else worker_cpus, auto[1] if trainer_cpus == "auto" else trainer_cpus)
+
+
 def mode_env(mode: str, args, mode_dir: Path) -> dict[str, dict[str, str]]:
     """Per-service overrides of the stack (tide.launcher.StackConfig.env) for `mode`."""
-    env = {"inference": {"TIDE_DRAFT_CACHE_DIR": str(mode_dir / "draft-cache"),
-                         "TIDE_CHUNK_TOKENS": str(args.chunk_tokens), "TIDE_FLUSH_INTERVAL_S": str(args.flush_s)}}
+    worker_cpus, trainer_cpus = placement(args.worker_cpus, args.trainer_cpus)
+    env = {"inference": {"TIDE_DRAFT_CACHE_DIR": str(mode_dir / "draft-cache"), "TIDE_CPUS": worker_cpus,
+                         "TIDE_CHUNK_TOKENS": str(args.chunk_tokens), "TIDE_FLUSH_INTERVAL_S": str(args.flush_s)},
+           "trainer": {"TIDE_TRAINER_CPUS": trainer_cpus}}
     if mode == "static":
-        env["trainer"] = {"TIDE_TRAINER_AUTO_TRAIN": "0", "TIDE_TRAINER_AUTO_PROMOTE": "0"}
+        env["trainer"].update({"TIDE_TRAINER_AUTO_TRAIN": "0", "TIDE_TRAINER_AUTO_PROMOTE": "0"})
     else:
         need, steps = str(args.min_tokens), args.train_steps
         env["controller"] = {"TIDE_CONTROLLER_COLLECTION": "auto", "TIDE_CONTROLLER_TOKENS_NEEDED": need}
         # a cycle = `--train-steps` steps of 4 packed rows x 512 tokens, whatever was buffered
-        env["trainer"] = {"TIDE_TRAINER_AUTO_TRAIN": "1", "TIDE_TRAINER_AUTO_PROMOTE": "1",
-                          "TIDE_TRAINER_MIN_TOKENS": need, "TIDE_TRAINER_STEPS": str(steps),
-                          "TIDE_TRAINER_BATCH_ROWS": "4", "TIDE_TRAINER_WARMUP_STEPS": str(max(1, steps // 6))}
+        env["trainer"].update({"TIDE_TRAINER_AUTO_TRAIN": "1", "TIDE_TRAINER_AUTO_PROMOTE": "1",
+                               "TIDE_TRAINER_MIN_TOKENS": need, "TIDE_TRAINER_STEPS": str(steps),
+                               "TIDE_TRAINER_BATCH_ROWS": "4", "TIDE_TRAINER_WARMUP_STEPS": str(max(1, steps // 6))})
     extra = [parse_env(args.env)] + ([parse_env(args.online_env)] if mode == "online" else [])
     for e in extra:
         for service, kv in e.items():
@@ -231,6 +244,7 @@ def run(args) -> dict:
     for mode in args.modes:
         modes[mode] = run_mode(mode, args, draft_dir, prompts, bnds, work)
     res = {"target": args.target, "quick": bool(args.quick), "concurrency": args.concurrency,
+           "cpus": dict(zip(("worker", "trainer"), placement(args.worker_cpus, args.trainer_cpus), strict=True)),
            "max_tokens": args.max_tokens, "bin_s": args.bin_s, "poll_s": args.poll_s, "seed": args.seed,
            "starting_draft": draft_info, "work_dir": str(work),
            "phases": [{"name": n, "start_s": a, "end_s": b, "prompts": len(ps)}
@@ -292,6 +306,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="online trainer: TIDE_TRAINER_STEPS, optimizer steps per cycle (batches of 4 x 512) [24]")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="workers' TIDE_CHUNK_TOKENS (rows per chunk)")
     parser.add_argument("--flush-s", type=float, default=10.0, help="workers' TIDE_FLUSH_INTERVAL_S [10]")
+    parser.add_argument("--worker-cpus", default="auto",
+                        help='the worker\'s TIDE_CPUS in both modes: "auto" = the CPUs the trainer does not get, '
+                             '"" = all')
+    parser.add_argument("--trainer-cpus", default="auto",
+                        help='the trainer\'s TIDE_TRAINER_CPUS in both modes: "auto" = the upper half of the CPUs '
+                             '(at least one), "" = all (it then competes with the worker at nice 10)')
     parser.add_argument("--env", action="append", default=[], metavar="SERVICE:KEY=VALUE",
                         help="extra service variable for both modes (repeatable)")
     parser.add_argument("--online-env", action="append", default=[], metavar="SERVICE:KEY=VALUE",

@@ -5,6 +5,8 @@ Environment variables (all optional; defaults in brackets):
     TIDE_TARGET               target model: "ref", a HF directory or a .gguf file            ["ref"]
     TIDE_DTYPE                bf16 | fp16 | fp32                                               [bf16]
     TIDE_DEVICE               cpu | cuda | cuda:N                                              [cpu]
+    TIDE_CPUS                 CPUs this worker runs on, e.g. "0" or "0-5" (affinity, and torch
+                              threads = their count; keep the trainer's TIDE_TRAINER_CPUS apart) [all]
     TIDE_MAX_BATCH            KV-cache slots = most sequences decoded per step                 [16]
     TIDE_MAX_SEQ_LEN          prompt + output tokens per sequence                              [2048]
     TIDE_MAX_TOKENS_PER_STEP  prefill token budget per step                                    [512]
@@ -50,6 +52,7 @@ from typing import Any
 from tide.blobs import StorageSettings
 from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.registry_client import DEFAULT_REGISTRY_ADDR, REGISTRY_ADDR_ENV
+from tide.resources import parse_cpus
 
 DRAFTERS = ("ngram", "none", "eagle3")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -71,6 +74,7 @@ class InferenceSettings:
     target: str = "ref"
     dtype: str = "bf16"
     device: str = "cpu"
+    cpus: str = ""  # "" = every CPU the process may use
     max_batch: int = 16
     max_seq_len: int = 2048
     max_tokens_per_step: int = 512
@@ -117,6 +121,7 @@ class InferenceSettings:
         if self.profile_at_start.strip().lower() not in ("auto", "", "1", "0", "true", "false", "yes", "no", "on",
                                                           "off"):
             raise ValueError(f"TIDE_PROFILE_AT_START must be auto, 1 or 0, got {self.profile_at_start!r}")
+        parse_cpus(self.cpus)  # ValueError when malformed
         if not isinstance(self.policy_params, Mapping):
             raise ValueError("TIDE_POLICY_PARAMS must be a JSON object")
         # A read-only copy: the settings object is shared and must never change.
@@ -127,6 +132,11 @@ class InferenceSettings:
         import torch
 
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype]
+
+    @property
+    def cpu_set(self) -> frozenset[int]:
+        """CPUs of TIDE_CPUS (empty: all)."""
+        return parse_cpus(self.cpus)
 
     @property
     def listen_host(self) -> str:
@@ -151,6 +161,7 @@ class InferenceSettings:
             target=get("target", "TIDE_TARGET"),
             dtype=get("dtype", "TIDE_DTYPE"),
             device=get("device", "TIDE_DEVICE"),
+            cpus=get("cpus", "TIDE_CPUS"),
             max_batch=get("max_batch", "TIDE_MAX_BATCH", int),
             max_seq_len=get("max_seq_len", "TIDE_MAX_SEQ_LEN", int),
             max_tokens_per_step=get("max_tokens_per_step", "TIDE_MAX_TOKENS_PER_STEP", int),

@@ -14,7 +14,6 @@ one machine and sets TIDE_TRAINER_NICE=10; on a small machine also give the trai
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -26,48 +25,16 @@ from services.trainer.metrics import register
 from services.trainer.settings import TrainerSettings
 from tide.allocator import keep_freed_memory
 from tide.logs import configure_logging
+from tide.resources import pin_process
 
 log = logging.getLogger("services.trainer")
-
-
-def _threads() -> list[int]:
-    """Thread ids of this process (imports may already have started some); [0] = the caller where
-    /proc is missing."""
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return [0]
-
-
-def limit_resources(settings: TrainerSettings) -> None:
-    """Apply TIDE_TRAINER_NICE and TIDE_TRAINER_CPUS to every thread of this process (threads started
-    later inherit them). ValueError when the CPUs are not available here."""
-    cpus = settings.cpu_set
-    if cpus:
-        available = os.sched_getaffinity(0)
-        if not cpus <= available:
-            raise ValueError(f"TIDE_TRAINER_CPUS={settings.cpus!r}: CPUs {sorted(cpus - available)} are not "
-                             f"available to this process (available: {sorted(available)})")
-    if settings.nice:
-        nice = min(os.getpriority(os.PRIO_PROCESS, 0) + settings.nice, 19)
-        for tid in _threads():
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-    if cpus:
-        for tid in _threads():
-            with contextlib.suppress(ProcessLookupError):
-                os.sched_setaffinity(tid, cpus)
-        import torch
-
-        torch.set_num_threads(len(cpus))
-    log.info("trainer process: nice %d, CPUs %s", os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)))
 
 
 def main() -> int:
     configure_logging(os.environ.get("TIDE_LOG_LEVEL", "INFO"))
     try:
         settings = TrainerSettings.from_env()
-        limit_resources(settings)
+        pin_process(settings.cpu_set, settings.nice, f"TIDE_TRAINER_CPUS={settings.cpus!r}")
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2

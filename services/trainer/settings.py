@@ -54,6 +54,7 @@ from pathlib import Path
 from tide.blobs import StorageSettings
 from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.registry_client import DEFAULT_REGISTRY_ADDR, REGISTRY_ADDR_ENV
+from tide.resources import parse_cpus
 
 DEFAULT_LISTEN = "127.0.0.1:50054"
 TRAINER_ADDR_ENV = "TIDE_TRAINER_ADDR"  # how clients (tidectl, tests) reach the trainer
@@ -65,17 +66,6 @@ def _address(value: str, allow_zero: bool = False) -> str:
     if not sep or not host or not port.isdigit() or not (0 if allow_zero else 1) <= int(port) < 65536:
         raise ValueError(f"expected host:port, got {value!r}")
     return value
-
-
-def parse_cpus(spec: str) -> frozenset[int]:
-    """CPU ids of "1", "2-3", "0,2-3" (empty: none, meaning all); ValueError when malformed."""
-    cpus: set[int] = set()
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()) or int(hi if sep else lo) < int(lo):
-            raise ValueError(f"expected CPU ids or ranges like 1 or 2-3, got {part!r}")
-        cpus.update(range(int(lo), int(hi if sep else lo) + 1))
-    return frozenset(cpus)
 
 
 def _flag(value: str) -> bool:

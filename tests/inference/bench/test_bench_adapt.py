@@ -166,6 +166,26 @@ def test_phases_prompts_env_and_cli(monkeypatch, data_dir):
     assert seen["args"].quick and seen["args"].concurrency == 4 and seen["args"].modes == ["static", "online"]
 
 
+def test_the_trainer_gets_cores_of_its_own_in_both_modes(monkeypatch):
+    """Separate hardware on one machine: worker and trainer never share a CPU, and the static mode's
+    worker runs on exactly the CPUs the online mode's worker gets."""
+    def split(n):
+        monkeypatch.setattr(ba.os, "sched_getaffinity", lambda pid: set(range(n)))
+        return ba.placement("auto", "auto")
+
+    assert split(2) == ("0", "1") and split(8) == ("0,1,2,3", "4,5,6,7") and split(3) == ("0,1", "2")
+    assert split(1) == ("", "")  # nothing to split on one CPU
+    assert ba.placement("auto", "3") == ("", "3")
+    assert split(4) == ("0,1", "2,3") and ba.placement("auto", "3") == ("0,1", "3")
+    assert ba.placement("0", "") == ("0", "") and split(2) == ("0", "1")
+    parser = cli.argparse.ArgumentParser()
+    ba.add_arguments(parser)
+    args = parser.parse_args(["--quick"])
+    static, online = ba.mode_env("static", args, ba.Path("/x")), ba.mode_env("online", args, ba.Path("/x"))
+    assert static["inference"]["TIDE_CPUS"] == online["inference"]["TIDE_CPUS"] == "0"
+    assert static["trainer"]["TIDE_TRAINER_CPUS"] == online["trainer"]["TIDE_TRAINER_CPUS"] == "1"
+
+
 def test_run_cli_assembles_both_modes_without_a_stack(monkeypatch, tmp_path, capsys, data_dir):
     """run() → JSON + plots with run_mode replaced by canned modes (the stack path is exercised by hand)."""
     seen = []

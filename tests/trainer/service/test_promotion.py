@@ -14,7 +14,8 @@ from services.trainer import auto
 from services.trainer.cycle import TrainingOutcome
 from services.trainer.promotion import decide, served_at
 from services.trainer.runs import RunStats, TriggerResult
-from services.trainer.settings import TrainerSettings, parse_cpus
+from services.trainer.settings import TrainerSettings
+from tide.resources import parse_cpus
 
 ev = importlib.import_module("services.trainer.training.evaluate")  # the package re-exports a function by that name
 

@@ -1,0 +1,60 @@
+"""tide.resources: a service process pinned to its CPUs, every thread of it, with torch sized to them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.inference.settings import InferenceSettings
+from tide.resources import parse_cpus, pin_process
+
+# Runs in a child: pinning the test process itself would constrain every later test.
+CHILD = """
+import json, os, threading, torch
+from tide.resources import pin_process
+started = threading.Event(); release = threading.Event()
+def before():  # a thread that exists before pinning (grpc, OpenMP and imports start some)
+    started.set(); release.wait()
+t = threading.Thread(target=before); t.start(); started.wait()
+nice0 = os.getpriority(os.PRIO_PROCESS, 0)
+pin_process(frozenset({CPU}), 3, "TIDE_CPUS")
+after = {}
+t2 = threading.Thread(target=lambda: after.setdefault("cpus", sorted(os.sched_getaffinity(0)))); t2.start(); t2.join()
+tids = [int(x) for x in os.listdir("/proc/self/task")]
+print(json.dumps({"threads": {str(tid): sorted(os.sched_getaffinity(tid)) for tid in tids},
+                  "later_thread": after["cpus"], "torch_threads": torch.get_num_threads(),
+                  "nice_raised_by": os.getpriority(os.PRIO_PROCESS, t.native_id) - nice0}))
+release.set(); t.join()
+"""
+
+
+def test_a_pinned_process_runs_every_thread_on_its_cpus_with_as_many_torch_threads():
+    cpu = max(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", CHILD.replace("CPU", str(cpu))], capture_output=True, text=True,
+                         timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(got["threads"]) >= 2 and all(c == [cpu] for c in got["threads"].values()), got["threads"]
+    assert got["later_thread"] == [cpu]
+    assert got["torch_threads"] == 1
+    assert got["nice_raised_by"] == 3  # the thread started before pinning is lowered too
+
+
+def test_a_cpu_the_process_may_not_use_is_refused_naming_the_variable():
+    missing = max(os.sched_getaffinity(0)) + 1000
+    with pytest.raises(ValueError, match=rf"TIDE_CPUS='{missing}'.*\[{missing}\]"):
+        pin_process(frozenset({missing}), 0, f"TIDE_CPUS='{missing}'")
+    assert parse_cpus("0,2-3") == {0, 2, 3} and parse_cpus(" ") == frozenset()
+    for bad in ("3-1", "a", "1-", "-1"):
+        with pytest.raises(ValueError, match="CPU ids"):
+            parse_cpus(bad)
+
+
+def test_the_worker_reads_its_cpus_from_the_environment():
+    assert InferenceSettings.from_env({"TIDE_CPUS": "0-1"}).cpu_set == {0, 1}
+    assert InferenceSettings.from_env({}).cpu_set == frozenset()
+    with pytest.raises(ValueError, match="CPU ids"):
+        InferenceSettings.from_env({"TIDE_CPUS": "1-0"})
