@@ -57,6 +57,7 @@ from services.inference.bench_adapt_stack import (
     start_draft,
     worker_status,
 )
+from tide.policies.registry import POLICY_NAMES
 from tide.prompts import Prompt, load_prompts
 
 MODES = ("static", "online")
@@ -125,10 +126,16 @@ def placement(worker_cpus: str, trainer_cpus: str) -> tuple[str, str]:
     return (auto[0] if worker_cpus == "auto" else worker_cpus, auto[1] if trainer_cpus == "auto" else trainer_cpus)
 
 
+def policy_params(policy: str) -> dict:
+    """TIDE_POLICY_PARAMS for `--policy`: static runs γ = 3 (the stack's default); the others their defaults."""
+    return {"gamma": 3} if policy == "static" else {}
+
+
 def mode_env(mode: str, args, mode_dir: Path) -> dict[str, dict[str, str]]:
     """Per-service overrides of the stack (tide.launcher.StackConfig.env) for `mode`."""
     worker_cpus, trainer_cpus = placement(args.worker_cpus, args.trainer_cpus)
     env = {"inference": {"TIDE_DRAFT_CACHE_DIR": str(mode_dir / "draft-cache"), "TIDE_CPUS": worker_cpus,
+                         "TIDE_POLICY": args.policy, "TIDE_POLICY_PARAMS": json.dumps(policy_params(args.policy)),
                          "TIDE_CHUNK_TOKENS": str(args.chunk_tokens), "TIDE_FLUSH_INTERVAL_S": str(args.flush_s)},
            "trainer": {"TIDE_TRAINER_CPUS": trainer_cpus}}
     if mode == "static":
@@ -298,6 +305,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="budget of the starting draft's bootstrap when it is not cached [5]")
     parser.add_argument("--phase-s", type=float, default=None, help="seconds per phase [quick 150, full 300]")
     parser.add_argument("--concurrency", type=int, default=4, help="closed-loop clients [4]")
+    parser.add_argument("--policy", default="adaptive", choices=POLICY_NAMES,
+                        help="the workers' γ policy in both modes (TIDE_POLICY) [adaptive: whether and how far to "
+                             "speculate, from the latency profile and live acceptance]")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request [128]")
     parser.add_argument("--max-prompt-chars", type=int, default=1500, help="longer prompts are skipped [1500]")
     parser.add_argument("--min-tokens", type=int, default=2048,

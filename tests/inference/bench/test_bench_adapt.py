@@ -184,6 +184,11 @@ def test_the_trainer_gets_cores_of_its_own_in_both_modes(monkeypatch):
     static, online = ba.mode_env("static", args, ba.Path("/x")), ba.mode_env("online", args, ba.Path("/x"))
     assert static["inference"]["TIDE_CPUS"] == online["inference"]["TIDE_CPUS"] == "0"
     assert static["trainer"]["TIDE_TRAINER_CPUS"] == online["trainer"]["TIDE_TRAINER_CPUS"] == "1"
+    # both modes run the same γ policy; a non-static one gets no static γ it would refuse as a parameter
+    for mode in (static, online):
+        assert (mode["inference"]["TIDE_POLICY"], mode["inference"]["TIDE_POLICY_PARAMS"]) == ("adaptive", "{}")
+    static3 = ba.mode_env("static", parser.parse_args(["--policy", "static"]), ba.Path("/x"))["inference"]
+    assert json.loads(static3["TIDE_POLICY_PARAMS"]) == {"gamma": 3}
 
 
 def test_run_cli_assembles_both_modes_without_a_stack(monkeypatch, tmp_path, capsys, data_dir):
