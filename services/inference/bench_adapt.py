@@ -14,6 +14,13 @@ each time on a fresh stack:
           trainer trains and promotes by itself (TIDE_TRAINER_AUTO_TRAIN=1, AUTO_PROMOTE=1, a small
           TIDE_TRAINER_MIN_TOKENS so cycles fit in a phase), workers hot-swap what gets promoted.
 
+In both modes the worker and the trainer run on separate CPUs (`--worker-cpus`, `--trainer-cpus`;
+auto: the trainer gets the upper half, on the 2-CPU reference machine CPU 1, the worker CPU 0), which
+is how one machine stands in for the issue's "train online on separate hardware": the static mode's
+worker gets exactly the cores the online mode's worker gets, so the ratio reads what the loop buys,
+not a CPU tug-of-war. Both run the same γ policy (`--policy`, default adaptive: it decides whether and
+how far to speculate from the latency profile the worker measures at start and the live acceptance).
+
 Both start from the same draft, registered and promoted in the fresh registry before traffic:
 `--draft DIR`, else a chat-only draft bootstrapped once (services.trainer.bootstrap on
 Spec-Bench + Alpaca prompts, `--bootstrap-minutes`) and cached under
