@@ -21,7 +21,7 @@ def before():  # a thread that exists before pinning (grpc, OpenMP and imports s
     started.set(); release.wait()
 t = threading.Thread(target=before); t.start(); started.wait()
 nice0 = os.getpriority(os.PRIO_PROCESS, 0)
-pin_process(frozenset({CPU}), 3, "TIDE_CPUS")
+pin_process(frozenset({THE_CPU}), 3, "TIDE_CPUS")
 after = {}
 t2 = threading.Thread(target=lambda: after.setdefault("cpus", sorted(os.sched_getaffinity(0)))); t2.start(); t2.join()
 tids = [int(x) for x in os.listdir("/proc/self/task")]
@@ -34,7 +34,7 @@ release.set(); t.join()
 
 def test_a_pinned_process_runs_every_thread_on_its_cpus_with_as_many_torch_threads():
     cpu = max(os.sched_getaffinity(0))
-    out = subprocess.run([sys.executable, "-c", CHILD.replace("CPU", str(cpu))], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", CHILD.replace("THE_CPU", str(cpu))], capture_output=True, text=True,
                          timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(got["threads"]) >= 2 and all(c == [cpu] for c in got["threads"].values()), got["threads"]
