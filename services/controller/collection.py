@@ -7,7 +7,11 @@ Mode `auto` (the default):
   `min_observations` verifications. Collection is then left to the workers (decision field unset).
 - ON "cold start": no draft version serving (an n-gram or no drafter: draft version ""), or the
   serving version's long accept-length EMA is below `cold_accept` (a weak draft).
-- ON "shift detected": short EMA < long EMA - `shift_epsilon` for the serving version.
+- ON "shift detected": the serving version's short EMA of the acceptance rate per checked draft
+  token is below its long EMA by more than `shift_epsilon` (stats.py: the rate does not move
+  with γ, so the adaptive policy's γ changes and probes do not read as shifts; the accept length
+  would: its short EMA fell by 0.3 whenever γ went from 3 to 1, and collection that had gone off
+  for no gain came straight back on).
 - OFF "no shift": judged (enough observations), the draft is good and traffic is stable.
 - Once ON, collection stays on (training runs on the data, a promoted draft keeps serving) until
   the last `no_gain_runs` consecutive training outcomes of the target gained nothing (not promoted,
@@ -44,8 +48,8 @@ FORCED_OFF = "forced off (TIDE_CONTROLLER_COLLECTION=off)"
 @dataclass(frozen=True)
 class CollectionConfig:
     mode: str = "auto"  # auto | on | off
-    shift_epsilon: float = 0.15
-    cold_accept: float = 1.3
+    shift_epsilon: float = 0.15  # acceptance rate per checked draft token (0..1)
+    cold_accept: float = 1.3  # accept length (tokens per verification)
     min_observations: int = 50
     no_gain_runs: int = 2
     gain_margin: float = 0.02
@@ -181,7 +185,7 @@ class CollectionControl:
         judged = d is not None and d.verify_steps >= cfg.min_observations
         if not judged:
             return False, False, False
-        return d.long.value < cfg.cold_accept, d.short.value < d.long.value - cfg.shift_epsilon, True
+        return d.long.value < cfg.cold_accept, d.rate_short.value < d.rate_long.value - cfg.shift_epsilon, True
 
     def _set(self, target: str, t: _Target, enabled: bool, reason: str, now: float) -> bool:
         before = t.enabled

@@ -30,6 +30,14 @@ class ControllerCollector:
                 ema.add_metric([target, d.draft_version, "short"], d.short.value)
                 ema.add_metric([target, d.draft_version, "long"], d.long.value)
         yield ema
+        rate = GaugeMetricFamily("tide_controller_acceptance_rate_ema",
+                                 "Acceptance rate EMA per checked draft token (accepted / checked; the shift test)",
+                                 labels=["target", "draft_version", "horizon"])
+        for target in c.stats.targets():
+            for d in c.stats.drafts(target):
+                rate.add_metric([target, d.draft_version, "short"], d.rate_short.value)
+                rate.add_metric([target, d.draft_version, "long"], d.rate_long.value)
+        yield rate
         batch = GaugeMetricFamily("tide_controller_worker_mean_batch", "Mean running batch over the load window",
                                   labels=["worker_id", "target"])
         tps = GaugeMetricFamily("tide_controller_worker_tokens_per_s", "Emitted tokens/s over the load window",

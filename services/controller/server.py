@@ -41,7 +41,9 @@ def outcome_from_pb(pb: trainer_pb2.TrainingOutcome) -> TrainingOutcome:
 def draft_stats_pb(s: DraftStats) -> controller_pb2.DraftStats:
     return controller_pb2.DraftStats(draft_version=s.draft_version, accept_length_ema_short=s.short.value,
                                      accept_length_ema_long=s.long.value, verify_steps=s.verify_steps,
-                                     tokens=s.tokens, last_update_unix_s=s.last_update_unix_s)
+                                     tokens=s.tokens, last_update_unix_s=s.last_update_unix_s,
+                                     acceptance_rate_ema_short=s.rate_short.value,
+                                     acceptance_rate_ema_long=s.rate_long.value)
 
 
 def rollback_state_pb(guard: RollbackGuard, target: str) -> controller_pb2.RollbackState:

@@ -17,8 +17,10 @@ Environment variables (all optional; defaults in brackets):
   Collection control (TIDE Algorithm 1, collection.py):
     TIDE_CONTROLLER_COLLECTION     auto (Algorithm 1) | on | off (forced)                 [auto; on / off when
                                    TIDE_CONTROLLER_DECISION sets collection_enabled true / false]
-    TIDE_CONTROLLER_SHIFT_EPSILON  shift when short EMA < long EMA - this (accept length)  [0.15]
-    TIDE_CONTROLLER_COLD_ACCEPT    a serving draft whose long EMA is below this is weak: cold start [1.3]
+    TIDE_CONTROLLER_SHIFT_EPSILON  shift when the short EMA of the acceptance rate per checked draft
+                                   token is below the long one by more than this (0..1)  [0.15]
+    TIDE_CONTROLLER_COLD_ACCEPT    a serving draft whose long accept-length EMA is below this is weak:
+                                   cold start (tokens per verification)                  [1.3]
     TIDE_CONTROLLER_MIN_OBSERVATIONS  verifications of a version before its EMAs are judged [50]
     TIDE_CONTROLLER_NO_GAIN_RUNS   consecutive training runs without gain that turn collection off [2]
     TIDE_CONTROLLER_GAIN_MARGIN    eval accept-length gain a promoted run needs to count as a gain [0.02]

@@ -1,10 +1,21 @@
 """Fleet statistics from the telemetry stream: acceptance EMAs per (target, draft version) and
 recent load per worker. Pure domain code (no Redis, no gRPC); `telemetry.py` feeds it.
 
-Acceptance: every request that was verified in a step (γ > 0) contributes one observation, its
-accept length `accepted + 1` (bonus token included, as DraftStats in controller.proto defines it).
-Two exponential moving averages follow it: a short horizon (the current traffic) and a long one
-(the baseline); short < long - ε signals a shift (TIDE Algorithm 1: collection.py acts on it).
+Acceptance: every request that was verified in a step (γ > 0) contributes one observation. Two
+statistics follow it, each as a short-horizon (the current traffic) and a long-horizon (the
+baseline) exponential moving average:
+
+- the accept length `accepted + 1` (bonus token included, as DraftStats in controller.proto
+  defines it): tokens per verification, what speculation buys; it grows with γ;
+- the acceptance rate per checked draft token, accepted / checked. A verification of γ draft
+  tokens checks them in order up to the first rejection: it accepts a and checks a + 1 (a < γ) or
+  γ (a = γ). Under a constant per-token acceptance probability p, accepted / checked estimates p
+  whatever γ each step used (the maximum-likelihood estimate), where the accept length at γ = 1
+  is 1 + p and at γ = 3 is 1 + p + p² + p³. So the rate, not the accept length, tells a shift
+  of the traffic from a change of γ (the adaptive policy moves γ all the time): short < long - ε
+  on the rate signals a shift (TIDE Algorithm 1, whose α is this rate; collection.py acts on it).
+  Its EMA is the ratio of the EMAs of accepted and of checked tokens.
+
 A horizon of N observations means the EMA weight α = 2 / (N + 1); the first observation seeds it.
 
 Load: per worker, the steps of the last `window_s` seconds (by their record time): mean running
@@ -13,6 +24,7 @@ batch size, steps/s and emitted tokens/s.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import deque
@@ -37,15 +49,53 @@ class Ema:
 
 
 @dataclass
+class RateEma:
+    """EMA of a rate: EMA(numerator) / EMA(denominator), so each observation weighs by its
+    denominator. Both start at 0 unseeded; their common start-up bias cancels in the ratio, which
+    is therefore the exactly weighted mean from the first observation on (no seed to outlive)."""
+
+    horizon: float
+    num: float = 0.0
+    den: float = 0.0
+    count: int = 0
+
+    @property
+    def value(self) -> float:
+        return self.num / self.den if self.den > 0 else 0.0
+
+    def update(self, num: float, den: float) -> None:
+        alpha = 2.0 / (self.horizon + 1.0)
+        self.num += alpha * (num - self.num)
+        self.den += alpha * (den - self.den)
+        self.count += 1
+
+
+@dataclass
 class DraftStats:
-    """Acceptance of one draft version on one target."""
+    """Acceptance of one draft version on one target (see the module docstring)."""
 
     draft_version: str
-    short: Ema
+    short: Ema  # accept length (bonus included)
     long: Ema
     verify_steps: int = 0  # request-verifications observed (one per request per speculative step)
     tokens: int = 0  # tokens emitted by those verifications (bonus included)
     last_update_unix_s: float = 0.0
+    rate_short: RateEma | None = None  # acceptance rate per checked draft token; the horizons of short / long
+    rate_long: RateEma | None = None
+
+    def __post_init__(self) -> None:
+        self.rate_short = self.rate_short or RateEma(self.short.horizon)
+        self.rate_long = self.rate_long or RateEma(self.long.horizon)
+
+    def observe(self, gamma: int, accepted: int) -> None:
+        """One request's verification of `gamma` draft tokens, `accepted` of them accepted."""
+        checked = min(accepted + 1, gamma)
+        for ema in (self.short, self.long):
+            ema.update(accepted + 1.0)
+        for rate in (self.rate_short, self.rate_long):
+            rate.update(accepted, checked)
+        self.verify_steps += 1
+        self.tokens += accepted + 1
 
 
 @dataclass(frozen=True)
@@ -86,7 +136,7 @@ class FleetStats:
             window.steps.append((rec.time_unix_s, rec.batch_size, rec.emitted_tokens))
             self._trim(window, rec.time_unix_s)
             self._emitted[rec.target_model] = self._emitted.get(rec.target_model, 0) + rec.emitted_tokens
-            verified = [a for g, a in zip(rec.gammas, rec.accepted, strict=False) if g > 0]
+            verified = [(g, a) for g, a in zip(rec.gammas, rec.accepted, strict=False) if g > 0]
             if not verified:
                 return
             key = (rec.target_model, rec.draft_version)
@@ -94,11 +144,8 @@ class FleetStats:
             if stats is None:
                 stats = self._drafts[key] = DraftStats(rec.draft_version, Ema(self.short_horizon),
                                                        Ema(self.long_horizon))
-            for a in verified:
-                stats.short.update(a + 1.0)
-                stats.long.update(a + 1.0)
-                stats.verify_steps += 1
-                stats.tokens += a + 1
+            for g, a in verified:
+                stats.observe(g, a)
             stats.last_update_unix_s = max(stats.last_update_unix_s, rec.time_unix_s)
             if rec.time_unix_s >= self._latest_version.get(rec.target_model, (float("-inf"), ""))[0]:
                 self._latest_version[rec.target_model] = (rec.time_unix_s, rec.draft_version)
@@ -114,10 +161,7 @@ class FleetStats:
     def drafts(self, target_model: str) -> list[DraftStats]:
         """Copies of the per-version stats of a target, most recently updated first."""
         with self._lock:
-            out = [DraftStats(s.draft_version, Ema(s.short.horizon, s.short.value, s.short.count),
-                              Ema(s.long.horizon, s.long.value, s.long.count), s.verify_steps, s.tokens,
-                              s.last_update_unix_s)
-                   for (t, _), s in self._drafts.items() if t == target_model]
+            out = [copy.deepcopy(s) for (t, _), s in self._drafts.items() if t == target_model]
         return sorted(out, key=lambda s: -s.last_update_unix_s)
 
     def serving_version(self, target_model: str) -> str:

@@ -16,12 +16,16 @@ CFG = CollectionConfig(shift_epsilon=0.15, cold_accept=1.3, min_observations=50,
                        tokens_needed=1000)
 
 
-def draft(version="v1", short=3.0, long=3.0, n=100) -> DraftStats:
-    return DraftStats(version, Ema(50, short, n), Ema(1000, long, n), verify_steps=n, tokens=int(long * n))
+def draft(version="v1", accept=3.0, short=0.7, long=0.7, n=100) -> DraftStats:
+    """`accept`: the accept-length EMAs (cold start); `short` / `long`: the acceptance-rate EMAs (shift)."""
+    d = DraftStats(version, Ema(50, accept, n), Ema(1000, accept, n), verify_steps=n, tokens=int(accept * n))
+    for rate, value in ((d.rate_short, short), (d.rate_long, long)):
+        rate.update(value, 1.0)
+    return d
 
 
-def sig(version="v1", short=3.0, long=3.0, n=100, emitted=0) -> Signal:
-    return Signal(version, draft(version, short, long, n), emitted)
+def sig(version="v1", accept=3.0, short=0.7, long=0.7, n=100, emitted=0) -> Signal:
+    return Signal(version, draft(version, accept, short, long, n), emitted)
 
 
 def no_gain(run: str, promoted=False, cand=1.5, base=1.5) -> TrainingOutcome:
@@ -41,42 +45,42 @@ def test_cold_start_turns_collection_on():
     assert state(ctl) == (True, "cold start") and ctl.state("m").since_unix_s == 2.0
 
     weak = CollectionControl(CFG)
-    weak.evaluate("m", sig(long=1.6, short=1.6, n=10), now=1.0)  # too few verifications to judge the draft
+    weak.evaluate("m", sig(accept=1.6, n=10), now=1.0)  # too few verifications to judge the draft
     assert state(weak) == (None, "waiting for 50 verifications of v1")
-    weak.evaluate("m", sig(long=1.1, short=1.1, n=60), now=2.0)  # a weak draft: long EMA < cold_accept
+    weak.evaluate("m", sig(accept=1.1, n=60), now=2.0)  # a weak draft: long EMA < cold_accept
     assert state(weak) == (True, "cold start")
     assert weak.change_counts() == {("m", "cold start"): 1}
 
 
 def test_shift_turns_collection_on_and_tokens_are_counted():
     ctl = CollectionControl(CFG)
-    ctl.evaluate("m", sig(short=3.0, long=3.0, emitted=500), now=1.0)
+    ctl.evaluate("m", sig(short=0.7, long=0.7, emitted=500), now=1.0)
     assert state(ctl) == (False, "no shift") and ctl.state("m").tokens_collected == 0
-    ctl.evaluate("m", sig(short=2.9, long=3.0, emitted=600), now=2.0)  # within epsilon: no shift
+    ctl.evaluate("m", sig(short=0.6, long=0.7, emitted=600), now=2.0)  # within epsilon: no shift
     assert state(ctl) == (False, "no shift")
-    assert ctl.evaluate("m", sig(short=2.7, long=3.0, emitted=700), now=3.0)
+    assert ctl.evaluate("m", sig(short=0.5, long=0.7, emitted=700), now=3.0)
     assert state(ctl) == (True, "shift detected")
-    ctl.evaluate("m", sig(short=3.0, long=3.0, emitted=1900), now=4.0)  # on until training says otherwise
+    ctl.evaluate("m", sig(short=0.7, long=0.7, emitted=1900), now=4.0)  # on until training says otherwise
     s = ctl.state("m")
     assert (s.enabled, s.tokens_collected, s.tokens_needed, s.since_unix_s) == (True, 1200, 1000, 3.0)
 
 
 def test_no_gain_twice_turns_collection_off_until_a_later_shift():
     ctl = CollectionControl(CFG)
-    ctl.evaluate("m", sig(short=2.5, long=3.0, emitted=100), now=1.0)
+    ctl.evaluate("m", sig(short=0.4, long=0.7, emitted=100), now=1.0)
     assert state(ctl) == (True, "shift detected")
     assert not ctl.on_outcome(no_gain("r1"), "v1", now=2.0)  # one run without gain: still on
     assert not ctl.on_outcome(no_gain("r2", promoted=True, cand=2.0, base=1.0), "v1", now=3.0)  # a gain resets
     assert not ctl.on_outcome(no_gain("r3", promoted=True, cand=1.51, base=1.5), "v1", now=4.0)  # < gain margin
-    ctl.evaluate("m", sig(short=2.5, long=3.0, emitted=300), now=5.0)
+    ctl.evaluate("m", sig(short=0.4, long=0.7, emitted=300), now=5.0)
     assert state(ctl) == (True, "shift detected")
     assert ctl.on_outcome(no_gain("r4"), "v1", now=6.0)  # second in a row
     assert state(ctl) == (False, "no gain after training") and ctl.state("m").tokens_collected == 200
-    ctl.evaluate("m", sig(short=2.5, long=3.0), now=7.0)  # the same shift persists: stays off
+    ctl.evaluate("m", sig(short=0.4, long=0.7), now=7.0)  # the same shift persists: stays off
     assert state(ctl) == (False, "no gain after training")
-    ctl.evaluate("m", sig(short=3.0, long=3.0), now=8.0)  # the shift is over
+    ctl.evaluate("m", sig(short=0.7, long=0.7), now=8.0)  # the shift is over
     assert state(ctl) == (False, "no gain after training")
-    assert ctl.evaluate("m", sig(short=2.6, long=3.0), now=9.0)  # a later shift
+    assert ctl.evaluate("m", sig(short=0.5, long=0.7), now=9.0)  # a later shift
     assert state(ctl) == (True, "shift detected")
     assert ctl.change_counts() == {("m", "shift detected"): 2, ("m", "no gain after training"): 1}
 
@@ -86,7 +90,7 @@ def test_forced_modes_ignore_signals_and_outcomes(mode):
     ctl = CollectionControl(CollectionConfig(mode=mode, no_gain_runs=1))
     assert ctl.evaluate("m", Signal("", None, 0), now=1.0)
     expected = (mode == "on", f"forced {mode} (TIDE_CONTROLLER_COLLECTION={mode})")
-    for s in (sig(short=1.0, long=3.0), sig(long=1.0, short=1.0), sig()):
+    for s in (sig(short=0.1, long=0.7), sig(accept=1.0), sig()):
         assert not ctl.evaluate("m", s, now=2.0)
         assert state(ctl) == expected
     assert not ctl.on_outcome(no_gain("r1"), "v1", now=3.0)
@@ -113,8 +117,8 @@ def test_issuer_never_reuses_an_id():
     assert restarted.nonce != issuer.nonce and restarted.issue("m", True, "x")[0].decision_id != a.decision_id
 
 
-def step(t: float, accepted: int, version: str = "v1") -> StepRecord:
-    return StepRecord(worker_id="w1", step=int(t), time_unix_s=t, batch_size=1, request_ids=["r"], gammas=[3],
+def step(t: float, accepted: int, version: str = "v1", gamma: int = 3) -> StepRecord:
+    return StepRecord(worker_id="w1", step=int(t), time_unix_s=t, batch_size=1, request_ids=["r"], gammas=[gamma],
                       accepted=[accepted], draft_ms=1, verify_ms=5, other_ms=1, drafter="eagle3",
                       draft_version=version, target_model="m")
 
@@ -141,3 +145,30 @@ def test_controller_issues_a_new_decision_on_each_toggle():
     off_again = ctl.decision_for("m")
     assert off_again.collection_enabled is False and "no gain after training" in off_again.reason
     assert len({d.decision_id for d in (undecided, off, on, off_again)}) == 4  # never an id twice
+
+
+def test_a_change_of_gamma_is_not_a_shift_but_a_drop_in_acceptance_is():
+    """The adaptive policy moves γ all the time: the same draft on the same traffic accepts fewer
+    tokens per verification at γ = 1 than at γ = 3. Only a lower per-token acceptance is a shift."""
+    stats = FleetStats(short_horizon=30, long_horizon=1000)
+    ctl = CollectionControl(CFG)
+    t = 1000.0
+    # Per-token acceptance 2/3 at both γ: accepted / checked = (3+1+0) / (3+2+1) and (1+1+0) / (1+1+1).
+    for gamma, pattern, repeats in ((3, (3, 1, 0), 100), (1, (1, 1, 0), 30)):
+        for _ in range(repeats):
+            for a in pattern:
+                t += 1
+                stats.observe(step(t, accepted=a, gamma=gamma))
+    (d,) = stats.drafts("m")
+    assert d.short.value < d.long.value - 0.5  # accept length: 1.67 at γ = 1 against 2.33 at γ = 3
+    assert abs(d.rate_short.value - 2 / 3) < 0.03 and abs(d.rate_long.value - 2 / 3) < 0.03
+    ctl.evaluate("m", Signal("v1", d, 1000), now=t)
+    assert state(ctl) == (False, "no shift")
+    for _ in range(20):  # the traffic changes: per-token acceptance 1/4 at γ = 3, (0+0+1) / (1+1+2)
+        for a in (0, 0, 1):
+            t += 1
+            stats.observe(step(t, accepted=a))
+    (d,) = stats.drafts("m")
+    assert d.rate_short.value < 0.35 < 0.6 < d.rate_long.value
+    assert ctl.evaluate("m", Signal("v1", d, 2000), now=t)
+    assert state(ctl) == (True, "shift detected")

@@ -18,20 +18,24 @@ class GetControllerStateRequest(_message.Message):
     def __init__(self, target_model: _Optional[str] = ..., max_decisions: _Optional[int] = ...) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("draft_version", "accept_length_ema_short", "accept_length_ema_long", "verify_steps", "tokens", "last_update_unix_s")
+    __slots__ = ("draft_version", "accept_length_ema_short", "accept_length_ema_long", "verify_steps", "tokens", "last_update_unix_s", "acceptance_rate_ema_short", "acceptance_rate_ema_long")
     DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_EMA_SHORT_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_EMA_LONG_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_UPDATE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_EMA_SHORT_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_EMA_LONG_FIELD_NUMBER: _ClassVar[int]
     draft_version: str
     accept_length_ema_short: float
     accept_length_ema_long: float
     verify_steps: int
     tokens: int
     last_update_unix_s: float
-    def __init__(self, draft_version: _Optional[str] = ..., accept_length_ema_short: _Optional[float] = ..., accept_length_ema_long: _Optional[float] = ..., verify_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., last_update_unix_s: _Optional[float] = ...) -> None: ...
+    acceptance_rate_ema_short: float
+    acceptance_rate_ema_long: float
+    def __init__(self, draft_version: _Optional[str] = ..., accept_length_ema_short: _Optional[float] = ..., accept_length_ema_long: _Optional[float] = ..., verify_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., last_update_unix_s: _Optional[float] = ..., acceptance_rate_ema_short: _Optional[float] = ..., acceptance_rate_ema_long: _Optional[float] = ...) -> None: ...
 
 class CollectionState(_message.Message):
     __slots__ = ("enabled", "reason", "tokens_collected", "tokens_needed", "since_unix_s")
