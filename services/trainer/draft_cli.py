@@ -64,6 +64,8 @@ def add_bootstrap_arguments(p: argparse.ArgumentParser) -> None:
                         f"[{'on' if d.learn_prompt_rows else 'off'}]")
     p.add_argument("--max-len", type=int, default=d.max_len)
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
+    p.add_argument("--ttt-mask", choices=("specforge", "inference"), default=d.ttt_mask,
+                   help=f"attention mask of the unrolled steps (training.objective.TTTAttention) [{d.ttt_mask}]")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 autocast for the training forward [on]")
@@ -153,7 +155,8 @@ def _bootstrap(args) -> int:
         eval_prompts=args.eval_prompts, batch=args.batch, max_tokens=args.max_tokens,
         max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype, draft_vocab=args.draft_vocab,
         max_epochs=args.max_epochs, evals=args.evals, lr=args.lr, batch_rows=args.batch_rows, max_len=args.max_len,
-        learn_prompt_rows=args.learn_prompt_rows, ttt_steps=args.ttt_steps, warmup_steps=args.warmup_steps,
+        learn_prompt_rows=args.learn_prompt_rows, ttt_steps=args.ttt_steps, ttt_mask=args.ttt_mask,
+        warmup_steps=args.warmup_steps,
         autocast=args.autocast, seed=args.seed,
         threads=args.threads,
         progress=not args.no_progress)

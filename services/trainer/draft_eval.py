@@ -15,6 +15,7 @@ from services.trainer.generation import (
     SequenceChunks,
     encode_prompts,
     generate_groups,
+    length_sorted_groups,
     load_prompt_files,
     make_engine,
     progress_bar,
@@ -84,7 +85,7 @@ def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens,
         out_tokens = steps = accepted = 0
         t0 = time.perf_counter()
         bar = progress_bar(len(items), "generate", "prompt", progress)
-        groups = (items[a:a + 2 * batch] for a in range(0, len(items), 2 * batch))
+        groups = length_sorted_groups(items, 2 * batch)
         for res in generate_groups(engine, sink, groups, max_tokens, speculative=engine_gamma > 0,
                                    on_done=bar.update):
             for cid, blob in res.chunks:

@@ -186,6 +186,25 @@ def encode_prompts(tokenizer, prompts: list[Prompt], max_prompt_tokens: int) -> 
     return out, skipped
 
 
+# Prompts are grouped by length within windows of this many groups. Decode attention reads every
+# sequence's keys up to the longest context in the batch, so batch mates of similar prompt length
+# waste less of it: on the bootstrap's prompt mix (reference model, 150 s each, one run) batch 32
+# made 179 tokens/s unsorted and 201 sorted in windows of 8 groups; batch 64, 233 with windows of
+# 2 groups or of 8. Small windows keep generation in the seeded shuffle's order: when the budget
+# ends inside a window, its longest prompts are the ones left out, so 2 groups bias little.
+LENGTH_SORT_WINDOW = 2
+
+
+def length_sorted_groups(items: list[tuple[str, list[int]]], group: int,
+                         window: int = LENGTH_SORT_WINDOW) -> Iterator[list[tuple[str, list[int]]]]:
+    """Groups of `group` consecutive items ((key, prompt ids)), sorted by prompt length within
+    each window of `window` groups (a stable sort: the same items give the same groups)."""
+    for a in range(0, len(items), group * window):
+        part = sorted(items[a:a + group * window], key=lambda kv: len(kv[1]))
+        for b in range(0, len(part), group):
+            yield part[b:b + group]
+
+
 def make_engine(model, batch: int, max_prompt_tokens: int, max_tokens: int, drafter=None, gamma: int = 0):
     from services.inference.engine.engine import EngineConfig, LLMEngine
     from tide.policies import FixedGamma

@@ -89,6 +89,11 @@ def test_a_promoted_draft_that_accepts_worse_is_rolled_back(registry, redis_serv
         metrics.register(ControllerCollector(svc))
         text = generate_latest(metrics).decode()
         assert f'tide_controller_rollbacks_total{{target="{TARGET}"}} 1.0' in text
+        # v2 accepted none of the draft tokens it checked; v1 (γ = 3, 2 accepted) two of every three
+        def rate(version: str) -> str:
+            return f'tide_controller_acceptance_rate_ema{{target="{TARGET}",draft_version="{version}",horizon="long"}} '
+
+        assert rate(v2) + "0.0" in text and rate(v1) + "0.666" in text
         time.sleep(0.5)  # more rounds: the rolled-back version is not rolled back twice
         history = admin.pointer(TARGET).history
         assert [e.action for e in history].count(registry_pb2.POINTER_ACTION_ROLLBACK) == 1

@@ -97,6 +97,7 @@ def test_telemetry_is_consumed_acked_and_bad_entries_dead_lettered(make_controll
     (d,) = wait_for(lambda: (ds := drafts()) and ds[0].verify_steps == 20 and ds, what="20 observations")
     assert (d.draft_version, d.tokens) == ("v1", 60)
     assert d.accept_length_ema_short == pytest.approx(3.0) and d.accept_length_ema_long == pytest.approx(3.0)
+    assert d.acceptance_rate_ema_short == pytest.approx(2 / 3) and d.acceptance_rate_ema_long == pytest.approx(2 / 3)
     wait_for(lambda: redis_client.xlen(names.dead_letter) == 1, what="the dead letter")
     (_, fields), = redis_client.xrange(names.dead_letter)
     letter = streams.decode(fields, streams.DeadLetter)
