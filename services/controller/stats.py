@@ -16,7 +16,8 @@ baseline) exponential moving average:
   on the rate signals a shift (TIDE Algorithm 1, whose α is this rate; collection.py acts on it).
   Its EMA is the ratio of the EMAs of accepted and of checked tokens.
 
-A horizon of N observations means the EMA weight α = 2 / (N + 1); the first observation seeds it.
+A horizon of N observations means the EMA weight 2 / (N + 1). The first observation seeds an
+accept-length EMA; the rate's two EMAs start at 0 (see RateEma).
 
 Load: per worker, the steps of the last `window_s` seconds (by their record time): mean running
 batch size, steps/s and emitted tokens/s.

@@ -97,9 +97,11 @@ class BootstrapConfig:
     gen_tokens: int | None = None  # stop generating once the training set holds this many output tokens
     prompt_limit: int | None = None  # prompts read per file
     eval_prompts: int = 32  # held-out prompts (evaluation only)
-    # engine slots during generation; more slots share each weight read (reference model, prompts
-    # grouped by length, generation.LENGTH_SORT_WINDOW: 201 tokens/s at 32, 233 at 64, 258 at 128)
-    batch: int = 64
+    # Engine slots while generating. More slots make more tokens per second (reference model,
+    # prompts grouped by length: 201 tokens/s at 32, 233 at 64), but a group is 2 x batch prompts
+    # and the last one runs past the generation deadline: at 64 a 30-minute run generated 1.5 min
+    # longer, trained 502 steps instead of 671 and ended lower (docs/results/2026-11-26/README.md).
+    batch: int = 32
     max_tokens: int = 256  # output tokens per prompt
     max_prompt_tokens: int = 768  # longer prompts are skipped
     chunk_tokens: int = 2048  # rows per chunk file (the workers' default)
