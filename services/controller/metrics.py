@@ -25,18 +25,15 @@ class ControllerCollector:
         yield pushes
         ema = GaugeMetricFamily("tide_controller_accept_length_ema", "Accept length EMA (bonus token included)",
                                 labels=["target", "draft_version", "horizon"])
-        for target in c.stats.targets():
-            for d in c.stats.drafts(target):
-                ema.add_metric([target, d.draft_version, "short"], d.short.value)
-                ema.add_metric([target, d.draft_version, "long"], d.long.value)
-        yield ema
         rate = GaugeMetricFamily("tide_controller_acceptance_rate_ema",
                                  "Acceptance rate EMA per checked draft token (accepted / checked; the shift test)",
                                  labels=["target", "draft_version", "horizon"])
         for target in c.stats.targets():
             for d in c.stats.drafts(target):
-                rate.add_metric([target, d.draft_version, "short"], d.rate_short.value)
-                rate.add_metric([target, d.draft_version, "long"], d.rate_long.value)
+                for horizon, length, accepted in (("short", d.short, d.rate_short), ("long", d.long, d.rate_long)):
+                    ema.add_metric([target, d.draft_version, horizon], length.value)
+                    rate.add_metric([target, d.draft_version, horizon], accepted.value)
+        yield ema
         yield rate
         batch = GaugeMetricFamily("tide_controller_worker_mean_batch", "Mean running batch over the load window",
                                   labels=["worker_id", "target"])
