@@ -9,9 +9,9 @@ Mode `auto` (the default):
   serving version's long accept-length EMA is below `cold_accept` (a weak draft).
 - ON "shift detected": the serving version's short EMA of the acceptance rate per checked draft
   token is below its long EMA by more than `shift_epsilon` (stats.py: the rate does not move
-  with γ, so the adaptive policy's γ changes and probes do not read as shifts; the accept length
-  would: its short EMA fell by 0.3 whenever γ went from 3 to 1, and collection that had gone off
-  for no gain came straight back on).
+  with γ, so the adaptive policy's γ changes and probes do not read as shifts. The accept length
+  would: at a per-token acceptance of 0.5 it is 1.875 at γ = 3 and 1.5 at γ = 1, a fall of 0.375,
+  and in session 9 collection that had gone off for no gain came straight back on).
 - OFF "no shift": judged (enough observations), the draft is good and traffic is stable.
 - Once ON, collection stays on (training runs on the data, a promoted draft keeps serving) until
   the last `no_gain_runs` consecutive training outcomes of the target gained nothing (not promoted,
