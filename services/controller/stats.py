@@ -81,12 +81,12 @@ class DraftStats:
     verify_steps: int = 0  # request-verifications observed (one per request per speculative step)
     tokens: int = 0  # tokens emitted by those verifications (bonus included)
     last_update_unix_s: float = 0.0
-    rate_short: RateEma | None = None  # acceptance rate per checked draft token; the horizons of short / long
-    rate_long: RateEma | None = None
+    # acceptance rate per checked draft token, over the horizons of `short` / `long`
+    rate_short: RateEma = field(init=False)
+    rate_long: RateEma = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rate_short = self.rate_short or RateEma(self.short.horizon)
-        self.rate_long = self.rate_long or RateEma(self.long.horizon)
+        self.rate_short, self.rate_long = RateEma(self.short.horizon), RateEma(self.long.horizon)
 
     def observe(self, gamma: int, accepted: int) -> None:
         """One request's verification of `gamma` draft tokens, `accepted` of them accepted."""
