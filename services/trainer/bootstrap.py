@@ -120,6 +120,8 @@ class BootstrapConfig:
     ttt_steps: int = 3
     ttt_mask: str = "specforge"  # see training.objective.TTTAttention
     warmup_steps: int = 20
+    freeze_head: bool = False  # see training.loop.TrainConfig
+    feature_noise: float = 0.0  # see training.loop.TrainConfig
     autocast: bool = True  # bf16 autocast for the training forward (see training.loop.TrainConfig)
     seed: int = 0
     threads: int | None = None  # torch intra-op threads (None: torch's default)
@@ -135,13 +137,14 @@ class BootstrapConfig:
         return TrainConfig(steps=steps, schedule_steps=schedule_steps, batch_rows=self.batch_rows,
                            max_len=self.max_len, lr=self.lr, warmup_steps=self.warmup_steps,
                            ttt_steps=self.ttt_steps, ttt_mask=self.ttt_mask, seed=self.seed,
+                           freeze_head=self.freeze_head, feature_noise=self.feature_noise,
                            checkpoint_dir=str(state_dir), autocast=self.autocast,
                            log_every=1, progress=False)  # segments start anywhere
 
 
 # Settings a resumed run must share with the first one (the rest may change, e.g. --minutes).
 _FIXED = ("target", "eval_prompts", "max_tokens", "max_prompt_tokens", "seed", "draft_vocab", "lr", "batch_rows",
-          "max_len", "ttt_steps", "ttt_mask", "warmup_steps", "learn_prompt_rows")
+          "max_len", "ttt_steps", "ttt_mask", "warmup_steps", "learn_prompt_rows", "freeze_head", "feature_noise")
 
 
 class Manifest:
@@ -288,20 +291,16 @@ def generate_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: C
                 bar.update(len(part) - len(items))
                 yield from length_sorted_groups(items, group)
 
-        def admit(split=split, made=made) -> bool:
-            """Another group may start: the held-out set is always completed; training data stops at
-            the token target or when a group would not finish by the deadline (after one group at
-            least, whatever the budget: training needs data)."""
-            if split == "eval":
-                return True
-            if train_full():
-                return False
-            rate = (time.perf_counter() - made["t0"]) / made["prompts"] if made["prompts"] else None
-            left = gen_deadline - clock.elapsed()
-            out_of_time = left <= 0 or (rate is not None and rate * group / 2 > left)
-            return not (out_of_time and manifest.tokens("train") > 0)
+        def out_of_time(split=split) -> bool:
+            """Training data stops at the generation deadline, once it holds a group at least
+            (whatever the budget: training needs data); the held-out set is always completed."""
+            return split == "train" and clock.elapsed() >= gen_deadline and manifest.tokens("train") > 0
 
-        for res in generate_groups(engine, sink, groups(), cfg.max_tokens, on_done=bar.update, admit=admit):
+        def admit(split=split) -> bool:
+            return not (split == "train" and train_full()) and not out_of_time(split)
+
+        for res in generate_groups(engine, sink, groups(), cfg.max_tokens, on_done=bar.update, admit=admit,
+                                   cut=out_of_time):
             for cid, blob in res.chunks:
                 write_blob(out / "chunks" / split, f"{cid}.safetensors", blob)
             manifest.doc["chunks"][split] += [f"{cid}.safetensors" for cid, _ in res.chunks]

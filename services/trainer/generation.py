@@ -116,14 +116,18 @@ class GroupResult:
 
 def generate_groups(engine, sink: SequenceChunks, groups: Iterable[list[tuple[str, list[int]]]], max_tokens: int,
                     speculative: bool = False, on_done: Callable[[int], None] | None = None,
-                    admit: Callable[[], bool] = lambda: True) -> Iterator[GroupResult]:
+                    admit: Callable[[], bool] = lambda: True,
+                    cut: Callable[[], bool] = lambda: False) -> Iterator[GroupResult]:
     """Greedy continuations of each group's items ((key, prompt ids)), groups back to back in one
     continuous batch: the next group joins as soon as the engine has a free slot and nothing
     waiting, so one group's tail (its last, longest sequences) overlaps the next group's start
     instead of leaving slots idle. Yields each group's result when its last sequence finishes
     (chunk ids from the group's keys, so a rerun rewrites the same files); `admit()` is asked
     before each new group joins (False: no more groups; those running still finish).
-    `on_done(n)`: n more sequences finished (progress bars)."""
+    `cut()` is asked before each engine step: True cancels every running sequence, and their
+    groups are yielded with the tokens generated so far (a greedy prefix is as good training data
+    as a whole continuation; the rows captured are exactly the tokens the target processed), and
+    no group joins after. `on_done(n)`: n more sequences finished (progress bars)."""
     from services.inference.engine.sequence import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens)
@@ -146,7 +150,14 @@ def generate_groups(engine, sink: SequenceChunks, groups: Iterable[list[tuple[st
         if not running:
             return
         before = sum(s.status.is_finished() for _, _, seqs, _ in running for s in seqs)
-        engine.step()
+        if cut():
+            more = False
+            for _, _, seqs, _ in running:
+                for s in seqs:
+                    if not s.status.is_finished():
+                        engine.cancel(s.request_id)
+        if engine.has_work():
+            engine.step()
         after = sum(s.status.is_finished() for _, _, seqs, _ in running for s in seqs)
         if after > before and on_done is not None:
             on_done(after - before)

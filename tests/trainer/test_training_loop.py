@@ -63,12 +63,28 @@ def test_deterministic_under_seed(wide_target, wide_chunks):
     assert not all(torch.equal(runs[0][k], runs[2][k]) for k in runs[0])
 
 
+def test_a_frozen_head_stays_the_targets_and_feature_noise_changes_what_is_learnt(wide_target, wide_chunks):
+    head, train_set, _, draft = setup(wide_target, wide_chunks)
+    start = params(draft)
+    train(draft, head, train_set, TrainConfig(steps=4, freeze_head=True, **FAST))
+    frozen = params(draft)
+    for name in ("lm_head.weight", "norm.weight"):
+        assert torch.equal(frozen[name], start[name]), name
+    assert not torch.equal(frozen["fc.weight"], start["fc.weight"])
+    assert not torch.equal(frozen["midlayer.mlp.down_proj.weight"], start["midlayer.mlp.down_proj.weight"])
+    head, train_set, _, noisy = setup(wide_target, wide_chunks)
+    train(noisy, head, train_set, TrainConfig(steps=4, freeze_head=True, feature_noise=0.5, **FAST))
+    assert not torch.equal(params(noisy)["fc.weight"], frozen["fc.weight"])
+
+
 class Killed(Exception):
     pass
 
 
-def test_resume_gives_the_uninterrupted_result(wide_target, wide_chunks, tmp_path, monkeypatch):
-    cfg = TrainConfig(steps=8, checkpoint_every=3, checkpoint_dir=str(tmp_path / "state"), **FAST)
+@pytest.mark.parametrize("feature_noise", [0.0, 0.5])
+def test_resume_gives_the_uninterrupted_result(wide_target, wide_chunks, tmp_path, monkeypatch, feature_noise):
+    cfg = TrainConfig(steps=8, checkpoint_every=3, checkpoint_dir=str(tmp_path / "state"),
+                      feature_noise=feature_noise, **FAST)
     head, train_set, _, draft = setup(wide_target, wide_chunks)
     train(draft, head, train_set, TrainConfig(**{**cfg.__dict__, "checkpoint_dir": None}))
     uninterrupted = params(draft)

@@ -39,6 +39,12 @@ class TrainConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
+    # Keep the draft's lm_head and final norm at their start (the target's rows and norm for a
+    # from-scratch draft): the draft then only learns to produce a state the target's head reads.
+    freeze_head: bool = False
+    # Training-time noise on the target's aux states, in units of each state's RMS (see
+    # objective.Eagle3Objective): the draft reads features it has not memorised. 0 = none.
+    feature_noise: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5
     ttt_steps: int = 3
@@ -102,12 +108,16 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
     draft.set_embedding(head.embed)
     draft.train()
     targets = (torch.arange(draft.cfg.draft_vocab_size, device=device) + draft.d2t).cpu()
-    objective = Eagle3Objective(draft, head.lm_head[targets], cfg.ttt_steps, cfg.ttt_mask, cfg.step_decay).to(device)
+    objective = Eagle3Objective(draft, head.lm_head[targets], cfg.ttt_steps, cfg.ttt_mask, cfg.step_decay,
+                                cfg.feature_noise).to(device)
+    for p in (*draft.lm_head.parameters(), *draft.norm.parameters()):
+        p.requires_grad_(not cfg.freeze_head)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
     model = objective
     if world > 1:
         ids = [device] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(objective, device_ids=ids)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     progress = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0}
     state = load_state(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
@@ -136,11 +146,12 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
             step = progress["step"]
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(cfg, step, horizon)
+            objective.noise_rng.manual_seed(cfg.seed * 1_000_003 + step)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast):
                 loss, stats = model(batch.to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
             optimizer.step()
             n = _global_tokens(batch.num_tokens, world, device)
             took = time.perf_counter() - t0

@@ -80,13 +80,15 @@ class Eagle3Objective(nn.Module):
     DDP sees a single forward. `target_rows` [Vd, T]: the target's lm_head rows of the draft vocab."""
 
     def __init__(self, draft: Eagle3Draft, target_rows: torch.Tensor, ttt_steps: int = 3,
-                 mask: str = "specforge", step_decay: float = STEP_DECAY) -> None:
+                 mask: str = "specforge", step_decay: float = STEP_DECAY, feature_noise: float = 0.0) -> None:
         super().__init__()
         self.draft = draft
         self.register_buffer("target_rows", target_rows.float(), persistent=False)
         self.ttt_steps = ttt_steps
         self.mask = mask
         self.step_decay = step_decay
+        self.feature_noise = feature_noise
+        self.noise_rng = torch.Generator()  # the loop seeds it per step: a resumed run draws the same noise
 
     def forward(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         draft = self.draft
@@ -101,7 +103,13 @@ class Eagle3Objective(nn.Module):
             final = batch.final.flatten(0, 1)[labelled]
             p_all = torch.softmax((final.float() @ self.target_rows.T).float(), dim=-1)  # [N, Vd]; autocast: bf16 GEMM
         attend = TTTAttention(seg, self.mask)
-        hidden = draft.project(batch.aux)
+        aux = batch.aux
+        if self.training and self.feature_noise > 0:
+            # Gaussian, scaled by the RMS of each row's state in each aux layer (the layers' scales differ)
+            parts = aux.float().unflatten(-1, (3, -1))
+            noise = torch.randn(parts.shape, generator=self.noise_rng).to(aux.device)
+            aux = (parts + self.feature_noise * parts.pow(2).mean(-1, keepdim=True).sqrt() * noise).flatten(-2)
+        hidden = draft.project(aux)
         total = hidden.new_zeros(())
         stats = []
         for k in range(self.ttt_steps):
