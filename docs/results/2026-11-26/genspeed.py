@@ -5,8 +5,9 @@
 SPEC is BATCHxMAX_TOKENS (prompts in the seeded shuffle's order, groups of 2 x BATCH as the
 bootstrap forms them) or BATCHxMAX_TOKENSwN (grouped by length within windows of N groups,
 `generation.length_sorted_groups`). Each setting generates greedily, capturing chunks as the
-bootstrap does, and counts the generated tokens of its first SECONDS (the drain after is not
-timed). Session 10: `150 32x256 32x256w8 64x256w8 128x256w8 64x256w2`, one process each run.
+bootstrap does, and counts the generated tokens of its first SECONDS (then the sequences
+running are cut, as at the bootstrap's generation deadline). Session 10:
+`150 32x256 32x256w8 64x256w8 128x256w8 64x256w2`, one process each run.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class Meter:
             self.stopped = time.perf_counter() - self.t0
         return self.stopped is None
 
+    def time_up(self) -> bool:
+        """Cut the running sequences: no drain."""
+        return not self.running()
+
     def __call__(self, rows) -> None:
         if self.running():
             self.tokens += sum(len(r.token_ids) for r in rows if r.start >= r.num_prompt)
@@ -69,7 +74,7 @@ def main() -> None:
         sink = SequenceChunks(model.cfg.hidden_size, target.model_id)
         meter = Meter(seconds)
         engine.capture_listeners += [sink, meter]
-        for _ in generate_groups(engine, sink, groups, max_tokens, admit=meter.running):
+        for _ in generate_groups(engine, sink, groups, max_tokens, admit=meter.running, cut=meter.time_up):
             pass
         n, dt = meter.tokens, meter.stopped or time.perf_counter() - meter.t0
         print(f"{spec}: {n} generated tokens in {dt:.0f} s = {n / dt:.0f} tokens/s", flush=True)
