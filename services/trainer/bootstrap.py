@@ -14,14 +14,16 @@ budget of N minutes (model loading, generation, training, evaluation and export 
    (`services.inference.exporter.learnable_rows`). Chunks are the workers' format
    (`tide.chunks`), each sequence kept whole in one chunk where it fits, and go to
    `DIR/chunks/eval/` (held-out prompts, generated first) and `DIR/chunks/train/`. Generation
-   stops at the first of: `gen_fraction` of the budget spent, `gen_tokens` output tokens in the
-   training set, or no prompts left.
+   stops at the first of: `gen_fraction` of the budget spent (the sequences still running are then
+   cut, and their greedy prefixes kept), `gen_tokens` output tokens in the training set, or no
+   prompts left.
 2. **Train** a from-scratch draft (`training.run.build_draft`: vocabulary from the training data)
    on the training chunks for the rest of the budget. The first few warm-up steps measure the
    step time; the LR schedule's length (warm-up + cosine) is then fixed so that training ends at
-   the deadline, capped at `max_epochs` passes. Training runs in segments (resuming from its
-   state in `DIR/train_state/`), each followed by an evaluation on the held-out chunks: the curve
-   of simulated acceptance length vs training tokens and minutes.
+   the deadline, capped at `max_epochs` passes, and shortened when later steps are slower.
+   Training runs in segments (resuming from its state in `DIR/train_state/`), each followed by an
+   evaluation on the held-out chunks: the curve of simulated acceptance length vs training tokens
+   and minutes.
 3. **Export** the draft to `DIR/draft/` (checkpoint + training_record.json), evaluate the exported
    (bf16-rounded) weights on the held-out chunks, and write `DIR/report.json` and `DIR/report.png`
    (loss and acceptance over training).
@@ -97,10 +99,11 @@ class BootstrapConfig:
     gen_tokens: int | None = None  # stop generating once the training set holds this many output tokens
     prompt_limit: int | None = None  # prompts read per file
     eval_prompts: int = 32  # held-out prompts (evaluation only)
-    # Engine slots while generating. More slots make more tokens per second (reference model,
-    # prompts grouped by length: 201 tokens/s at 32, 233 at 64), but a group is 2 x batch prompts
-    # and the last one runs past the generation deadline: at 64 a 30-minute run generated 1.5 min
-    # longer, trained 502 steps instead of 671 and ended lower (docs/results/2026-11-26/README.md).
+    # Engine slots while generating. More slots make more tokens per second (reference model on the
+    # Intel AMX machine, prompts grouped by length: 325 tokens/s at 32, 379 at 64, 450 at 128), and
+    # since generation is cut at its deadline they cost training no time. But the float32 KV cache
+    # grows with them (128 slots x 769 positions: 7.9 GB resident), and in a 30-minute run 128 slots'
+    # 1.3x the tokens ended at the same held-out acceptance as 32 (docs/results/2026-11-27/README.md).
     batch: int = 32
     max_tokens: int = 256  # output tokens per prompt
     max_prompt_tokens: int = 768  # longer prompts are skipped

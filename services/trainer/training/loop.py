@@ -146,7 +146,7 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
             step = progress["step"]
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(cfg, step, horizon)
-            objective.noise_rng.manual_seed(cfg.seed * 1_000_003 + step)
+            objective.noise_rng.manual_seed(cfg.seed * 1_000_003 + step)  # one stream per (seed, step); a prime
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast):
                 loss, stats = model(batch.to(device))
             optimizer.zero_grad(set_to_none=True)
