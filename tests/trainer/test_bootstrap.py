@@ -224,9 +224,9 @@ def test_stopped_before_export_exports_the_trained_weights(tmp_path, monkeypatch
 
 def test_a_machine_that_slows_down_gets_a_shorter_schedule_that_still_ends(tmp_path, monkeypatch):
     """The pace measured in calibration does not hold (here each training step takes 0.12 s longer
-    right after it, several times the calibrated step): the schedule is shortened at the next
-    segments, and the run still completes it (its last step at the schedule's end, the cosine's
-    floor) within the budget."""
+    right after it, ~3x the tiny draft's step): the schedule is shortened at the next segments, and
+    the run still completes it (its last step at the schedule's end, the cosine's floor) within the
+    budget."""
     from services.trainer.training.loop import TrainConfig
     from services.trainer.training.objective import Eagle3Objective
 
@@ -245,7 +245,7 @@ def test_a_machine_that_slows_down_gets_a_shorter_schedule_that_still_ends(tmp_p
     monkeypatch.setattr(Eagle3Objective, "forward", slower)
     report = bs.bootstrap(cfg)
     tr = report["training"]
-    assert tr["schedule_steps"] < 0.8 * tr["planned_steps"]
+    assert tr["schedule_steps"] < tr["planned_steps"]  # without re-planning: equal, and stopped early
     assert tr["steps"] == tr["schedule_steps"] and not tr["stopped_early"]
     history = json.loads((tmp_path / "out" / bs.MANIFEST).read_text())["train"]["history"]
     floor = lr_at(TrainConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps), tr["steps"] - 1, tr["steps"])
