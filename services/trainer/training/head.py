@@ -16,8 +16,8 @@ import torch
 from tide.eagle3 import Eagle3Config, Eagle3Draft
 from tide.target import EMBED_TENSOR, LM_HEAD_TENSOR, NORM_TENSOR, TargetFiles, load_head_tensors
 
-# Rows per lm_head matmul when computing greedy tokens: bounds the [rows, V] logits to ~200 MB
-# (float32) for a 49k vocabulary.
+# Rows per lm_head matmul when computing greedy tokens: bounds the [rows, V] bf16 logits to
+# ~100 MB for a 49k vocabulary.
 _ARGMAX_ROWS = 1024
 # Greedy tokens are computed as the engine computes them when it serves in its default dtype: a
 # bf16 lm_head over the bf16 `final` the chunk stores. On a bootstrap's greedy chunks that gives
