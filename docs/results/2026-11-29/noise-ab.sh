@@ -15,3 +15,7 @@ run() {  # name cpu extra-flags...
 run plain 0 &
 run noise 1 --feature-noise 0.1 &
 wait
+# second pair (README): weight decay
+run wd01 0 --weight-decay 0.1 &
+run wd05 1 --weight-decay 0.5 &
+wait
