@@ -98,7 +98,8 @@ class BootstrapConfig:
     # Share of the budget that generation may use (held-out prompts included). The draft is limited
     # by optimizer steps more than by distinct tokens: on one machine and one data source, a 30-minute
     # run with generation cut at 0.5 / 0.4 / 0.3 of the budget reached served accept@3 1.855 / 1.922 /
-    # 1.972 (2.1 / 4.2 / 7.0 passes over the data; docs/results/2026-11-28/README.md).
+    # 1.972 (2.1 / 4.2 / 7.0 passes over the data; docs/results/2026-11-28/README.md). A clean-clone
+    # run with 0.3 gave 1.940: runs of one setting differ by ~0.03 (docs/results/2026-11-29/README.md).
     gen_fraction: float = 0.3
     gen_tokens: int | None = None  # stop generating once the training set holds this many output tokens
     prompt_limit: int | None = None  # prompts read per file
