@@ -73,7 +73,7 @@ MANIFEST_VERSION = 1
 REPORT_JSON = "report.json"
 REPORT_PNG = "report.png"
 CALIBRATION_STEPS = 5  # steps timed before the schedule's length is fixed (at most the warm-up)
-EXPORT_RESERVE_S = 5.0  # budget kept back for export + report, on top of one evaluation
+EXPORT_RESERVE_S = 8.0  # budget kept back for export, report and the process's exit, on top of one evaluation
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -190,11 +190,13 @@ class Manifest:
 
 
 class Clock:
-    """Budget bookkeeping: seconds spent in earlier runs (from the manifest) + this run's."""
+    """Budget bookkeeping: seconds spent in earlier runs (from the manifest) + this run's, counted
+    from `started` (time.monotonic(); the command line passes its process's start, so that the budget
+    is the command's wall time; what precedes the clock is charged to the phase of the first charge)."""
 
-    def __init__(self, manifest: Manifest, budget_s: float) -> None:
+    def __init__(self, manifest: Manifest, budget_s: float, started: float | None = None) -> None:
         self.m, self.budget_s = manifest, budget_s
-        self.start = time.monotonic()
+        self.start = time.monotonic() if started is None else started
         self.before = sum(manifest.doc["spent_s"].values())
         self._mark = self.start
 
@@ -216,13 +218,14 @@ class Clock:
 # ---- the pipeline -----------------------------------------------------------------------------------
 
 
-def bootstrap(cfg: BootstrapConfig) -> dict:
-    """Run (or resume) the bootstrap of `cfg.out`; returns the report (also in DIR/report.json)."""
+def bootstrap(cfg: BootstrapConfig, started: float | None = None) -> dict:
+    """Run (or resume) the bootstrap of `cfg.out`; returns the report (also in DIR/report.json).
+    `started`: the time.monotonic() this run's budget counts from (None: now)."""
     with torch_threads(cfg.threads):
-        return _bootstrap(cfg)
+        return _bootstrap(cfg, started)
 
 
-def _bootstrap(cfg: BootstrapConfig) -> dict:
+def _bootstrap(cfg: BootstrapConfig, started: float | None) -> dict:
     from tide.target import load_tokenizer, resolve_target
 
     out = Path(cfg.out)
@@ -232,7 +235,7 @@ def _bootstrap(cfg: BootstrapConfig) -> dict:
         log.info("%s: bootstrap already finished", out)
         return json.loads((out / REPORT_JSON).read_text())
     manifest.doc["runs"] += 1
-    clock = Clock(manifest, cfg.minutes * 60.0)
+    clock = Clock(manifest, cfg.minutes * 60.0, started)
     target = resolve_target(cfg.target)
     _remove_unlisted_chunks(out, manifest)
     prompts = load_prompt_files(cfg.prompts, cfg.prompt_limit)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 from services.trainer.bootstrap import BootstrapConfig
@@ -147,6 +149,18 @@ def run_cli(args) -> int:
     raise SystemExit(f"unknown draft command {args.draft_command!r}")
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (interpreter start-up and imports: ~3 s with torch); 0
+    where /proc is missing."""
+    try:
+        # field 22 of /proc/self/stat: the start in clock ticks after boot (fields after the
+        # parenthesised command name, which may itself hold spaces, start at field 3)
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
 def _bootstrap(args) -> int:
     from services.trainer.bootstrap import bootstrap
 
@@ -164,7 +178,7 @@ def _bootstrap(args) -> int:
         autocast=args.autocast, seed=args.seed,
         threads=args.threads,
         progress=not args.no_progress)
-    report = bootstrap(cfg)
+    report = bootstrap(cfg, started=time.monotonic() - process_age_s())
     out = Path(args.out)
     print(json.dumps({"draft": report["draft"], "report": str(out / "report.json"), "plot": str(out / "report.png"),
                       "accept_length": report["accept_length"], "top1": report["top1"],

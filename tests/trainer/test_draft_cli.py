@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -35,12 +38,13 @@ def test_draft_commands_are_registered(capsys):
 def test_bootstrap_cli_maps_arguments(tmp_path, monkeypatch, capsys):
     got = {}
 
-    def fake(cfg):
-        got["cfg"] = cfg
+    def fake(cfg, started):
+        got["cfg"], got["started"] = cfg, started
         return {"draft": str(tmp_path / "draft"), "accept_length": {"3": 2.0}, "top1": [0.5], "wall_minutes": 1.0,
                 "generation": {"output_tokens_train": 10}, "training": {"steps": 3}}
 
     monkeypatch.setattr(bs, "bootstrap", fake)
+    called = time.monotonic()
     rc = main(["draft", "bootstrap", "--target", "ref", "--prompts", "a.jsonl", "b.jsonl", "--minutes", "12",
                "--out", str(tmp_path), "--gen-fraction", "0.3", "--max-tokens", "128", "--threads", "2",
                "--no-progress"])
@@ -48,8 +52,17 @@ def test_bootstrap_cli_maps_arguments(tmp_path, monkeypatch, capsys):
     cfg = got["cfg"]
     assert (cfg.target, cfg.prompts, cfg.minutes, cfg.gen_fraction, cfg.max_tokens, cfg.threads, cfg.progress) == (
         "ref", ["a.jsonl", "b.jsonl"], 12.0, 0.3, 128, 2, False)
+    # the budget counts from the process's start (this pytest process is older than the call), not
+    # from the bootstrap's own start: the command's wall time is what --minutes bounds
+    assert got["started"] < called - 0.5
     assert json.loads(capsys.readouterr().out)["accept_length"] == {"3": 2.0}
     assert main(["draft", "bootstrap", "--prompts", "a", "--minutes", "0", "--out", str(tmp_path)]) == 2
+
+
+def test_process_age_counts_the_time_before_the_call():
+    code = "import time; time.sleep(1.0); from services.trainer.draft_cli import process_age_s; print(process_age_s())"
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 1.0 <= age < 30.0
 
 
 def test_eval_of_a_missing_draft_fails_cleanly(tmp_path, capsys):
