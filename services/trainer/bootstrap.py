@@ -130,6 +130,7 @@ class BootstrapConfig:
     warmup_steps: int = 20
     freeze_head: bool = False  # see training.loop.TrainConfig
     feature_noise: float = 0.0  # see training.loop.TrainConfig
+    aux_norm: bool = True  # per-layer scaling of the aux states while training (training.aux_scale)
     autocast: bool = True  # bf16 autocast for the training forward (see training.loop.TrainConfig)
     seed: int = 0
     threads: int | None = None  # torch intra-op threads (None: torch's default)
@@ -145,14 +146,15 @@ class BootstrapConfig:
         return TrainConfig(steps=steps, schedule_steps=schedule_steps, batch_rows=self.batch_rows,
                            max_len=self.max_len, lr=self.lr, warmup_steps=self.warmup_steps,
                            ttt_steps=self.ttt_steps, ttt_mask=self.ttt_mask, seed=self.seed,
-                           freeze_head=self.freeze_head, feature_noise=self.feature_noise,
+                           freeze_head=self.freeze_head, feature_noise=self.feature_noise, aux_norm=self.aux_norm,
                            checkpoint_dir=str(state_dir), autocast=self.autocast,
                            log_every=1, progress=False)  # segments start anywhere
 
 
 # Settings a resumed run must share with the first one (the rest may change, e.g. --minutes).
 _FIXED = ("target", "eval_prompts", "max_tokens", "max_prompt_tokens", "seed", "draft_vocab", "lr", "batch_rows",
-          "max_len", "ttt_steps", "ttt_mask", "warmup_steps", "learn_prompt_rows", "freeze_head", "feature_noise")
+          "max_len", "ttt_steps", "ttt_mask", "warmup_steps", "learn_prompt_rows", "freeze_head", "feature_noise",
+          "aux_norm")
 
 
 class Manifest:

@@ -73,6 +73,8 @@ def add_bootstrap_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the draft's lm_head and norm at the target's [off]")
     p.add_argument("--feature-noise", type=float, default=d.feature_noise,
                    help=f"training noise on the aux states, in units of their RMS [{d.feature_noise}]")
+    p.add_argument("--aux-norm", action=argparse.BooleanOptionalAction, default=d.aux_norm,
+                   help="train fc on the aux states scaled per layer to about unit RMS (exported unscaled) [on]")
     p.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 autocast for the training forward [on]")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -175,7 +177,7 @@ def _bootstrap(args) -> int:
         max_epochs=args.max_epochs, evals=args.evals, lr=args.lr, batch_rows=args.batch_rows, max_len=args.max_len,
         learn_prompt_rows=args.learn_prompt_rows, ttt_steps=args.ttt_steps, ttt_mask=args.ttt_mask,
         warmup_steps=args.warmup_steps, freeze_head=args.freeze_head, feature_noise=args.feature_noise,
-        autocast=args.autocast, seed=args.seed,
+        aux_norm=args.aux_norm, autocast=args.autocast, seed=args.seed,
         threads=args.threads,
         progress=not args.no_progress)
     report = bootstrap(cfg, started=time.monotonic() - process_age_s())

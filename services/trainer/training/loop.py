@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from services.trainer.training.aux_scale import layer_exponents, scale_vector, to_model_units, to_training_units
 from services.trainer.training.data import Dataset, collate, plan_batches, prefetch
 from services.trainer.training.head import TargetHead
 from services.trainer.training.objective import STEP_DECAY, Eagle3Objective
@@ -45,6 +46,9 @@ class TrainConfig:
     # Training-time noise on the target's aux states, in units of each state's RMS (see
     # objective.Eagle3Objective): the draft reads features it has not memorised. 0 = none.
     feature_noise: float = 0.0
+    # fc trains on the aux states divided per layer by a power of two near their RMS (see
+    # training.aux_scale; the exported weights are in the usual units)
+    aux_norm: bool = True
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5
     ttt_steps: int = 3
@@ -107,9 +111,14 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
     draft.to(device=device, dtype=torch.float32)
     draft.set_embedding(head.embed)
     draft.train()
+    state = load_state(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    saved = state["doc"]["config"] if state else {}
+    # a resumed run keeps the exponents its optimizer moments were made with
+    exponents = (saved.get("aux_exponents") or layer_exponents(data.pieces)) if cfg.aux_norm else None
+    scale = scale_vector(exponents, draft.cfg.target_hidden_size) if exponents else None
     targets = (torch.arange(draft.cfg.draft_vocab_size, device=device) + draft.d2t).cpu()
     objective = Eagle3Objective(draft, head.lm_head[targets], cfg.ttt_steps, cfg.ttt_mask, cfg.step_decay,
-                                cfg.feature_noise).to(device)
+                                cfg.feature_noise, scale).to(device)
     for p in (*draft.lm_head.parameters(), *draft.norm.parameters()):
         p.requires_grad_(not cfg.freeze_head)
     trainable = [p for p in draft.parameters() if p.requires_grad]
@@ -120,10 +129,34 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     progress = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0}
-    state = load_state(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     if state is not None:
         progress = restore(state, draft, optimizer)
         log.info("resuming from %s at step %d", cfg.checkpoint_dir, progress["step"])
+    del state
+    saved_config = {**_jsonable(cfg), "aux_exponents": exponents}
+
+    def checkpoint() -> None:  # always in the model's units: what an export or a resume reads
+        if scale is not None:
+            to_model_units(draft.fc, scale)
+        save_state(cfg.checkpoint_dir, draft, optimizer, progress, saved_config)
+        if scale is not None:
+            to_training_units(draft.fc, scale)
+
+    if scale is not None:
+        to_training_units(draft.fc, scale)
+    try:
+        result = _steps(cfg, data, objective, model, optimizer, trainable, progress, rank, world, device, checkpoint)
+        if cfg.checkpoint_dir and rank == 0:
+            checkpoint()
+    finally:  # also on an error: the caller's draft is in the model's units
+        if scale is not None:
+            to_model_units(draft.fc, scale)
+    return result
+
+
+def _steps(cfg: TrainConfig, data: Dataset, objective: Eagle3Objective, model, optimizer, trainable: list,
+           progress: dict, rank: int, world: int, device: torch.device, checkpoint) -> TrainResult:
+    """The optimizer steps of `train` (from `progress` on, which it updates)."""
     lengths = [len(p) for p in data.pieces]
 
     def epoch_plan(epoch: int) -> list:
@@ -174,14 +207,12 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
                 window_tokens, window_start = 0, time.perf_counter()
             bar.update(1)
             if cfg.checkpoint_dir and rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                save_state(cfg.checkpoint_dir, draft, optimizer, progress, _jsonable(cfg))
+                checkpoint()
             if progress["step"] >= total:
                 break
         else:
             progress.update(epoch=progress["epoch"] + 1, batch=0)
     bar.close()
-    if cfg.checkpoint_dir and rank == 0:
-        save_state(cfg.checkpoint_dir, draft, optimizer, progress, _jsonable(cfg))
     result.steps, result.tokens, result.seconds = progress["step"], progress["tokens"], progress["seconds"]
     return result
 

@@ -77,12 +77,16 @@ def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
 
 class Eagle3Objective(nn.Module):
     """forward(batch) -> (loss, stats [K, 3] = per step: loss, correct, counted); one module so that
-    DDP sees a single forward. `target_rows` [Vd, T]: the target's lm_head rows of the draft vocab."""
+    DDP sees a single forward. `target_rows` [Vd, T]: the target's lm_head rows of the draft vocab.
+    With `aux_scale`, the draft's fc weight must be in training units (training.aux_scale)."""
 
     def __init__(self, draft: Eagle3Draft, target_rows: torch.Tensor, ttt_steps: int = 3,
-                 mask: str = "specforge", step_decay: float = STEP_DECAY, feature_noise: float = 0.0) -> None:
+                 mask: str = "specforge", step_decay: float = STEP_DECAY, feature_noise: float = 0.0,
+                 aux_scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.draft = draft
+        # [3T] powers of two the aux states are divided by before fc (training.aux_scale); None: as served
+        self.register_buffer("aux_scale", aux_scale, persistent=False)
         self.register_buffer("target_rows", target_rows.float(), persistent=False)
         self.ttt_steps = ttt_steps
         self.mask = mask
@@ -109,7 +113,7 @@ class Eagle3Objective(nn.Module):
             parts = aux.float().unflatten(-1, (3, -1))
             noise = torch.randn(parts.shape, generator=self.noise_rng).to(aux.device)
             aux = (parts + self.feature_noise * parts.pow(2).mean(-1, keepdim=True).sqrt() * noise).flatten(-2)
-        hidden = draft.project(aux)
+        hidden = draft.project(aux if self.aux_scale is None else aux / self.aux_scale.to(aux.dtype))
         total = hidden.new_zeros(())
         stats = []
         for k in range(self.ttt_steps):
