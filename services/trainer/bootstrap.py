@@ -127,6 +127,10 @@ class BootstrapConfig:
     max_len: int = 512
     ttt_steps: int = 3
     ttt_mask: str = "specforge"  # see training.objective.TTTAttention
+    # The unroll grows from 1 to ttt_steps over this share of the schedule (training.loop.TrainConfig).
+    # At equal compute on boot19's data (1,440 steps with it, 1,200 without): held-out served
+    # accept@3 2.017 against 1.912 (docs/results/2026-11-30/README.md).
+    ttt_ramp: float = 0.4
     warmup_steps: int = 20
     freeze_head: bool = False  # see training.loop.TrainConfig
     feature_noise: float = 0.0  # see training.loop.TrainConfig
@@ -145,7 +149,7 @@ class BootstrapConfig:
 
         return TrainConfig(steps=steps, schedule_steps=schedule_steps, batch_rows=self.batch_rows,
                            max_len=self.max_len, lr=self.lr, warmup_steps=self.warmup_steps,
-                           ttt_steps=self.ttt_steps, ttt_mask=self.ttt_mask, seed=self.seed,
+                           ttt_steps=self.ttt_steps, ttt_mask=self.ttt_mask, ttt_ramp=self.ttt_ramp, seed=self.seed,
                            freeze_head=self.freeze_head, feature_noise=self.feature_noise, aux_norm=self.aux_norm,
                            checkpoint_dir=str(state_dir), autocast=self.autocast,
                            log_every=1, progress=False)  # segments start anywhere
@@ -154,7 +158,7 @@ class BootstrapConfig:
 # Settings a resumed run must share with the first one (the rest may change, e.g. --minutes).
 _FIXED = ("target", "eval_prompts", "max_tokens", "max_prompt_tokens", "seed", "draft_vocab", "lr", "batch_rows",
           "max_len", "ttt_steps", "ttt_mask", "warmup_steps", "learn_prompt_rows", "freeze_head", "feature_noise",
-          "aux_norm")
+          "aux_norm", "ttt_ramp")
 
 
 class Manifest:
@@ -351,7 +355,7 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
     """Train (or resume) for the rest of the budget in segments, evaluating after each."""
     from services.trainer.training.data import load_dataset, plan_batches
     from services.trainer.training.head import TargetHead
-    from services.trainer.training.loop import train
+    from services.trainer.training.loop import train, unroll_at, unroll_cost
     from services.trainer.training.run import build_draft
     from services.trainer.training.state import load_state
 
@@ -398,16 +402,19 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
         log.info("step %d: acceptance@3 %.3f, top1 %s", step, entry["acceptance"].get("3", float("nan")),
                  [round(x, 3) for x in entry["top1"]])
 
-    def segment(end: int, schedule: int | None) -> None:
+    tcfg = cfg.train_config(state_dir, 0, None)
+    cost = lambda k: unroll_cost(k, cfg.ttt_steps)  # noqa: E731 - of a k-step unroll, in fully unrolled steps
+
+    def segment(end: int, schedule: int) -> None:
         nonlocal step, tokens, t_step, t_seg
         t = time.monotonic()
         res = train(draft, head, train_set, cfg.train_config(state_dir, end, schedule))
-        seconds = time.monotonic() - t
+        took = time.monotonic() - t
         clock.charge("train")
         tr["history"] += res.history
-        if res.step_seconds:
-            t_step = statistics.median(res.step_seconds)
-            t_seg = max(0.0, seconds - t_step * len(res.step_seconds))
+        if res.step_seconds:  # t_step: seconds of a fully unrolled step, whatever the unroll was
+            t_step = statistics.median(s / cost(k) for s, k in zip(res.step_seconds, res.step_unroll, strict=True))
+            t_seg = max(0.0, took - t_step * sum(cost(k) for k in res.step_unroll))
             tr["step_s"], tr["segment_s"] = t_step, t_seg
         step, tokens = res.steps, res.tokens
         loss = res.history[-1]["loss"] if res.history else None
@@ -417,33 +424,56 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
     per_segment = lambda: t_eval + t_seg  # noqa: E731 - what a segment costs besides its steps
     if step == 0 and not tr["curve"]:
         evaluate_now(0, 0, None)  # the untrained draft: the curve's origin
-    if tr["schedule_steps"] is None:  # calibration: warm-up steps do not depend on the schedule's length
-        segment(max(1, min(CALIBRATION_STEPS, cfg.warmup_steps, max_steps)), None)
+
+    def seconds(a: int, b: int, total: int) -> float:
+        """Predicted time of steps a..b-1 of a `total`-step schedule (their unrolls differ)."""
+        return max(t_step or 1e-6, 1e-6) * sum(cost(unroll_at(tcfg, i, total)) for i in range(a, b))
+
+    def steps_within(budget: float, end: int, total: int) -> int:
+        """The last step (exclusive, at most `end`) that `budget` seconds reach from `step` on."""
+        spent, i = 0.0, step
+        while i < end and (spent := spent + seconds(i, i + 1, total)) <= budget:
+            i += 1
+        return i
+
+    def longest_schedule(budget: float) -> int:
+        """The longest schedule (at most max_steps) whose steps from `step` on fit in `budget` seconds."""
+        lo, hi = step, max_steps
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if seconds(step, mid, mid) <= budget else (lo, mid - 1)
+        return lo
+
+    if tr["schedule_steps"] is None:
+        # calibration: warm-up steps depend neither on the schedule's length nor (being at its very start)
+        # on its unroll ramp; max_steps stands in for the length
+        segment(max(1, min(CALIBRATION_STEPS, cfg.warmup_steps, max_steps)), max_steps)
         evals_left = max(1, cfg.evals - 1)
-        left = clock.left() - reserve() - evals_left * per_segment()
-        tr["schedule_steps"] = tr["planned_steps"] = int(min(max_steps, max(step, step + left / max(t_step, 1e-6))))
+        tr["schedule_steps"] = tr["planned_steps"] = longest_schedule(
+            clock.left() - reserve() - evals_left * per_segment())
         manifest.save()
     total = tr["schedule_steps"]
     bar = progress_bar(total, "train", "step", cfg.progress, step)
     n_seg = max(1, cfg.evals - (len(tr["curve"]) - 1))  # segments left: `evals` points after the origin
     stopped_early = False
     while step < total:
-        # The machine's pace drifts (boot15: planned 1,448 steps from the calibration, 1,201 fitted).
-        # When what is left no longer fits, the schedule is shortened so that its cosine still ends
-        # at the deadline: the LR steps down once instead of the run stopping at a high LR.
-        fit_all = int((clock.left() - reserve() - n_seg * per_segment()) / max(t_step or 1e-6, 1e-6))
-        if 0 < fit_all < total - step:
-            log.info("schedule shortened from %d to %d steps (measured pace %.3f s/step)", total, step + fit_all,
-                     t_step)
-            total = tr["schedule_steps"] = step + fit_all
+        # The machine's pace drifts (boot15: planned 1,448 steps from the calibration, 1,201 fitted),
+        # and the calibration's 1-step unrolls predict fully unrolled steps through a cost model. The
+        # schedule is re-planned before each segment so that its cosine ends at the deadline: shortened
+        # when what is left no longer fits (the LR steps down once instead of the run stopping at a
+        # high LR), lengthened when over 2 % more fits (the LR steps up a little).
+        fit_total = longest_schedule(clock.left() - reserve() - n_seg * per_segment())
+        if step < fit_total < total or fit_total > step + 1.02 * (total - step):
+            log.info("schedule re-planned from %d to %d steps (measured pace %.3f s per full step)", total,
+                     fit_total, t_step)
+            total = tr["schedule_steps"] = fit_total
             bar.total = total
         end = min(total, step + max(1, math.ceil((total - step) / n_seg)))
         n_seg = max(1, n_seg - 1)
-        fit = int((clock.left() - reserve() - per_segment()) / max(t_step or 1e-6, 1e-6))
-        if fit < 1:
+        end = steps_within(clock.left() - reserve() - per_segment(), end, total)
+        if end <= step:
             stopped_early = True
             break
-        end = min(end, step + fit)
         segment(end, total)
         bar.update(step - bar.n)
         bar.set_postfix(acc3=f"{tr['curve'][-1]['acceptance'].get('3', 0):.3f}", loss=f"{tr['curve'][-1]['loss']:.3f}")

@@ -68,6 +68,8 @@ def add_bootstrap_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
     p.add_argument("--ttt-mask", choices=("specforge", "inference"), default=d.ttt_mask,
                    help=f"attention mask of the unrolled steps (training.objective.TTTAttention) [{d.ttt_mask}]")
+    p.add_argument("--ttt-ramp", type=float, default=d.ttt_ramp,
+                   help=f"share of the schedule over which the unroll grows from 1 to --ttt-steps [{d.ttt_ramp}]")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--freeze-head", action=argparse.BooleanOptionalAction, default=d.freeze_head,
                    help="keep the draft's lm_head and norm at the target's [off]")
@@ -176,8 +178,8 @@ def _bootstrap(args) -> int:
         max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype, draft_vocab=args.draft_vocab,
         max_epochs=args.max_epochs, evals=args.evals, lr=args.lr, batch_rows=args.batch_rows, max_len=args.max_len,
         learn_prompt_rows=args.learn_prompt_rows, ttt_steps=args.ttt_steps, ttt_mask=args.ttt_mask,
-        warmup_steps=args.warmup_steps, freeze_head=args.freeze_head, feature_noise=args.feature_noise,
-        aux_norm=args.aux_norm, autocast=args.autocast, seed=args.seed,
+        ttt_ramp=args.ttt_ramp, warmup_steps=args.warmup_steps, freeze_head=args.freeze_head,
+        feature_noise=args.feature_noise, aux_norm=args.aux_norm, autocast=args.autocast, seed=args.seed,
         threads=args.threads,
         progress=not args.no_progress)
     report = bootstrap(cfg, started=time.monotonic() - process_age_s())

@@ -56,11 +56,11 @@ def test_a_failed_step_leaves_the_draft_in_model_units(wide_target, wide_chunks,
     start = draft.fc.weight.detach().clone()
     real, calls = Eagle3Objective.forward, []
 
-    def fails_third(self, batch):  # a step that raises (e.g. out of memory): a fault made on demand
+    def fails_third(self, batch, unroll=None):  # a step that raises (e.g. out of memory): a fault made on demand
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected")
-        return real(self, batch)
+        return real(self, batch, unroll)
 
     monkeypatch.setattr(Eagle3Objective, "forward", fails_third)
     with pytest.raises(RuntimeError, match="injected"):

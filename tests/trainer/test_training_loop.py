@@ -9,7 +9,7 @@ from services.trainer.training import loop
 from services.trainer.training.data import load_dataset, split
 from services.trainer.training.evaluate import compare, evaluate
 from services.trainer.training.head import TargetHead
-from services.trainer.training.loop import TrainConfig, lr_at, train
+from services.trainer.training.loop import TrainConfig, lr_at, train, unroll_at, unroll_cost
 from services.trainer.training.run import build_draft
 
 FAST = {"batch_rows": 4, "max_len": 64, "lr": 3e-3, "warmup_steps": 5, "log_every": 5, "progress": False}
@@ -117,3 +117,24 @@ def test_lr_schedule():
     assert lr_at(cfg, 55, 100) == pytest.approx(0.55)
     assert lr_at(cfg, 99, 100) == pytest.approx(0.1, abs=1e-3)
     assert lr_at(TrainConfig(lr=1.0, warmup_steps=10, schedule="constant"), 99, 100) == 1.0
+
+
+def test_unroll_ramp():
+    cfg = TrainConfig(ttt_steps=3, ttt_ramp=0.4)
+    # 1 step over the first 20 % of the schedule, 2 over the next 20 %, then all 3
+    assert [unroll_at(cfg, s, 100) for s in (0, 19, 20, 39, 40, 99)] == [1, 1, 2, 2, 3, 3]
+    assert [unroll_at(TrainConfig(ttt_steps=3), s, 100) for s in (0, 99)] == [3, 3]  # no ramp
+    # a schedule shortened mid-run never takes a step back to a shorter unroll
+    for step in range(100):
+        assert unroll_at(cfg, step, 80) >= unroll_at(cfg, step, 100)
+    assert unroll_cost(3, 3) == 1.0 and 0 < unroll_cost(1, 3) < unroll_cost(2, 3) < 1.0
+
+
+def test_a_ramped_run_trains_short_unrolls_first(wide_target, wide_chunks):
+    head, train_set, _, draft = setup(wide_target, wide_chunks)
+    result = train(draft, head, train_set, TrainConfig(steps=20, ttt_ramp=0.5, **{**FAST, "log_every": 1}))
+    assert result.step_unroll == [1] * 5 + [2] * 5 + [3] * 10
+    assert [h["unroll"] for h in result.history] == result.step_unroll
+    # steps not unrolled add no loss (and nothing counted); unrolled ones do
+    assert result.history[0]["step_loss"][1:] == [0.0, 0.0] and result.history[7]["step_loss"][2] == 0.0
+    assert result.history[7]["step_loss"][1] > 0 and result.history[-1]["step_loss"][2] > 0

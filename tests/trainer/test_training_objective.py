@@ -41,6 +41,16 @@ def test_objective_shapes_and_counts(setup, steps):
     assert (stats[:, 1] <= counted).all()
 
 
+def test_a_shorter_unroll_is_the_objective_of_that_many_steps(setup):
+    head, data, draft = setup
+    batch = collate(data.pieces, [[0, 1], [2]])
+    targets = torch.arange(draft.cfg.draft_vocab_size) + draft.d2t
+    loss, stats = Eagle3Objective(draft, head.lm_head[targets], ttt_steps=3)(batch, unroll=2)
+    loss2, stats2 = Eagle3Objective(draft, head.lm_head[targets], ttt_steps=2)(batch)
+    assert torch.allclose(loss, loss2) and torch.equal(stats[:2], stats2)
+    assert stats.shape == (3, 3) and not stats[2].any()  # the step not unrolled: nothing counted
+
+
 def test_the_draft_sees_prompt_tokens_it_does_not_learn(setup):
     """The loss mask decides which rows are learnt, not what the draft sees: prompt rows (loss
     mask 0) are context every later row attends to, built from their real tokens as the engine's

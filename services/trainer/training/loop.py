@@ -53,6 +53,11 @@ class TrainConfig:
     grad_clip: float = 0.5
     ttt_steps: int = 3
     ttt_mask: str = "specforge"  # see objective.TTTAttention
+    # Training-time test grows in: over the first `ttt_ramp` of the LR schedule the unroll rises from 1
+    # step to `ttt_steps` in equal parts (`unroll_at`). Early on the draft's own states are noise to
+    # learn from, and a 1-step batch costs ~0.43 of a 3-step one (`unroll_cost`): the same minutes make
+    # more steps. 0 = the full unroll from the start.
+    ttt_ramp: float = 0.0
     step_decay: float = STEP_DECAY
     seed: int = 0
     checkpoint_dir: str | None = None  # training state (resume); None = no checkpoints
@@ -72,6 +77,7 @@ class TrainResult:
     seconds: float
     history: list[dict] = field(default_factory=list)  # one entry per log_every steps
     step_seconds: list[float] = field(default_factory=list)  # each step of this call, compute only
+    step_unroll: list[int] = field(default_factory=list)  # TTT steps unrolled at each step of this call
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,6 +92,25 @@ def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
         return cfg.lr
     t = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def unroll_at(cfg: TrainConfig, step: int, total: int) -> int:
+    """TTT steps unrolled at optimizer step `step` (0-based) of a `total`-step schedule: 1 + (K - 1) *
+    step / (ttt_ramp * total), floored, at most K. Never decreases when `total` is shortened."""
+    if cfg.ttt_ramp <= 0:
+        return cfg.ttt_steps
+    return min(cfg.ttt_steps, 1 + int((cfg.ttt_steps - 1) * step / (cfg.ttt_ramp * total)))
+
+
+# The work of a batch outside the unrolled steps (fc, the target's soft labels) in units of one
+# unrolled step (the decoder layer and lm_head, forward and backward): measured on the 2-CPU machine
+# with the reference target, 1- and 2-step batches take 0.43 and 0.74 of a 3-step one.
+UNROLL_FIXED_COST = 0.5
+
+
+def unroll_cost(unroll: int, ttt_steps: int) -> float:
+    """Time of a batch unrolled `unroll` steps, relative to one unrolled `ttt_steps`."""
+    return (UNROLL_FIXED_COST + unroll) / (UNROLL_FIXED_COST + ttt_steps)
 
 
 def _distributed() -> tuple[int, int, torch.device]:
@@ -180,8 +205,9 @@ def _steps(cfg: TrainConfig, data: Dataset, objective: Eagle3Objective, model, o
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(cfg, step, horizon)
             objective.noise_rng.manual_seed(cfg.seed * 1_000_003 + step)  # one stream per (seed, step); a prime
+            unroll = unroll_at(cfg, step, horizon)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast):
-                loss, stats = model(batch.to(device))
+                loss, stats = model(batch.to(device), unroll)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
@@ -189,13 +215,14 @@ def _steps(cfg: TrainConfig, data: Dataset, objective: Eagle3Objective, model, o
             n = _global_tokens(batch.num_tokens, world, device)
             took = time.perf_counter() - t0
             result.step_seconds.append(took)
+            result.step_unroll.append(unroll)
             progress.update(step=step + 1, batch=progress["batch"] + 1, tokens=progress["tokens"] + n,
                             seconds=progress["seconds"] + took)
             window += stats.detach().cpu()
             window_tokens += n
             if (step + 1) % cfg.log_every == 0 or step + 1 == total:
                 k = cfg.log_every if (step + 1) % cfg.log_every == 0 else (step + 1) % cfg.log_every
-                entry = {"step": step + 1, "lr": lr_at(cfg, step, horizon), "loss": loss.item(),
+                entry = {"step": step + 1, "lr": lr_at(cfg, step, horizon), "unroll": unroll, "loss": loss.item(),
                          "grad_norm": float(grad_norm),
                          "step_loss": (window[:, 0] / k).tolist(),
                          "step_acc": (window[:, 1] / window[:, 2].clamp(min=1)).tolist(),

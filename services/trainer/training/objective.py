@@ -76,8 +76,9 @@ def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
 
 
 class Eagle3Objective(nn.Module):
-    """forward(batch) -> (loss, stats [K, 3] = per step: loss, correct, counted); one module so that
-    DDP sees a single forward. `target_rows` [Vd, T]: the target's lm_head rows of the draft vocab.
+    """forward(batch, unroll=K) -> (loss, stats [K, 3] = per step: loss, correct, counted; zero rows
+    past `unroll`, the steps unrolled in this call); one module so that DDP sees a single forward.
+    `target_rows` [Vd, T]: the target's lm_head rows of the draft vocab.
     With `aux_scale`, the draft's fc weight must be in training units (training.aux_scale)."""
 
     def __init__(self, draft: Eagle3Draft, target_rows: torch.Tensor, ttt_steps: int = 3,
@@ -94,8 +95,9 @@ class Eagle3Objective(nn.Module):
         self.feature_noise = feature_noise
         self.noise_rng = torch.Generator()  # the loop seeds it per step: a resumed run draws the same noise
 
-    def forward(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch, unroll: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         draft = self.draft
+        unroll = self.ttt_steps if unroll is None else unroll
         seg, pos = batch.seg, batch.positions
         with torch.no_grad():
             counted_rows = (seg >= 0) & (pos > 0)
@@ -116,7 +118,7 @@ class Eagle3Objective(nn.Module):
         hidden = draft.project(aux if self.aux_scale is None else aux / self.aux_scale.to(aux.dtype))
         total = hidden.new_zeros(())
         stats = []
-        for k in range(self.ttt_steps):
+        for k in range(unroll):
             with torch.no_grad():
                 inside = (shift(seg, 1 + k, -1) == seg) & (seg >= 0)  # row r+1+k is in r's piece
                 ahead = inside & counted_rows & shift(batch.loss_mask, 1 + k, False)
@@ -139,4 +141,5 @@ class Eagle3Objective(nn.Module):
                 hit = draft.to_target_ids(logq.argmax(-1)) == greedy.flatten()[rows]
                 stats.append(torch.stack([loss_k.detach(), hit.sum().float(), ahead.sum().float()]))
             hidden = out
+        stats += [torch.zeros(3, device=total.device)] * (self.ttt_steps - unroll)
         return total, torch.stack(stats)
