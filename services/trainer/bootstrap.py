@@ -370,7 +370,7 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
         raise RuntimeError(f"no held-out data in {out / 'chunks' / 'eval'} (--eval-prompts 0?)")
     tr = manifest.doc["train"]
     state_dir = out / "train_state"
-    draft = build_draft(head, train_set, None, cfg.draft_vocab, cfg.seed)
+    draft = build_draft(head, train_set, None, cfg.draft_vocab, cfg.seed, cfg.aux_norm)
     state = load_state(state_dir)
     step = int(state["doc"]["progress"]["step"]) if state else 0
     tokens = int(state["doc"]["progress"]["tokens"]) if state else 0

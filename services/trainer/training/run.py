@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from services.trainer.training.aux_scale import layer_exponents, scale_vector, to_model_units
 from services.trainer.training.data import Dataset, load_dataset, split
 from services.trainer.training.evaluate import GAMMAS, evaluate
 from services.trainer.training.export import export_draft
@@ -42,13 +43,21 @@ def token_counts(data: Dataset) -> Counter:
 
 
 def build_draft(head: TargetHead, data: Dataset, init=None, draft_vocab_size: int = DRAFT_VOCAB,
-                seed: int = 0) -> Eagle3Draft:
-    """Fine-tune start (`init`: a checkpoint directory, vocabulary kept) or a from-scratch draft."""
+                seed: int = 0, aux_norm: bool = True) -> Eagle3Draft:
+    """Fine-tune start (`init`: a checkpoint directory, vocabulary kept) or a from-scratch draft.
+
+    `aux_norm` (TrainConfig.aux_norm): a from-scratch fc gets its usual random init in training units
+    (training.aux_scale), i.e. divided by the per-layer scales here. Kept in model units instead, the
+    same init is 4-16x larger in training units on the reference target and learns far slower: served
+    accept@3 1.727 against 1.839 after 720 steps on boot19's data (docs/results/2026-11-30)."""
     if init is not None:
         return load_checkpoint(init, head.embed, head.config, dtype=torch.float32)
     vd = min(draft_vocab_size, head.vocab_size)
     d2t, t2d = draft_vocab_from_counts(token_counts(data), vd, head.vocab_size)
-    return new_draft(head, d2t, t2d, seed)
+    draft = new_draft(head, d2t, t2d, seed)
+    if aux_norm:
+        to_model_units(draft.fc, scale_vector(layer_exponents(data.pieces), draft.cfg.target_hidden_size))
+    return draft
 
 
 def train_draft(target, source, out_dir, init=None, cfg: TrainConfig | None = None,
@@ -64,7 +73,7 @@ def train_draft(target, source, out_dir, init=None, cfg: TrainConfig | None = No
     train_set, eval_set = split(data, eval_fraction, cfg.seed)
     log.info("data: %d chunks, %d tokens (train %d / eval %d tokens)", len(data.chunk_ids), data.num_tokens,
              train_set.num_tokens, eval_set.num_tokens)
-    draft = build_draft(head, train_set, init, draft_vocab_size, cfg.seed)
+    draft = build_draft(head, train_set, init, draft_vocab_size, cfg.seed, cfg.aux_norm)
     ev_kwargs = {"gammas": gammas, "ttt_steps": cfg.ttt_steps, "mask": cfg.ttt_mask, "max_len": cfg.max_len}
     baseline = evaluate(draft, eval_set, head, **ev_kwargs).to_json() if init and eval_set.pieces else None
     result = train(draft, head, train_set, cfg)
