@@ -66,3 +66,17 @@ def test_a_failed_step_leaves_the_draft_in_model_units(wide_target, wide_chunks,
     with pytest.raises(RuntimeError, match="injected"):
         train(draft, head, train_set, TrainConfig(steps=5, **{**FAST, "lr": 0.0}))
     assert torch.equal(draft.fc.weight, start)
+
+
+@pytest.mark.parametrize("aux_norm", [False, True])
+def test_a_from_scratch_fc_starts_from_the_usual_init_in_training_units(wide_target, wide_chunks, aux_norm):
+    from services.trainer.training.aux_scale import scale_vector
+    from services.trainer.training.run import build_draft
+
+    head, train_set, _, _ = setup(wide_target, wide_chunks)
+    draft = build_draft(head, train_set, draft_vocab_size=200, aux_norm=aux_norm)
+    scale = scale_vector(layer_exponents(train_set.pieces), draft.cfg.target_hidden_size)
+    assert not torch.equal(scale, torch.ones_like(scale))  # the tiny target's states are not at unit RMS
+    trained = draft.fc.weight * scale if aux_norm else draft.fc.weight  # what the optimizer starts from
+    bound = draft.fc.in_features ** -0.5  # PyTorch's Linear init: uniform in +-1/sqrt(fan_in)
+    assert bound * 0.95 < trained.abs().max() <= bound
