@@ -133,6 +133,12 @@ def test_prefetch_keeps_order_raises_and_stops():
     time.sleep(0.3)
     assert len(produced) == n < 10
     assert not [t for t in threading.enumerate() if t.name == "tide-prefetch" and t.is_alive()]
+    # closing waits for a worker busy on an item: one left running into interpreter exit inside a
+    # torch op aborted pytest's process (SIGABRT, "terminate called without an active exception")
+    it = prefetch(range(5), depth=1, fn=lambda x: time.sleep(0.3) or x)
+    assert next(it) == 0
+    it.close()
+    assert not [t for t in threading.enumerate() if t.name == "tide-prefetch" and t.is_alive()]
 
 
 def test_s3_source_reads_verified_chunks(s3_client, s3_bucket, copy_chunks, head):

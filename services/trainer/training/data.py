@@ -122,6 +122,7 @@ def prefetch(items: Iterable, depth: int = 2, fn: Callable | None = None) -> Ite
             yield value
     finally:
         stop.set()
+        thread.join(timeout=10)  # a worker left running into interpreter exit can abort it (SIGABRT)
 
 
 def load_dataset(source, head: TargetHead, max_len: int, expected_target: str | None = None,
