@@ -82,7 +82,7 @@ class Linear:
         self.bias = bias
         self.packed = None
         wide_ok = pack_wide or weight.shape[0] <= self.PACK_MAX_OUT
-        if weight.device.type == "cpu" and wide_ok and _can_pack():
+        if weight.device.type == "cpu" and wide_ok and _can_pack(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,22 +95,23 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-_PACK_OK: bool | None = None
+_PACK_OK: dict[torch.dtype, bool] = {}
 
 
-def _can_pack() -> bool:
-    """oneDNN weight prepacking is an internal op: use it only if it exists and agrees with F.linear."""
-    global _PACK_OK
-    if _PACK_OK is None:
+def _can_pack(dtype: torch.dtype) -> bool:
+    """oneDNN weight prepacking is an internal op: use it only if it exists for `dtype` on this CPU
+    and agrees with F.linear. bf16 needs avx512_bf16/AMX or avx_ne_convert; on an AVX2-only CPU
+    the op raises, and F.linear (torch's own bf16 kernels) serves instead."""
+    if dtype not in _PACK_OK:
         try:
-            w = torch.randn(8, 16)
-            x = torch.randn(3, 16)
+            w = torch.linspace(-1, 1, 128).reshape(8, 16).to(dtype)  # no draw from the global RNG
+            x = torch.linspace(1, -0.5, 48).reshape(3, 16).to(dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
             y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            _PACK_OK = bool(torch.allclose(y, F.linear(x, w), atol=1e-4))
+            _PACK_OK[dtype] = bool(torch.allclose(y.float(), F.linear(x, w).float(), atol=1e-2))
         except (RuntimeError, AttributeError):
-            _PACK_OK = False
-    return _PACK_OK
+            _PACK_OK[dtype] = False
+    return _PACK_OK[dtype]
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

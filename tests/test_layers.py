@@ -1,0 +1,43 @@
+"""tide.layers.Linear and tide.precision: every dtype works on every CPU, and "auto" follows the hardware."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tide import precision
+from tide.layers import Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features", [96, 9000])  # packed when oneDNN can; the wide one on F.linear
+def test_linear_equals_f_linear_on_this_cpu(dtype, out_features):
+    # On a CPU without native bf16 (AVX2 only), oneDNN cannot pack a bf16 weight: Linear must fall back
+    # to F.linear instead of raising (it raised there, and with it every bf16 engine).
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, 64, generator=g).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    y = Linear(w, b)(x)
+    assert y.dtype == dtype and y.shape == (5, out_features)
+    torch.testing.assert_close(y.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_packing_check_leaves_the_global_rng_alone():
+    from tide import layers
+
+    layers._PACK_OK.clear()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    Linear(torch.ones(4, 8))  # runs the packing check
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_auto_dtype_is_bf16_exactly_where_it_is_native():
+    auto = precision.resolve_dtype("auto", "cpu")
+    assert auto == (torch.bfloat16 if precision.native_bf16("cpu") else torch.float32)
+    assert precision.resolve_dtype("fp32", "cpu") == torch.float32
+    assert precision.resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert precision.dtype_name(auto) in precision.DTYPE_NAMES
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        precision.resolve_dtype("int8", "cpu")
