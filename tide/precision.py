@@ -9,16 +9,20 @@ emulates bf16 GEMMs: measured on a 2-core AVX2-only EPYC (Zen 1), 10 GFLOP/s in 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a dtype is resolved: settings modules import this one without it
+    import torch
 
 DTYPE_NAMES = ("auto", "bf16", "fp16", "fp32")
-_BY_NAME = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @functools.cache
 def native_bf16(device_type: str = "cpu") -> bool:
     """True when `device_type` ("cpu", "cuda") computes bf16 GEMMs natively (fast)."""
+    import torch
+
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device_type == "cpu":
@@ -33,13 +37,15 @@ def native_bf16(device_type: str = "cpu") -> bool:
 
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
     """The torch dtype for a name of DTYPE_NAMES on `device`; "auto" = bf16 where native, else float32."""
+    import torch
+
     if name == "auto":
         return torch.bfloat16 if native_bf16(torch.device(device).type) else torch.float32
-    if name not in _BY_NAME:
+    if name not in _TORCH_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
-    return _BY_NAME[name]
+    return getattr(torch, _TORCH_NAMES[name])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The short name ("bf16", "fp32", ...) of a torch dtype, for logs and reports."""
-    return next(k for k, v in _BY_NAME.items() if v == dtype)
+    return next(k for k, v in _TORCH_NAMES.items() if f"torch.{v}" == str(dtype))

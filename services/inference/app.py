@@ -36,6 +36,7 @@ from services.inference.worker import Worker
 from tide import blobs, streams
 from tide.grpcutil import GrpcServer
 from tide.policies.profile import LatencyProfile
+from tide.precision import dtype_name
 from tide.target import cache_dir, resolve_target
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ def load_target(settings: InferenceSettings):
         tokenizer = AutoTokenizer.from_pretrained(target.path)
     else:
         log.warning("target %s has no tokenizer: prompt_text and stop strings will be refused", target.path)
-    log.info("loaded target %s (%s, %s) from %s", target.model_id, settings.dtype, settings.device, target.path)
+    log.info("loaded target %s (%s, %s) from %s", target.model_id, dtype_name(model.dtype), settings.device,
+             target.path)
     return model, tokenizer, target.model_id
 
 

@@ -27,6 +27,7 @@ from services.inference.engine.sequence import SamplingParams
 from services.inference.exporter import ChunkExporter
 from services.inference.profiling import CONTEXT, profile_draft, profile_target, random_draft
 from tide.policies import FixedGamma
+from tide.precision import DTYPE_NAMES, dtype_name, resolve_dtype
 from tide.prompts import encode_prompt, load_prompts
 from tide.streams import StreamNames
 from tide.target import load_tokenizer, resolve_target
@@ -153,7 +154,7 @@ def capture_overhead(model: LlamaModel, exporter, prompts, batch: int, max_token
 def run(args) -> dict:
     t_start = time.perf_counter()
     target = resolve_target(args.target)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = resolve_dtype(args.dtype)
     model = LlamaModel.load(target, dtype=dtype)
     tok = load_tokenizer(target)
     prompts = [encode_prompt(tok, p) for p in load_prompts(args.prompts, limit=32)]
@@ -161,7 +162,7 @@ def run(args) -> dict:
     reps = 5 if quick else 15
     batches, gammas = [1, 4, 16], list(range(6))
     max_tokens = 32 if quick else 96
-    res: dict = {"target": target.model_id, "dtype": args.dtype, "threads": torch.get_num_threads(),
+    res: dict = {"target": target.model_id, "dtype": dtype_name(dtype), "threads": torch.get_num_threads(),
                  "quick": quick, "max_tokens": max_tokens}
     res["T_ms"] = profile_target(model, batches, [1, 2, 4, 8, 16, 32, 64], reps)
     if args.draft:
@@ -226,7 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and tokens (< 5 min)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--target", default="ref")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="auto = bf16 where native, else fp32")
     parser.add_argument("--draft", help="EAGLE-3 checkpoint dir (default: a random draft, latency only)")
     parser.add_argument("--prompts", default="spec_bench_questions.jsonl")
 

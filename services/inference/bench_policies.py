@@ -52,6 +52,7 @@ from services.inference.profiling import cached_profile, cpu_timer, default_grid
 from tide.policies import FixedGamma
 from tide.policies.profile import LatencyProfile
 from tide.policies.registry import make_policy
+from tide.precision import DTYPE_NAMES, resolve_dtype
 from tide.prompts import encode_prompt, load_prompts
 
 PEERS = ("vllm", "sglang", "dsd", "nightjar", "onthefly", "fsm", "cache-fsm")
@@ -437,7 +438,7 @@ def run(args, model=None, tokenizer=None, model_id: str | None = None) -> dict:
         from tide.target import load_tokenizer, resolve_target
 
         target = resolve_target(args.target)
-        model = LlamaModel.load(target, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+        model = LlamaModel.load(target, dtype=resolve_dtype(args.dtype))
         tokenizer, model_id = load_tokenizer(target), target.model_id
     phases = args.phases or (QUICK_PHASES if args.quick else FULL_PHASES)
     drain_s = args.drain_s if args.drain_s is not None else 5.0 if args.quick else 20.0
@@ -522,7 +523,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plots", type=Path, help="directory for throughput.png and gamma.png")
     parser.add_argument("--target", default="ref")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="auto = bf16 where native, else fp32")
     parser.add_argument("--draft", help="EAGLE-3 checkpoint dir (default: the n-gram drafter)")
     parser.add_argument("--prompts", nargs="+", default=list(PROMPT_FILES), help="prompt files mixed into the trace")
     parser.add_argument("--max-batch", type=int, default=16)

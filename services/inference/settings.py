@@ -3,7 +3,8 @@
 Environment variables (all optional; defaults in brackets):
 
     TIDE_TARGET               target model: "ref", a HF directory or a .gguf file            ["ref"]
-    TIDE_DTYPE                bf16 | fp16 | fp32                                               [bf16]
+    TIDE_DTYPE                auto | bf16 | fp16 | fp32; auto = bf16 where the device computes
+                              it natively, else fp32 (tide/precision.py)                      [auto]
     TIDE_DEVICE               cpu | cuda | cuda:N                                              [cpu]
     TIDE_CPUS                 CPUs this worker runs on, e.g. "0" or "0-5" (affinity, and torch
                               threads = their count; keep the trainer's TIDE_TRAINER_CPUS apart) [all]
@@ -51,11 +52,12 @@ from typing import Any
 
 from tide.blobs import StorageSettings
 from tide.grpcutil import ADMIN_TOKEN_ENV
+from tide.precision import DTYPE_NAMES
 from tide.registry_client import DEFAULT_REGISTRY_ADDR, REGISTRY_ADDR_ENV
 from tide.resources import parse_cpus
 
 DRAFTERS = ("ngram", "none", "eagle3")
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = DTYPE_NAMES
 
 
 def _bool(value: str) -> bool:
@@ -72,7 +74,7 @@ class InferenceSettings:
     """Everything the inference service is configured with. Times in seconds; sizes in tokens/slots."""
 
     target: str = "ref"
-    dtype: str = "bf16"
+    dtype: str = "auto"
     device: str = "cpu"
     cpus: str = ""  # "" = every CPU the process may use
     max_batch: int = 16
@@ -129,9 +131,10 @@ class InferenceSettings:
 
     @property
     def torch_dtype(self):
-        import torch
+        """The dtype the target and draft run in ("auto" resolved for the device)."""
+        from tide.precision import resolve_dtype
 
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype]
+        return resolve_dtype(self.dtype, self.device)
 
     @property
     def cpu_set(self) -> frozenset[int]:

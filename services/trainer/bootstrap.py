@@ -64,6 +64,7 @@ from services.trainer.generation import (
     torch_threads,
     write_blob,
 )
+from tide.precision import dtype_name, resolve_dtype
 from tide.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class BootstrapConfig:
     max_tokens: int = 256  # output tokens per prompt
     max_prompt_tokens: int = 768  # longer prompts are skipped
     chunk_tokens: int = 2048  # rows per chunk file (the workers' default)
-    dtype: str = "bf16"  # target dtype for generation ("bf16" | "fp32")
+    dtype: str = "auto"  # target dtype for generation (tide.precision: "auto" = bf16 where native, else fp32)
     draft_vocab: int = 8192
     max_epochs: float = 20.0  # cap on passes over the training data
     evals: int = 8  # evaluations on the held-out chunks during training (the curve)
@@ -284,7 +285,7 @@ def generate_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: C
     if not todo["eval"] and (not todo["train"] or train_full() or clock.elapsed() >= gen_deadline):
         return stats
     t0 = time.perf_counter()
-    model = LlamaModel.load(target, dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+    model = LlamaModel.load(target, dtype=resolve_dtype(cfg.dtype))
     engine = make_engine(model, cfg.batch, cfg.max_prompt_tokens, cfg.max_tokens)
     sink = SequenceChunks(model.cfg.hidden_size, target.model_id, cfg.chunk_tokens)
     engine.capture_listeners.append(sink)
@@ -515,6 +516,7 @@ def finish(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Clock, ta
             "chunks_train": len(doc["chunks"]["train"]), "chunks_eval": len(doc["chunks"]["eval"]),
             "skipped_long": sum(1 for v in doc["prompts"].values() if v["split"] == "skipped"),
             "tokens_per_s": (train_tokens + eval_tokens) / gen_s if gen_s else None,
+            "dtype": dtype_name(resolve_dtype(cfg.dtype)),
             "this_run": generated,
         },
         "training": {"steps": summary["steps"], "schedule_steps": summary["schedule_steps"],

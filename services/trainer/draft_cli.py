@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from services.trainer.bootstrap import BootstrapConfig
+from tide.precision import DTYPE_NAMES
 
 _DEFAULTS = BootstrapConfig()
 
@@ -54,7 +55,8 @@ def add_bootstrap_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"output tokens per prompt [{d.max_tokens}]")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
                    help=f"skip longer prompts [{d.max_prompt_tokens}]")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default=d.dtype, help="target dtype for generation [bf16]")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype,
+                   help="target dtype for generation; auto = bf16 where the CPU/GPU has it natively, else fp32 [auto]")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help=f"draft vocabulary [{d.draft_vocab}]")
     p.add_argument("--max-epochs", type=float, default=d.max_epochs,
                    help=f"cap on passes over the data [{d.max_epochs}]")
@@ -97,7 +99,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per prompt [256]")
     p.add_argument("--max-prompt-tokens", type=int, default=768, help="skip longer prompts [768]")
     p.add_argument("--batch", type=int, default=32, help="engine slots [32]")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="target dtype [bf16]")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="target dtype (see bootstrap --dtype) [auto]")
     p.add_argument("--engine-gamma", type=int, default=0,
                    help="also serve the prompts with the draft at this γ and report the engine's measured "
                         "acceptance (0: plain generation) [0]")

@@ -22,6 +22,7 @@ from services.trainer.generation import (
     torch_threads,
     write_blob,
 )
+from tide.precision import resolve_dtype
 
 
 def resolve_draft_dir(path) -> Path:
@@ -44,7 +45,7 @@ def draft_target(draft_dir: Path) -> str:
 
 def evaluate_on_prompts(draft, prompt_files: list, target: str | None = None, gammas=(1, 2, 3, 4, 5),
                         limit: int | None = None, max_tokens: int = 256, batch: int = 32,
-                        max_prompt_tokens: int = 768, dtype: str = "bf16", engine_gamma: int = 0,
+                        max_prompt_tokens: int = 768, dtype: str = "auto", engine_gamma: int = 0,
                         ttt_steps: int = 3, chunks_dir=None, progress: bool = True,
                         threads: int | None = None) -> dict:
     """Generate greedy continuations of the prompts with capture (with `engine_gamma` > 0: served
@@ -64,7 +65,7 @@ def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens,
 
     draft_dir = resolve_draft_dir(draft)
     tfiles = resolve_target(target or draft_target(draft_dir))
-    model = LlamaModel.load(tfiles, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model = LlamaModel.load(tfiles, dtype=resolve_dtype(dtype))
     prompts = load_prompt_files(prompt_files, limit)
     items, skipped = encode_prompts(load_tokenizer(tfiles), prompts, max_prompt_tokens)
     if not items:

@@ -28,3 +28,9 @@ def ref_target() -> TargetFiles:
 @pytest.fixture(scope="session")
 def ref_model_bf16(ref_target) -> LlamaModel:
     return LlamaModel.load(ref_target, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def ref_model_fp32(ref_target) -> LlamaModel:
+    """What "auto" serves on a CPU without native bf16 (tide.precision)."""
+    return LlamaModel.load(ref_target, dtype=torch.float32)

@@ -14,17 +14,19 @@ from dataclasses import dataclass
 import torch
 
 from tide.eagle3 import Eagle3Config, Eagle3Draft
+from tide.precision import resolve_dtype
 from tide.target import EMBED_TENSOR, LM_HEAD_TENSOR, NORM_TENSOR, TargetFiles, load_head_tensors
 
 # Rows per lm_head matmul when computing greedy tokens: bounds the [rows, V] bf16 logits to
 # ~100 MB for a 49k vocabulary.
 _ARGMAX_ROWS = 1024
-# Greedy tokens are computed as the engine computes them when it serves in its default dtype: a
-# bf16 lm_head over the bf16 `final` the chunk stores. On a bootstrap's greedy chunks that gives
-# the token the engine generated on every row checked (1,221 rows), where a float32 lm_head
-# disagreed on 0.8 % of them (near-ties); and it is ~2x cheaper: the full-vocabulary matmul was
-# 3 of a 30-minute bootstrap's minutes at 650k rows in float32.
-GREEDY_DTYPE = torch.bfloat16
+# Greedy tokens are computed as the engine computes them when it serves in its default dtype
+# ("auto", tide.precision): where bf16 is native, a bf16 lm_head over the bf16 `final` the chunk
+# stores. On a bootstrap's greedy chunks that gives the token the engine generated on every row
+# checked (1,221 rows), where a float32 lm_head disagreed on 0.8 % of them (near-ties); and it is
+# ~2x cheaper there: the full-vocabulary matmul was 3 of a 30-minute bootstrap's minutes at 650k
+# rows in float32. Without native bf16 the engine serves in float32, and so does this (5x faster).
+GREEDY_DTYPE = resolve_dtype("auto", "cpu")
 
 
 @dataclass

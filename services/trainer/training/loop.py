@@ -21,6 +21,7 @@ from services.trainer.training.head import TargetHead
 from services.trainer.training.objective import STEP_DECAY, Eagle3Objective
 from services.trainer.training.state import load_state, restore, save_state
 from tide.eagle3 import Eagle3Draft
+from tide.precision import native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,10 @@ class TrainConfig:
     log_every: int = 10
     progress: bool = True  # tqdm bar on rank 0
     device: str = "auto"  # "auto": cuda:<LOCAL_RANK> when CUDA is there, else cpu
-    # bf16 autocast for the forward (fp32 master weights and optimizer): 1.7x the tokens/s of fp32 on
-    # the CI-sized CPU (avx512_bf16), the usual mixed precision on GPUs
+    # bf16 autocast for the forward (fp32 master weights and optimizer) where the device computes bf16
+    # natively (tide.precision.native_bf16): 1.7x the tokens/s of fp32 on a CI-sized CPU with
+    # avx512_bf16, the usual mixed precision on GPUs. Elsewhere it is left off: on an AVX2-only CPU
+    # torch emulates bf16 GEMMs at a fifth of fp32's speed.
     autocast: bool = True
 
 
@@ -194,6 +197,9 @@ def _steps(cfg: TrainConfig, data: Dataset, objective: Eagle3Objective, model, o
     total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * per_epoch))
     horizon = cfg.schedule_steps or total  # the LR schedule's length
     result = TrainResult(progress["step"], progress["tokens"], progress["seconds"])
+    autocast = cfg.autocast and native_bf16(device.type)
+    if cfg.autocast and not autocast and rank == 0:
+        log.info("bf16 autocast off: %s has no native bf16 (float32 is faster there)", device)
     bar = tqdm(total=total, initial=progress["step"], disable=not cfg.progress or rank != 0, desc="train", unit="step")
     window = torch.zeros(cfg.ttt_steps, 3)
     window_tokens, window_start = 0, time.perf_counter()
@@ -206,7 +212,7 @@ def _steps(cfg: TrainConfig, data: Dataset, objective: Eagle3Objective, model, o
                 group["lr"] = lr_at(cfg, step, horizon)
             objective.noise_rng.manual_seed(cfg.seed * 1_000_003 + step)  # one stream per (seed, step); a prime
             unroll = unroll_at(cfg, step, horizon)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss, stats = model(batch.to(device), unroll)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

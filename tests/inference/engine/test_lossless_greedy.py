@@ -122,16 +122,19 @@ def test_requests_joining_and_leaving_between_steps(tiny_model, prompts, plain_o
 
 
 @pytest.mark.slow
-def test_reference_model_bf16_speculative_equals_plain(ref_model_bf16):
-    """The production dtype: bf16 on the reference model, n-gram drafts, batch 1 and 3."""
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_reference_model_speculative_equals_plain(dtype, request):
+    """The production dtypes ("auto": bf16 where native, else fp32) on the reference model, n-gram
+    drafts, batch 1 and 3."""
+    ref_model = request.getfixturevalue(f"ref_model_{dtype}")
     prompts = [[1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
                [1, 4093, 253, 1789, 2306, 338, 16296, 10148, 30, 2, 198] * 2,
                [1, 504, 3821, 2464, 325, 253, 1466, 28, 253, 1466, 28, 253, 1466, 28]]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     config = EngineConfig(max_batch=4, max_seq_len=512)
-    plain = [s.output_ids for s in LLMEngine(ref_model_bf16, config).generate(prompts, params)]
+    plain = [s.output_ids for s in LLMEngine(ref_model, config).generate(prompts, params)]
     for batch in (1, 3):
-        engine = LLMEngine(ref_model_bf16, config, drafter=NgramDrafter(), policy=FixedGamma(3))
+        engine = LLMEngine(ref_model, config, drafter=NgramDrafter(), policy=FixedGamma(3))
         spec = engine.generate(prompts[:batch], params)
         assert [s.output_ids for s in spec] == plain[:batch]
         assert sum(s.accepted_tokens for s in spec) > 0

@@ -24,12 +24,18 @@ def test_settings_from_env():
                                     "TIDE_COLLECTION": "on", "TIDE_ADMIN_TOKEN": "t", "TIDE_S3_BUCKET": "b"})
     assert (s.max_batch, s.policy_params["gamma"], s.collection, s.admin_token, s.storage.s3_bucket) == \
         (8, 2, True, "t", "b")
-    assert (s.target, s.dtype, s.drafter, s.listen) == ("ref", "bf16", "ngram", "127.0.0.1:50051")
+    assert (s.target, s.dtype, s.drafter, s.listen) == ("ref", "auto", "ngram", "127.0.0.1:50051")
+    import torch
+
+    from tide.precision import native_bf16
+
+    assert s.torch_dtype == (torch.bfloat16 if native_bf16("cpu") else torch.float32)  # bf16 only where native
+    assert InferenceSettings.from_env({"TIDE_DTYPE": "fp32"}).torch_dtype == torch.float32
     assert "admin_token" not in repr(s)  # secrets stay out of logs
     with pytest.raises(TypeError):
         s.policy_params["gamma"] = 5  # read-only, like the rest of the settings
     for bad in ({"TIDE_MAX_BATCH": "x"}, {"TIDE_DRAFTER": "medusa"}, {"TIDE_COLLECTION": "maybe"},
-                {"TIDE_POLICY_PARAMS": "[1]"}, {"TIDE_MAX_BATCH": "0"}):
+                {"TIDE_POLICY_PARAMS": "[1]"}, {"TIDE_MAX_BATCH": "0"}, {"TIDE_DTYPE": "int8"}):
         with pytest.raises(ValueError):
             InferenceSettings.from_env(bad)
 
