@@ -43,6 +43,7 @@ first run bootstraps it, `--bootstrap-minutes` more); full: 3 × 300 s, two A/B 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import hashlib
 import json
@@ -97,13 +98,17 @@ def starting_draft(target: str, minutes: float, seed: int) -> tuple[Path, dict]:
     from tide.target import cache_dir, resolve_target
 
     model_id = resolve_target(target).model_id
-    key = hashlib.sha256(json.dumps([model_id, BOOTSTRAP_PROMPTS, minutes, seed]).encode()).hexdigest()[:12]
+    cfg = BootstrapConfig(target=target, prompts=list(BOOTSTRAP_PROMPTS), out="", minutes=minutes, seed=seed,
+                          progress=False)
+    # every setting of the bootstrap is in the key (a changed default makes another draft), the
+    # target by its content id
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "progress", "target")}
+    key = hashlib.sha256(json.dumps([model_id, settings], sort_keys=True, default=str).encode()).hexdigest()[:12]
     out = cache_dir() / "drafts" / f"bootstrap-chat-{key}"
     cached = (out / "report.json").exists()
     if not cached:
         print(f"bootstrapping the starting draft ({minutes:g} min budget) into {out}", flush=True)
-    report = bootstrap(BootstrapConfig(target=target, prompts=list(BOOTSTRAP_PROMPTS), out=str(out),
-                                       minutes=minutes, seed=seed, progress=False))
+    report = bootstrap(dataclasses.replace(cfg, out=str(out)))
     gc.collect()
     return resolve_draft_dir(out), {"path": str(out), "cached": cached, "bootstrap_minutes": minutes,
                                     "prompts": list(BOOTSTRAP_PROMPTS), "accept_length": report.get("accept_length"),

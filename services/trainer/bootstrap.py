@@ -160,6 +160,9 @@ class BootstrapConfig:
 _FIXED = ("target", "eval_prompts", "max_tokens", "max_prompt_tokens", "seed", "draft_vocab", "lr", "batch_rows",
           "max_len", "ttt_steps", "ttt_mask", "warmup_steps", "learn_prompt_rows", "freeze_head", "feature_noise",
           "aux_norm", "ttt_ramp")
+# What a manifest written before a _FIXED setting existed did, for that setting (not today's default:
+# resuming such a run with the new default would change its training under it).
+_BEFORE_SETTING = {"aux_norm": False, "ttt_ramp": 0.0}
 
 
 class Manifest:
@@ -174,8 +177,8 @@ class Manifest:
             doc = json.loads(path.read_text())
             if doc.get("version") != MANIFEST_VERSION:
                 raise ValueError(f"{path}: manifest version {doc.get('version')}, expected {MANIFEST_VERSION}")
-            # a setting newer than the manifest counts as its default there
-            was = {k: doc["fixed"].get(k, getattr(BootstrapConfig, k)) for k in fixed}
+            # a setting newer than the manifest counts as what the code did before it existed
+            was = {k: doc["fixed"].get(k, _BEFORE_SETTING.get(k, getattr(BootstrapConfig, k))) for k in fixed}
             changed = {k: (was[k], v) for k, v in fixed.items() if was[k] != v}
             if changed:
                 raise ValueError(f"{out} was bootstrapped with other settings {changed}; use another --out")

@@ -118,6 +118,11 @@ def test_resume_generates_only_missing_prompts(tmp_path, monkeypatch):
     assert seen[2] == []
     with pytest.raises(ValueError, match="other settings"):
         bs.bootstrap(bs.BootstrapConfig(**{**cfg.__dict__, "max_tokens": 9}))
+    # a manifest from before aux_norm existed was trained without it: resuming it with it is refused
+    manifest["fixed"].pop("aux_norm")
+    (tmp_path / "out" / bs.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="aux_norm"):
+        bs.bootstrap(bs.BootstrapConfig(**{**cfg.__dict__, "aux_norm": True}))
 
 
 def test_draft_eval_cli_reports_acceptance_and_top1(booted, tmp_path):
