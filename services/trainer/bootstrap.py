@@ -75,6 +75,11 @@ REPORT_JSON = "report.json"
 REPORT_PNG = "report.png"
 CALIBRATION_STEPS = 5  # steps timed before the schedule's length is fixed (at most the warm-up)
 EXPORT_RESERVE_S = 8.0  # budget kept back for export, report and the process's exit, on top of one evaluation
+# The curve's evaluations may take at most this share of the training time: fewer than `evals` points
+# where one evaluation is slow against the budget (boot21, a 2-core AVX2 CPU: 35 s each, 9 of them
+# were 5 of its 30 minutes), but never fewer than MIN_EVALS after the origin.
+EVAL_SHARE = 0.1
+MIN_EVALS = 4  # the schedule is re-planned at each: too few and a drifting pace goes uncorrected
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -117,7 +122,7 @@ class BootstrapConfig:
     dtype: str = "auto"  # target dtype for generation (tide.precision: "auto" = bf16 where native, else fp32)
     draft_vocab: int = 8192
     max_epochs: float = 20.0  # cap on passes over the training data
-    evals: int = 8  # evaluations on the held-out chunks during training (the curve)
+    evals: int = 8  # evaluations on the held-out chunks during training (the curve; see EVAL_SHARE)
     # A from-scratch draft in a ~15-minute training budget is limited by optimizer steps, not by
     # tokens: on 292k output tokens (session 6), 2 rows x 512 at lr 1e-3 reached held-out served
     # accept@3 1.64 in 4.3 min of training, where 8 rows at 3e-4 had 1.40 after 2.9 min and 2 rows
@@ -452,13 +457,19 @@ def train_phase(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Cloc
         # calibration: warm-up steps depend neither on the schedule's length nor (being at its very start)
         # on its unroll ramp; max_steps stands in for the length
         segment(max(1, min(CALIBRATION_STEPS, cfg.warmup_steps, max_steps)), max_steps)
-        evals_left = max(1, cfg.evals - 1)
+        affordable = math.floor(EVAL_SHARE * (clock.left() - reserve()) / max(t_eval, 1e-6))
+        tr["evals"] = max(min(cfg.evals, MIN_EVALS), min(cfg.evals, affordable))
+        if tr["evals"] < cfg.evals:
+            log.info("%d evaluations during training instead of %d: one takes %.0f s of the %.0f s left",
+                     tr["evals"], cfg.evals, t_eval, clock.left())
+        evals_left = max(1, tr["evals"] - 1)
         tr["schedule_steps"] = tr["planned_steps"] = longest_schedule(
             clock.left() - reserve() - evals_left * per_segment())
         manifest.save()
     total = tr["schedule_steps"]
     bar = progress_bar(total, "train", "step", cfg.progress, step)
-    n_seg = max(1, cfg.evals - (len(tr["curve"]) - 1))  # segments left: `evals` points after the origin
+    evals = tr.get("evals", cfg.evals)
+    n_seg = max(1, evals - (len(tr["curve"]) - 1))  # segments left: `evals` points after the origin
     stopped_early = False
     while step < total:
         # The machine's pace drifts (boot15: planned 1,448 steps from the calibration, 1,201 fitted),
@@ -526,7 +537,8 @@ def finish(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Clock, ta
                      "planned_steps": summary["planned_steps"],
                      "tokens": summary["tokens"], "data_rows": summary["data_tokens"],
                      "epochs": summary["epochs"], "stopped_early": tr.get("stopped_early", False),
-                     "seconds_per_step": tr.get("step_s")},
+                     "seconds_per_step": tr.get("step_s"), "evaluations": tr.get("evals", cfg.evals),
+                     "seconds_per_evaluation": tr.get("eval_s")},
         "curve": tr["curve"],
         "loss_history": tr["history"],
         "config": dataclasses.asdict(cfg),

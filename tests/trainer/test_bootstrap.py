@@ -268,3 +268,25 @@ def test_the_schedule_follows_a_machine_whose_pace_changes(tmp_path, monkeypatch
     floor = lr_at(TrainConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps), tr["steps"] - 1, tr["steps"])
     assert history[-1]["step"] == tr["steps"] and history[-1]["lr"] == pytest.approx(floor)
     assert report["wall_minutes"] <= cfg.minutes + 0.05
+
+
+def test_slow_evaluations_make_a_coarser_curve_not_a_shorter_training(tmp_path, monkeypatch):
+    """Where one held-out evaluation is slow against the budget (a slow CPU), the curve gets fewer
+    points (at least MIN_EVALS) so that evaluating stays near EVAL_SHARE of the training time."""
+    save_tiny_chat_target(tmp_path / "target", layers=4, init_std=0.05)
+    prompts = write_prompt_file(tmp_path / "p.jsonl", 12)
+    cfg = bs.BootstrapConfig(**{**TINY_BOOTSTRAP, "target": str(tmp_path / "target"), "prompts": [str(prompts)],
+                                "out": str(tmp_path / "out"), "batch": 4, "eval_prompts": 4, "max_tokens": 8,
+                                "max_epochs": 10_000, "evals": 8, "warmup_steps": 2, "minutes": 0.4})
+    real = bs._eval_entry
+
+    def slow(*a, **k):  # a slow machine's evaluation: a pace a real run cannot be made to show on demand
+        time.sleep(1.5)
+        return real(*a, **k)
+
+    monkeypatch.setattr(bs, "_eval_entry", slow)
+    report = bs.bootstrap(cfg)
+    assert report["training"]["evaluations"] == bs.MIN_EVALS < cfg.evals
+    assert 1 + 2 <= len(report["curve"]) <= 1 + bs.MIN_EVALS  # the origin, then at most MIN_EVALS points
+    assert report["training"]["steps"] >= 0.95 * report["training"]["schedule_steps"]  # the schedule (nearly) ran
+    assert report["wall_minutes"] <= cfg.minutes + 0.05
