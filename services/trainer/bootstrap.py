@@ -76,7 +76,7 @@ REPORT_PNG = "report.png"
 CALIBRATION_STEPS = 5  # steps timed before the schedule's length is fixed (at most the warm-up)
 EXPORT_RESERVE_S = 8.0  # budget kept back for export, report and the process's exit, on top of one evaluation
 # The curve's evaluations may take at most this share of the training time: fewer than `evals` points
-# where one evaluation is slow against the budget (boot21, a 2-core AVX2 CPU: 35 s each, 9 of them
+# where one evaluation is slow against the budget (boot21, a 2-core AVX2 CPU: 30 s each, 10 of them
 # were 5 of its 30 minutes), but never fewer than MIN_EVALS after the origin.
 EVAL_SHARE = 0.1
 MIN_EVALS = 4  # the schedule is re-planned at each: too few and a drifting pace goes uncorrected
