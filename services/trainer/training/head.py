@@ -25,7 +25,8 @@ _ARGMAX_ROWS = 1024
 # stores. On a bootstrap's greedy chunks that gives the token the engine generated on every row
 # checked (1,221 rows), where a float32 lm_head disagreed on 0.8 % of them (near-ties); and it is
 # ~2x cheaper there: the full-vocabulary matmul was 3 of a 30-minute bootstrap's minutes at 650k
-# rows in float32. Without native bf16 the engine serves in float32, and so does this (5x faster).
+# rows in float32. Without native bf16 the engine serves in float32, and so does this (3.7x faster
+# than emulated bf16 for the 49152-wide head on a 2-core AVX2 CPU).
 GREEDY_DTYPE = resolve_dtype("auto", "cpu")
 
 
