@@ -57,7 +57,6 @@ from tide.registry_client import DEFAULT_REGISTRY_ADDR, REGISTRY_ADDR_ENV
 from tide.resources import parse_cpus
 
 DRAFTERS = ("ngram", "none", "eagle3")
-DTYPES = DTYPE_NAMES
 
 
 def _bool(value: str) -> bool:
@@ -109,8 +108,8 @@ class InferenceSettings:
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"TIDE_DRAFTER must be one of {DRAFTERS}, got {self.drafter!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"TIDE_DTYPE must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"TIDE_DTYPE must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         for name in ("max_batch", "max_seq_len", "max_tokens_per_step", "chunk_tokens", "chunk_buffers",
                      "telemetry_batch", "telemetry_buffer"):
             if getattr(self, name) < 1:
