@@ -33,11 +33,31 @@ def test_packing_check_leaves_the_global_rng_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def test_auto_dtype_is_bf16_exactly_where_it_is_native():
+    # an oracle independent of torch: the CPU's own flags. bf16 instructions (avx512_bf16, AMX) mean
+    # native; without AVX-512's bw/vl/dq nor avx_ne_convert oneDNN has no bf16 path at all (AVX2 only).
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this OS")
     auto = precision.resolve_dtype("auto", "cpu")
-    assert auto == (torch.bfloat16 if precision.native_bf16("cpu") else torch.float32)
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        assert auto == torch.bfloat16
+    if not ({"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags):
+        assert auto == torch.float32
+    assert precision.dtype_name(auto) in precision.DTYPE_NAMES
+
+
+def test_named_dtypes_resolve_and_bad_names_are_refused():
+    assert precision.dtype_name(torch.float32) == "fp32" and precision.dtype_name(torch.bfloat16) == "bf16"
     assert precision.resolve_dtype("fp32", "cpu") == torch.float32
     assert precision.resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
-    assert precision.dtype_name(auto) in precision.DTYPE_NAMES
     with pytest.raises(ValueError, match="dtype must be one of"):
         precision.resolve_dtype("int8", "cpu")

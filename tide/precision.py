@@ -48,4 +48,6 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The short name ("bf16", "fp32", ...) of a torch dtype, for logs and reports."""
-    return next(k for k, v in _TORCH_NAMES.items() if f"torch.{v}" == str(dtype))
+    import torch
+
+    return next(k for k, v in _TORCH_NAMES.items() if getattr(torch, v) == dtype)

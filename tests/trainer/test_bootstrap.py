@@ -288,5 +288,7 @@ def test_slow_evaluations_make_a_coarser_curve_not_a_shorter_training(tmp_path, 
     report = bs.bootstrap(cfg)
     assert report["training"]["evaluations"] == bs.MIN_EVALS < cfg.evals
     assert 1 + 2 <= len(report["curve"]) <= 1 + bs.MIN_EVALS  # the origin, then at most MIN_EVALS points
-    assert report["training"]["steps"] >= 0.95 * report["training"]["schedule_steps"]  # the schedule (nearly) ran
+    # the schedule ran (to within a step or so: on a 24-s budget a 1.5-s evaluation shifts the last
+    # segment's deadline by more than a step of the tiny draft)
+    assert report["training"]["steps"] >= 0.95 * report["training"]["schedule_steps"]
     assert report["wall_minutes"] <= cfg.minutes + 0.05

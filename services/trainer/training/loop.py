@@ -5,6 +5,7 @@ on CPU). Rank 0 writes checkpoints; every rank takes every world-th batch of the
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -182,6 +183,11 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
     return result
 
 
+@functools.cache  # once per process: a bootstrap trains in several segments
+def _note_autocast_off(device_type: str) -> None:
+    log.info("bf16 autocast off: %s has no native bf16 (float32 is faster there)", device_type)
+
+
 def _steps(cfg: TrainConfig, data: Dataset, objective: Eagle3Objective, model, optimizer, trainable: list,
            progress: dict, rank: int, world: int, device: torch.device, checkpoint) -> TrainResult:
     """The optimizer steps of `train` (from `progress` on, which it updates)."""
@@ -199,7 +205,7 @@ def _steps(cfg: TrainConfig, data: Dataset, objective: Eagle3Objective, model, o
     result = TrainResult(progress["step"], progress["tokens"], progress["seconds"])
     autocast = cfg.autocast and native_bf16(device.type)
     if cfg.autocast and not autocast and rank == 0:
-        log.info("bf16 autocast off: %s has no native bf16 (float32 is faster there)", device)
+        _note_autocast_off(device.type)
     bar = tqdm(total=total, initial=progress["step"], disable=not cfg.progress or rank != 0, desc="train", unit="step")
     window = torch.zeros(cfg.ttt_steps, 3)
     window_tokens, window_start = 0, time.perf_counter()
