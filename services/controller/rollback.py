@@ -51,18 +51,19 @@ class RollbackRecord:
     from_version: str
     to_version: str
     reason: str
-    live_accept_length: float
+    live_accept_length: float  # tokens per verification (informative: it moves with γ)
     previous_accept_length: float
     verify_steps: int
     time_unix_s: float
+    live_acceptance_rate: float = 0.0  # accepted / checked draft tokens: what the verdict compares
+    previous_acceptance_rate: float = 0.0
 
 
 @dataclass(frozen=True)
 class Watch:
     version: str
     previous: str
-    base_steps: int  # the version's verifications / tokens when the watch started
-    base_tokens: int
+    base: tuple[int, int, int]  # the version's (verifications, tokens, checked) when the watch started
     since_unix_s: float
     trigger: str
     verify_steps: int = 0  # observed since the watch started (updated on evaluation)
@@ -71,14 +72,14 @@ class Watch:
 class RollbackGuard:
     """Thread-safe. `port` None = disabled (nothing is watched)."""
 
-    def __init__(self, port: RegistryPort | None, window: int = 200, margin: float = 0.1) -> None:
+    def __init__(self, port: RegistryPort | None, window: int = 200, margin: float = 0.05) -> None:
         self.port, self.window, self.margin = port, window, margin
         self.rollbacks: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
         self._watch: dict[str, Watch] = {}
         self._last: dict[str, RollbackRecord] = {}
         self._serving: dict[str, str] = {}
-        self._counts: dict[str, dict[str, tuple[int, int]]] = {}  # at the last evaluation
+        self._counts: dict[str, dict[str, tuple[int, int, int]]] = {}  # at the last evaluation
         self._rolled_back: dict[str, set[str]] = {}
         self._lock = threading.Lock()
 
@@ -107,44 +108,46 @@ class RollbackGuard:
         with self._lock:
             w = self._watch.get(target)
             if w is not None and w.version == version:  # already watched (seen serving first)
-                self._watch[target] = Watch(version, previous, w.base_steps, w.base_tokens, w.since_unix_s,
-                                            trigger, w.verify_steps)
+                self._watch[target] = Watch(version, previous, w.base, w.since_unix_s, trigger, w.verify_steps)
                 return
-            steps, tokens = self._counts.get(target, {}).get(version, (0, 0))
-            self._start(target, Watch(version, previous, steps, tokens, now, trigger))
+            self._start(target, Watch(version, previous, self._counts.get(target, {}).get(version, (0, 0, 0)), now,
+                                      trigger))
 
     def evaluate(self, target: str, serving: str, drafts: Mapping[str, DraftStats],
                  now: float) -> RollbackRecord | None:
         """Follow the target's statistics; returns the rollback made now, if any."""
         if not self.enabled:
             return None
-        counts = {v: (d.verify_steps, d.tokens) for v, d in drafts.items()}
+        counts = {v: (d.verify_steps, d.tokens, d.checked) for v, d in drafts.items()}
         with self._lock:
             self._detect_takeover(target, serving, counts, now)
             self._counts[target] = counts
             w = self._watch.get(target)
             if w is None:
                 return None
-            steps, tokens = counts.get(w.version, (w.base_steps, w.base_tokens))
-            n = steps - w.base_steps
-            w = self._watch[target] = Watch(w.version, w.previous, w.base_steps, w.base_tokens, w.since_unix_s,
-                                            w.trigger, n)
-            if n < self.window:
+            steps, tokens, checked = (cur - base for cur, base in zip(counts.get(w.version, w.base), w.base,
+                                                                         strict=True))
+            w = self._watch[target] = Watch(w.version, w.previous, w.base, w.since_unix_s, w.trigger, steps)
+            if steps < self.window:
                 return None
             prev = drafts.get(w.previous)
-            if prev is None or prev.long.count == 0:
+            if prev is None or prev.rate_long.den == 0:
                 return self._end(target, f"no statistics of the previous version {w.previous} to compare with")
-            live, ref = (tokens - w.base_tokens) / n, prev.long.value
-            if live >= ref - self.margin:
-                return self._end(target, f"kept: {live:.3f} tokens/step over {n} verifications vs {ref:.3f} for "
-                                         f"{w.previous}")
-        reason = (f"auto-rollback: {w.version} accepted {live:.3f} tokens/step over {n} verifications since "
-                  f"{w.trigger}, below {w.previous}'s {ref:.3f} by more than {self.margin}")
-        return self._roll_back(target, w, RollbackRecord(target, w.version, w.previous, reason, live, ref, n, now))
+            rate = (tokens - steps) / checked if checked else 0.0  # tokens count one bonus per verification
+            ref = prev.rate_long.value
+            if rate >= ref - self.margin:
+                return self._end(target, f"kept: acceptance rate {rate:.3f} over {steps} verifications vs {ref:.3f} "
+                                         f"for {w.previous}")
+        reason = (f"auto-rollback: {w.version} accepted {rate:.3f} of its checked draft tokens over {steps} "
+                  f"verifications since {w.trigger}, below {w.previous}'s {ref:.3f} by more than {self.margin} "
+                  f"({tokens / steps:.3f} vs {prev.long.value:.3f} tokens/step)")
+        return self._roll_back(target, w, RollbackRecord(target, w.version, w.previous, reason, tokens / steps,
+                                                         prev.long.value, steps, now, rate, ref))
 
     # ---- internals (the caller holds the lock, except for _roll_back)
 
-    def _detect_takeover(self, target: str, serving: str, counts: dict[str, tuple[int, int]], now: float) -> None:
+    def _detect_takeover(self, target: str, serving: str, counts: dict[str, tuple[int, int, int]],
+                         now: float) -> None:
         before = self._serving.get(target, "")
         if serving:
             self._serving[target] = serving
@@ -153,10 +156,10 @@ class RollbackGuard:
         w = self._watch.get(target)
         if w is not None and w.version == serving:
             return
-        if counts.get(serving, (0, 0))[0] >= counts.get(before, (0, 0))[0]:
+        if counts.get(serving, (0, 0, 0))[0] >= counts.get(before, (0, 0, 0))[0]:
             return  # e.g. back to an established version, or workers on both during a rollout
-        steps, tokens = self._counts.get(target, {}).get(serving, (0, 0))
-        self._start(target, Watch(serving, before, steps, tokens, now, f"the serving version changed from {before}"))
+        self._start(target, Watch(serving, before, self._counts.get(target, {}).get(serving, (0, 0, 0)), now,
+                                  f"the serving version changed from {before}"))
 
     def _start(self, target: str, w: Watch) -> None:
         self._watch[target] = w

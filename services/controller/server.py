@@ -56,7 +56,8 @@ def rollback_state_pb(guard: RollbackGuard, target: str) -> controller_pb2.Rollb
         out.last.CopyFrom(controller_pb2.RollbackRecord(
             from_version=last.from_version, to_version=last.to_version, reason=last.reason,
             live_accept_length=last.live_accept_length, previous_accept_length=last.previous_accept_length,
-            verify_steps=last.verify_steps, time_unix_s=last.time_unix_s))
+            verify_steps=last.verify_steps, time_unix_s=last.time_unix_s,
+            live_acceptance_rate=last.live_acceptance_rate, previous_acceptance_rate=last.previous_acceptance_rate))
     return out
 
 

@@ -28,8 +28,9 @@ Environment variables (all optional; defaults in brackets):
   Automatic rollback (rollback.py):
     TIDE_CONTROLLER_AUTO_ROLLBACK  1 = roll back a promoted draft that accepts worse live  [1]
     TIDE_CONTROLLER_ROLLBACK_WINDOW   verifications of the new version before judging it  [200]
-    TIDE_CONTROLLER_ROLLBACK_MARGIN   roll back when its live accept length is below the previous
-                                   version's long EMA by more than this (tokens/step)     [0.1]
+    TIDE_CONTROLLER_ROLLBACK_MARGIN   roll back when its live acceptance rate per checked draft token
+                                   (0..1; it does not move with γ, the accept length does) is below
+                                   the previous version's long EMA of it by more than this [0.05]
     TIDE_REGISTRY_ADDR             the registry (host:port) rollbacks go to; unset = no rollback [unset]
     TIDE_ADMIN_TOKEN               bearer token: required by this service's admin RPCs and sent
                                    with ApplyDecision to the workers (unset: admin calls refused)
@@ -94,7 +95,7 @@ class ControllerSettings:
     tokens_needed: int = 16384
     auto_rollback: bool = True
     rollback_window: int = 200
-    rollback_margin: float = 0.1
+    rollback_margin: float = 0.05  # acceptance rate per checked draft token (0..1)
     registry_addr: str = ""
     admin_token: str | None = field(default=None, repr=False)
     storage: StorageSettings = field(default_factory=StorageSettings)
@@ -111,8 +112,9 @@ class ControllerSettings:
         if self.claim_idle_ms < 1 or self.metrics_port < 0 or not self.consumer:
             raise ValueError("claim idle must be >= 1 ms, metrics port >= 0 and the consumer name non-empty")
         self._check_collection()
-        if self.rollback_window < 1 or self.rollback_margin < 0:
-            raise ValueError("rollback window must be >= 1 verification and the rollback margin >= 0")
+        if self.rollback_window < 1 or not 0 <= self.rollback_margin < 1:
+            raise ValueError("rollback window must be >= 1 verification and the rollback margin (an acceptance "
+                             "rate) in [0, 1)")
         if self.registry_addr:
             _address(self.registry_addr)
 

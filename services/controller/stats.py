@@ -80,6 +80,7 @@ class DraftStats:
     long: Ema
     verify_steps: int = 0  # request-verifications observed (one per request per speculative step)
     tokens: int = 0  # tokens emitted by those verifications (bonus included)
+    checked: int = 0  # draft tokens those verifications checked (accepted / checked = the rate)
     last_update_unix_s: float = 0.0
     # acceptance rate per checked draft token, over the horizons of `short` / `long`
     rate_short: RateEma = field(init=False)
@@ -97,6 +98,7 @@ class DraftStats:
             rate.update(accepted, checked)
         self.verify_steps += 1
         self.tokens += accepted + 1
+        self.checked += checked
 
 
 @dataclass(frozen=True)

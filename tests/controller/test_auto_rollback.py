@@ -50,7 +50,7 @@ def test_a_promoted_draft_that_accepts_worse_is_rolled_back(registry, redis_serv
     admin.promote(v1, TARGET, reason="bootstrap")
     svc = build(ControllerSettings(
         listen="127.0.0.1:0", metrics_port=0, reconcile_s=0.2, consumer="c-rollback", admin_token=ADMIN_TOKEN,
-        registry_addr=registry.address, rollback_window=200, rollback_margin=0.1,
+        registry_addr=registry.address, rollback_window=200, rollback_margin=0.05,
         storage=StorageSettings(redis_url=redis_server.url, stream_prefix=unique_prefix)))
     try:
         names = streams.StreamNames(unique_prefix)
@@ -80,10 +80,11 @@ def test_a_promoted_draft_that_accepts_worse_is_rolled_back(registry, redis_serv
         event = pointer.history[0]
         assert event.action == registry_pb2.POINTER_ACTION_ROLLBACK
         assert (event.from_version, event.to_version, event.actor) == (v2, v1, "controller")
-        assert f"{v2} accepted 1.000 tokens/step" in event.reason and f"{v1}'s 3.000" in event.reason
+        assert f"{v2} accepted 0.000 of its checked draft tokens" in event.reason and f"{v1}'s 0.667" in event.reason
         last = state().rollback.last
         assert (last.from_version, last.to_version, last.reason) == (v2, v1, event.reason)
         assert last.live_accept_length == 1.0 and last.previous_accept_length == pytest.approx(3.0)
+        assert last.live_acceptance_rate == 0.0 and last.previous_acceptance_rate == pytest.approx(2 / 3)
         assert last.verify_steps >= 200 and not state().rollback.watching_version
 
         metrics = CollectorRegistry()

@@ -37,7 +37,7 @@ def test_collection_and_rollback_settings():
     assert (default.collection_mode, default.shift_epsilon, default.cold_accept, default.min_observations,
             default.no_gain_runs, default.gain_margin, default.tokens_needed) == ("auto", 0.15, 1.3, 50, 2, 0.02, 16384)
     assert (default.auto_rollback, default.rollback_window, default.rollback_margin, default.registry_addr) == (
-        True, 200, 0.1, "")
+        True, 200, 0.05, "")
     s = ControllerSettings.from_env({
         "TIDE_CONTROLLER_COLLECTION": "OFF", "TIDE_CONTROLLER_SHIFT_EPSILON": "0.3",
         "TIDE_CONTROLLER_COLD_ACCEPT": "1.5", "TIDE_CONTROLLER_MIN_OBSERVATIONS": "20",
@@ -56,7 +56,8 @@ def test_collection_and_rollback_settings():
                 {"TIDE_CONTROLLER_DECISION": '{"collection_enabled": true}', "TIDE_CONTROLLER_COLLECTION": "off"},
                 {"TIDE_CONTROLLER_DECISION": '{"collection_enabled": true}', "TIDE_CONTROLLER_COLLECTION": "auto"},
                 {"TIDE_CONTROLLER_MIN_OBSERVATIONS": "0"}, {"TIDE_CONTROLLER_ROLLBACK_WINDOW": "0"},
-                {"TIDE_CONTROLLER_ROLLBACK_MARGIN": "-1"}, {"TIDE_REGISTRY_ADDR": "no-port"}):
+                {"TIDE_CONTROLLER_ROLLBACK_MARGIN": "-1"}, {"TIDE_CONTROLLER_ROLLBACK_MARGIN": "1.5"},
+                {"TIDE_REGISTRY_ADDR": "no-port"}):
         with pytest.raises(ValueError):
             ControllerSettings.from_env(bad)
 

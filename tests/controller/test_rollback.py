@@ -1,6 +1,7 @@
 """Automatic rollback without transport: a promoted draft is watched for `window` verifications and
-rolled back (through the registry port) only when it accepts worse than the previous version by
-more than the margin; manual promotions are noticed from the telemetry's serving version."""
+rolled back (through the registry port) only when its acceptance rate per checked draft token is
+below the previous version's by more than the margin; manual promotions are noticed from the
+telemetry's serving version."""
 
 from __future__ import annotations
 
@@ -37,17 +38,17 @@ class FakeRegistry:
 class Fleet:
     """Telemetry as the controller sees it: steps of one worker on target "m"."""
 
-    def __init__(self, registry, window=200, margin=0.1) -> None:
+    def __init__(self, registry, window=200, margin=0.05) -> None:
         self.stats = FleetStats(short_horizon=10, long_horizon=100)
         self.ctl = Controller(StaticDecision(), self.stats, collection=CollectionControl(),
                               rollback=RollbackGuard(registry, window, margin), clock=lambda: 5.0)
         self.t = 1000.0
 
-    def steps(self, n: int, accepted: int, version: str) -> None:
+    def steps(self, n: int, accepted: int, version: str, gamma: int = 3) -> None:
         for _ in range(n):
             self.t += 1
             self.stats.observe(StepRecord(worker_id="w1", step=int(self.t), time_unix_s=self.t, batch_size=1,
-                                          request_ids=["r"], gammas=[3], accepted=[accepted], draft_ms=1,
+                                          request_ids=["r"], gammas=[gamma], accepted=[accepted], draft_ms=1,
                                           verify_ms=5, other_ms=1, drafter="eagle3", draft_version=version,
                                           target_model="m"))
         self.ctl.evaluate()
@@ -62,17 +63,19 @@ class Fleet:
 
 def test_a_worse_version_is_rolled_back_to_the_previous_one_once_the_window_is_full():
     reg = FakeRegistry()
-    f = Fleet(reg, window=200, margin=0.1)
-    f.steps(300, accepted=2, version="v1")  # accept length 3
+    f = Fleet(reg, window=200, margin=0.05)
+    f.steps(300, accepted=2, version="v1")  # accept length 3; 2 of 3 checked draft tokens accepted
     f.promote()
-    f.steps(150, accepted=0, version="v2")  # accept length 1, but the window is not full yet
+    f.steps(150, accepted=0, version="v2")  # accept length 1, rate 0, but the window is not full yet
     assert reg.calls == [] and f.guard.watching("m").verify_steps == 150
     f.steps(50, accepted=0, version="v2")
     ((target, to_version, reason),) = reg.calls
     assert (target, to_version) == ("m", "v1")
-    assert "v2 accepted 1.000 tokens/step over 200 verifications" in reason and "v1's 3.000" in reason
+    assert "v2 accepted 0.000 of its checked draft tokens over 200 verifications" in reason
+    assert "v1's 0.667" in reason and "(1.000 vs 3.000 tokens/step)" in reason
     last = f.guard.last("m")
     assert (last.from_version, last.to_version, last.verify_steps, last.live_accept_length) == ("v2", "v1", 200, 1.0)
+    assert last.live_acceptance_rate == 0.0 and abs(last.previous_acceptance_rate - 2 / 3) < 1e-9
     assert last.reason == reason and f.guard.counts() == ({"m": 1}, {})
     assert f.guard.watching("m") is None
     f.steps(300, accepted=0, version="v2")  # stragglers of the bad version: no second rollback
@@ -82,22 +85,43 @@ def test_a_worse_version_is_rolled_back_to_the_previous_one_once_the_window_is_f
 
 def test_a_version_that_is_not_worse_stays():
     reg = FakeRegistry()
-    f = Fleet(reg, window=100, margin=0.1)
+    f = Fleet(reg, window=100, margin=0.05)
     f.steps(300, accepted=2, version="v1")
     f.promote()
     assert (f.guard.watching("m").version, f.guard.watching("m").previous) == ("v2", "v1")
-    # slightly below v1 (3.0 vs 2.95: within the margin), over more than the window
+    # slightly below v1 (rate 0.664 vs 0.667: within the margin), over more than the window
     for i in range(60):
         f.steps(1, accepted=2, version="v2")
         f.steps(1, accepted=1 if i % 20 == 0 else 2, version="v2")
     assert reg.calls == [] and f.guard.watching("m") is None and f.guard.last("m") is None
 
 
+def test_a_version_served_at_a_smaller_gamma_is_not_mistaken_for_a_worse_one():
+    """The adaptive policy moves γ: v1 served at γ = 5, v2 at γ = 1, both accepting every draft token
+    they check. v2's accept length (2) is far below v1's (6), its acceptance rate is not: it stays.
+    Judged on the accept length, as before, it was rolled back."""
+    reg = FakeRegistry()
+    f = Fleet(reg, window=100, margin=0.05)
+    f.steps(300, accepted=5, version="v1", gamma=5)
+    f.promote()
+    f.steps(150, accepted=1, version="v2", gamma=1)
+    assert reg.calls == [] and f.guard.last("m") is None and f.guard.watching("m") is None
+    # the same γ = 1 with half of the checked tokens rejected is worse: rolled back
+    reg2 = FakeRegistry()
+    g = Fleet(reg2, window=100, margin=0.05)
+    g.steps(300, accepted=5, version="v1", gamma=5)
+    g.promote()
+    for _ in range(60):
+        g.steps(1, accepted=1, version="v2", gamma=1)
+        g.steps(1, accepted=0, version="v2", gamma=1)
+    assert [c[:2] for c in reg2.calls] == [("m", "v1")] and g.guard.last("m").live_acceptance_rate == 0.5
+
+
 def test_a_manual_promotion_is_noticed_from_the_serving_version():
     reg = FakeRegistry(current="v7")
-    f = Fleet(reg, window=50, margin=0.1)
-    f.steps(200, accepted=3, version="v1")  # accept length 4
-    f.steps(1, accepted=1, version="v7")  # workers moved to v7 without a training outcome
+    f = Fleet(reg, window=50, margin=0.05)
+    f.steps(200, accepted=3, version="v1")  # accept length 4, rate 1
+    f.steps(1, accepted=1, version="v7")  # workers moved to v7 without a training outcome (rate 0.5)
     assert f.guard.watching("m").previous == "v1"
     f.steps(60, accepted=1, version="v7")
     assert [c[:2] for c in reg.calls] == [("m", "v1")] and "serving version changed from v1" in reg.calls[0][2]

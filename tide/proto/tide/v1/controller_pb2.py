@@ -27,7 +27,7 @@ from tide.proto.tide.v1 import inference_pb2 as tide_dot_v1_dot_inference__pb2
 from tide.proto.tide.v1 import trainer_pb2 as tide_dot_v1_dot_trainer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tide/v1/controller.proto\x12\x07tide.v1\x1a\x14tide/v1/common.proto\x1a\x17tide/v1/inference.proto\x1a\x15tide/v1/trainer.proto\"H\n\x19GetControllerStateRequest\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x15\n\rmax_decisions\x18\x02 \x01(\r\"\xeb\x01\n\nDraftStats\x12\x15\n\rdraft_version\x18\x01 \x01(\t\x12\x1f\n\x17\x61\x63\x63\x65pt_length_ema_short\x18\x02 \x01(\x01\x12\x1e\n\x16\x61\x63\x63\x65pt_length_ema_long\x18\x03 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x1a\n\x12last_update_unix_s\x18\x06 \x01(\x01\x12!\n\x19\x61\x63\x63\x65ptance_rate_ema_short\x18\x07 \x01(\x01\x12 \n\x18\x61\x63\x63\x65ptance_rate_ema_long\x18\x08 \x01(\x01\"y\n\x0f\x43ollectionState\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10tokens_collected\x18\x03 \x01(\x04\x12\x15\n\rtokens_needed\x18\x04 \x01(\x04\x12\x14\n\x0csince_unix_s\x18\x05 \x01(\x01\"\xb1\x01\n\x0eRollbackRecord\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\t\x12\x12\n\nto_version\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x12live_accept_length\x18\x04 \x01(\x01\x12\x1e\n\x16previous_accept_length\x18\x05 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x06 \x01(\x04\x12\x13\n\x0btime_unix_s\x18\x07 \x01(\x01\"\xa1\x01\n\rRollbackState\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x18\n\x10watching_version\x18\x02 \x01(\t\x12\x18\n\x10previous_version\x18\x03 \x01(\t\x12\x14\n\x0cverify_steps\x18\x04 \x01(\x04\x12\x0e\n\x06window\x18\x05 \x01(\x04\x12%\n\x04last\x18\x06 \x01(\x0b\x32\x17.tide.v1.RollbackRecord\"\xc7\x02\n\x0bTargetState\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x15\n\rdraft_version\x18\x02 \x01(\t\x12#\n\x06\x64rafts\x18\x03 \x03(\x0b\x32\x13.tide.v1.DraftStats\x12,\n\ncollection\x18\x04 \x01(\x0b\x32\x18.tide.v1.CollectionState\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.tide.v1.SpeculationSchedule\x12*\n\x0cgamma_policy\x18\x06 \x01(\x0b\x32\x14.tide.v1.GammaPolicy\x12/\n\rlast_training\x18\x07 \x01(\x0b\x32\x18.tide.v1.TrainingOutcome\x12(\n\x08rollback\x18\x08 \x01(\x0b\x32\x16.tide.v1.RollbackState\"Y\n\x0e\x44\x65\x63isionRecord\x12#\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x11.tide.v1.Decision\x12\x12\n\napplied_to\x18\x02 \x03(\t\x12\x0e\n\x06\x66\x61iled\x18\x03 \x03(\t\"\x95\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0ctarget_model\x18\x03 \x01(\t\x12\x19\n\x11registered_unix_s\x18\x04 \x01(\x01\x12\x18\n\x10last_seen_unix_s\x18\x05 \x01(\x01\x12\x18\n\x10last_decision_id\x18\x06 \x01(\t\"\x91\x01\n\x0f\x43ontrollerState\x12%\n\x07targets\x18\x01 \x03(\x0b\x32\x14.tide.v1.TargetState\x12\x31\n\x10recent_decisions\x18\x02 \x03(\x0b\x32\x17.tide.v1.DecisionRecord\x12$\n\x07workers\x18\x03 \x03(\x0b\x32\x13.tide.v1.WorkerInfo\"1\n\x1dReportTrainingOutcomeResponse\x12\x10\n\x08recorded\x18\x01 \x01(\x08\"Q\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0ctarget_model\x18\x03 \x01(\t\"<\n\x16RegisterWorkerResponse\x12\"\n\x07\x63urrent\x18\x01 \x01(\x0b\x32\x11.tide.v1.Decision2\x97\x02\n\x11\x43ontrollerService\x12H\n\x08GetState\x12\".tide.v1.GetControllerStateRequest\x1a\x18.tide.v1.ControllerState\x12_\n\x15ReportTrainingOutcome\x12\x18.tide.v1.TrainingOutcome\x1a&.tide.v1.ReportTrainingOutcomeResponse\"\x04\xc8\xf3\x18\x01\x12W\n\x0eRegisterWorker\x12\x1e.tide.v1.RegisterWorkerRequest\x1a\x1f.tide.v1.RegisterWorkerResponse\"\x04\xc8\xf3\x18\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tide/v1/controller.proto\x12\x07tide.v1\x1a\x14tide/v1/common.proto\x1a\x17tide/v1/inference.proto\x1a\x15tide/v1/trainer.proto\"H\n\x19GetControllerStateRequest\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x15\n\rmax_decisions\x18\x02 \x01(\r\"\xeb\x01\n\nDraftStats\x12\x15\n\rdraft_version\x18\x01 \x01(\t\x12\x1f\n\x17\x61\x63\x63\x65pt_length_ema_short\x18\x02 \x01(\x01\x12\x1e\n\x16\x61\x63\x63\x65pt_length_ema_long\x18\x03 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x1a\n\x12last_update_unix_s\x18\x06 \x01(\x01\x12!\n\x19\x61\x63\x63\x65ptance_rate_ema_short\x18\x07 \x01(\x01\x12 \n\x18\x61\x63\x63\x65ptance_rate_ema_long\x18\x08 \x01(\x01\"y\n\x0f\x43ollectionState\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10tokens_collected\x18\x03 \x01(\x04\x12\x15\n\rtokens_needed\x18\x04 \x01(\x04\x12\x14\n\x0csince_unix_s\x18\x05 \x01(\x01\"\xf1\x01\n\x0eRollbackRecord\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\t\x12\x12\n\nto_version\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x12live_accept_length\x18\x04 \x01(\x01\x12\x1e\n\x16previous_accept_length\x18\x05 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x06 \x01(\x04\x12\x13\n\x0btime_unix_s\x18\x07 \x01(\x01\x12\x1c\n\x14live_acceptance_rate\x18\x08 \x01(\x01\x12 \n\x18previous_acceptance_rate\x18\t \x01(\x01\"\xa1\x01\n\rRollbackState\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x18\n\x10watching_version\x18\x02 \x01(\t\x12\x18\n\x10previous_version\x18\x03 \x01(\t\x12\x14\n\x0cverify_steps\x18\x04 \x01(\x04\x12\x0e\n\x06window\x18\x05 \x01(\x04\x12%\n\x04last\x18\x06 \x01(\x0b\x32\x17.tide.v1.RollbackRecord\"\xc7\x02\n\x0bTargetState\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x15\n\rdraft_version\x18\x02 \x01(\t\x12#\n\x06\x64rafts\x18\x03 \x03(\x0b\x32\x13.tide.v1.DraftStats\x12,\n\ncollection\x18\x04 \x01(\x0b\x32\x18.tide.v1.CollectionState\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.tide.v1.SpeculationSchedule\x12*\n\x0cgamma_policy\x18\x06 \x01(\x0b\x32\x14.tide.v1.GammaPolicy\x12/\n\rlast_training\x18\x07 \x01(\x0b\x32\x18.tide.v1.TrainingOutcome\x12(\n\x08rollback\x18\x08 \x01(\x0b\x32\x16.tide.v1.RollbackState\"Y\n\x0e\x44\x65\x63isionRecord\x12#\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x11.tide.v1.Decision\x12\x12\n\napplied_to\x18\x02 \x03(\t\x12\x0e\n\x06\x66\x61iled\x18\x03 \x03(\t\"\x95\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0ctarget_model\x18\x03 \x01(\t\x12\x19\n\x11registered_unix_s\x18\x04 \x01(\x01\x12\x18\n\x10last_seen_unix_s\x18\x05 \x01(\x01\x12\x18\n\x10last_decision_id\x18\x06 \x01(\t\"\x91\x01\n\x0f\x43ontrollerState\x12%\n\x07targets\x18\x01 \x03(\x0b\x32\x14.tide.v1.TargetState\x12\x31\n\x10recent_decisions\x18\x02 \x03(\x0b\x32\x17.tide.v1.DecisionRecord\x12$\n\x07workers\x18\x03 \x03(\x0b\x32\x13.tide.v1.WorkerInfo\"1\n\x1dReportTrainingOutcomeResponse\x12\x10\n\x08recorded\x18\x01 \x01(\x08\"Q\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0ctarget_model\x18\x03 \x01(\t\"<\n\x16RegisterWorkerResponse\x12\"\n\x07\x63urrent\x18\x01 \x01(\x0b\x32\x11.tide.v1.Decision2\x97\x02\n\x11\x43ontrollerService\x12H\n\x08GetState\x12\".tide.v1.GetControllerStateRequest\x1a\x18.tide.v1.ControllerState\x12_\n\x15ReportTrainingOutcome\x12\x18.tide.v1.TrainingOutcome\x1a&.tide.v1.ReportTrainingOutcomeResponse\"\x04\xc8\xf3\x18\x01\x12W\n\x0eRegisterWorker\x12\x1e.tide.v1.RegisterWorkerRequest\x1a\x1f.tide.v1.RegisterWorkerResponse\"\x04\xc8\xf3\x18\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,23 +45,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COLLECTIONSTATE']._serialized_start=419
   _globals['_COLLECTIONSTATE']._serialized_end=540
   _globals['_ROLLBACKRECORD']._serialized_start=543
-  _globals['_ROLLBACKRECORD']._serialized_end=720
-  _globals['_ROLLBACKSTATE']._serialized_start=723
-  _globals['_ROLLBACKSTATE']._serialized_end=884
-  _globals['_TARGETSTATE']._serialized_start=887
-  _globals['_TARGETSTATE']._serialized_end=1214
-  _globals['_DECISIONRECORD']._serialized_start=1216
-  _globals['_DECISIONRECORD']._serialized_end=1305
-  _globals['_WORKERINFO']._serialized_start=1308
-  _globals['_WORKERINFO']._serialized_end=1457
-  _globals['_CONTROLLERSTATE']._serialized_start=1460
-  _globals['_CONTROLLERSTATE']._serialized_end=1605
-  _globals['_REPORTTRAININGOUTCOMERESPONSE']._serialized_start=1607
-  _globals['_REPORTTRAININGOUTCOMERESPONSE']._serialized_end=1656
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1658
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1739
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1741
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1801
-  _globals['_CONTROLLERSERVICE']._serialized_start=1804
-  _globals['_CONTROLLERSERVICE']._serialized_end=2083
+  _globals['_ROLLBACKRECORD']._serialized_end=784
+  _globals['_ROLLBACKSTATE']._serialized_start=787
+  _globals['_ROLLBACKSTATE']._serialized_end=948
+  _globals['_TARGETSTATE']._serialized_start=951
+  _globals['_TARGETSTATE']._serialized_end=1278
+  _globals['_DECISIONRECORD']._serialized_start=1280
+  _globals['_DECISIONRECORD']._serialized_end=1369
+  _globals['_WORKERINFO']._serialized_start=1372
+  _globals['_WORKERINFO']._serialized_end=1521
+  _globals['_CONTROLLERSTATE']._serialized_start=1524
+  _globals['_CONTROLLERSTATE']._serialized_end=1669
+  _globals['_REPORTTRAININGOUTCOMERESPONSE']._serialized_start=1671
+  _globals['_REPORTTRAININGOUTCOMERESPONSE']._serialized_end=1720
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1722
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1803
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1805
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1865
+  _globals['_CONTROLLERSERVICE']._serialized_start=1868
+  _globals['_CONTROLLERSERVICE']._serialized_end=2147
 # @@protoc_insertion_point(module_scope)

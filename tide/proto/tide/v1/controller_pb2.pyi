@@ -52,7 +52,7 @@ class CollectionState(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., reason: _Optional[str] = ..., tokens_collected: _Optional[int] = ..., tokens_needed: _Optional[int] = ..., since_unix_s: _Optional[float] = ...) -> None: ...
 
 class RollbackRecord(_message.Message):
-    __slots__ = ("from_version", "to_version", "reason", "live_accept_length", "previous_accept_length", "verify_steps", "time_unix_s")
+    __slots__ = ("from_version", "to_version", "reason", "live_accept_length", "previous_accept_length", "verify_steps", "time_unix_s", "live_acceptance_rate", "previous_acceptance_rate")
     FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     TO_VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class RollbackRecord(_message.Message):
     PREVIOUS_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     TIME_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    LIVE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     from_version: str
     to_version: str
     reason: str
@@ -67,7 +69,9 @@ class RollbackRecord(_message.Message):
     previous_accept_length: float
     verify_steps: int
     time_unix_s: float
-    def __init__(self, from_version: _Optional[str] = ..., to_version: _Optional[str] = ..., reason: _Optional[str] = ..., live_accept_length: _Optional[float] = ..., previous_accept_length: _Optional[float] = ..., verify_steps: _Optional[int] = ..., time_unix_s: _Optional[float] = ...) -> None: ...
+    live_acceptance_rate: float
+    previous_acceptance_rate: float
+    def __init__(self, from_version: _Optional[str] = ..., to_version: _Optional[str] = ..., reason: _Optional[str] = ..., live_accept_length: _Optional[float] = ..., previous_accept_length: _Optional[float] = ..., verify_steps: _Optional[int] = ..., time_unix_s: _Optional[float] = ..., live_acceptance_rate: _Optional[float] = ..., previous_acceptance_rate: _Optional[float] = ...) -> None: ...
 
 class RollbackState(_message.Message):
     __slots__ = ("enabled", "watching_version", "previous_version", "verify_steps", "window", "last")
