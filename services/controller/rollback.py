@@ -4,12 +4,18 @@ domain code: the registry is reached through `RegistryPort` (registry.py impleme
 A *watch* starts when a draft version takes over a target: a training outcome reports a promotion
 (candidate replaces base), or the telemetry's serving version changes to a version with fewer
 observations than the one before (a manual promote). Once the new version has `window`
-verifications since then, its live accept length (tokens / verifications over those observations)
-is compared with the previous version's long EMA: worse by more than `margin` tokens/step → the
-registry is asked to roll back to the previous version (which workers follow through WatchTarget).
-Not worse → the watch ends, the version stays. The rollback is skipped when the registry's pointer
-is pinned or no longer on the watched version (someone acted meanwhile); a registry that does not
-answer is retried on the next evaluation.
+verifications since then, its live acceptance rate per checked draft token (accepted / checked
+over those observations) is compared with the previous version's long EMA of the same rate: lower
+by more than `margin` → the registry is asked to roll back to the previous version (which workers
+follow through WatchTarget). Not worse → the watch ends, the version stays.
+
+The rate, not the accept length: the accept length grows with γ, which the adaptive policy moves
+all the time (stats.py), so a version that served at a larger γ would set a bar that its successor
+misses at a smaller one (docs/results/2026-12-02: in `bench adapt` a draft that evaluated +0.125
+better was rolled back that way, against its predecessor's 2.644 tokens/step over one minute).
+
+The rollback is skipped when the registry's pointer is pinned or no longer on the watched version
+(someone acted meanwhile); a registry that does not answer is retried on the next evaluation.
 """
 
 from __future__ import annotations
