@@ -1,20 +1,7 @@
 #!/bin/bash
 # Domain fine-tune (HumanEval) of the session-6 bootstrap draft; before/after on new and old domains.
+# The steps live in ../../2026-12-02/finetune-humaneval/run.sh (taking the bootstrap directory); this
+# session ran them on var/boot6 (outputs then in var/he, now in var/boot6-he).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-T=.venv/bin/tide
-D=var/boot6/draft
-O=var/he
-mkdir -p $O
-# 1. HumanEval training data (first 124 problems), captured as the workers would
-$T draft eval --draft $D --prompts 'humaneval.jsonl.gz[:124]' --chunks-dir $O/train --json $O/base-on-he-train.json --no-progress
-# 2. held-out HumanEval (last 40 problems): chunks kept, base draft scored; engine check at γ=3
-$T draft eval --draft $D --prompts 'humaneval.jsonl.gz[124:]' --chunks-dir $O/test --engine-gamma 3 --json $O/base-on-he-test.json --no-progress
-# 3. fine-tune on the HumanEval chunks
-$T draft finetune --from $D --chunks $O/train --out $O/draft-he --steps 200 --lr 3e-4 --batch-rows 2 --warmup-steps 10 --eval-fraction 0.1 --json $O/finetune.json --no-progress
-# 4. before/after on both domains, on the same captured sequences
-for d in base:$D he:$O/draft-he; do
-  name=${d%%:*}; dir=${d#*:}
-  $T draft eval --draft $dir --chunks $O/test --json $O/$name-he.json
-  $T draft eval --draft $dir --chunks var/boot6/chunks/eval --json $O/$name-old.json
-done
+exec docs/results/2026-12-02/finetune-humaneval/run.sh var/boot6
