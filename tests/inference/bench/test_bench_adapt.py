@@ -132,8 +132,30 @@ def data_dir(tmp_path, monkeypatch):
     with gzip.open(d / "humaneval.jsonl.gz", "wt") as f:
         for i in range(30):
             f.write(json.dumps({"prompt": f"def f{i}(x):\n    ", "canonical_solution": "return x"}) + "\n")
+    (d / "alpaca_seed_tasks.jsonl").write_text("".join(json.dumps({"instruction": f"Give me a recipe number {i}.",
+                                                                   "instances": [{"input": ""}]}) + "\n"
+                                                       for i in range(5)))
     monkeypatch.setenv("TIDE_DATA_DIR", str(d))
     return d
+
+
+def test_the_starting_draft_is_bootstrapped_on_no_prompt_a_phase_serves(data_dir, tmp_path):
+    """Greedy decoding of a prompt the starting draft was bootstrapped on regenerates a sequence it
+    memorised: the static mode would read memorisation, and the trainer's held-out chunks favour it."""
+    from tide.prompts import load_prompts
+
+    # Spec-Bench's math_reasoning questions are GSM8K test questions, which the gsm8k phase serves
+    with (data_dir / "spec_bench_questions.jsonl").open("a") as f:
+        f.write(json.dumps({"turns": ["How many 3 apples are there?"], "category": "math_reasoning"}) + "\n")
+    path = ba.bootstrap_prompt_file(tmp_path / "drafts")
+    boot = [p.text for p in load_prompts(path)]
+    served = {p.text for phase in ba.phase_prompts(0, 10**6) for p in phase}
+    assert boot and not set(boot) & served and "How many 3 apples are there?" in served
+    # Alpaca, and the Spec-Bench categories no phase serves (math, coding), are all there
+    assert {f"Give me a recipe number {i}." for i in range(5)} <= set(boot)
+    assert sum(t.startswith("chat question") for t in boot) == 16
+    assert all(p.chat for p in load_prompts(path))  # chat-templated like the originals
+    assert ba.bootstrap_prompt_file(tmp_path / "drafts") == path  # same prompts, same file: same cached draft
 
 
 def test_phases_prompts_env_and_cli(monkeypatch, data_dir):
