@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.inference.engine.drafters import Drafter, NgramDrafter
-from tide.policies import GammaPolicy, StepContext, StepFeedback
+from tide.policies import DraftAware, GammaPolicy, StepContext, StepFeedback
 from tide.policies.profile import LatencyProfile
 from tide.policies.registry import POLICY_NAMES, make_policy
 
@@ -188,6 +188,10 @@ class ScheduledPolicy:
         if self._decided:
             self.inner.observe(feedback)
         self._decided = False
+
+    def draft_changed(self) -> None:
+        if isinstance(self.inner, DraftAware):
+            self.inner.draft_changed()
 
 
 DrafterFactory = Callable[[str], Drafter | None]

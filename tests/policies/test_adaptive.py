@@ -152,3 +152,19 @@ def test_catch_up_cost_is_learnt_apart_from_the_draft_step():
         pol.observe(StepFeedback(2, gammas, (1, 1), step_ms=draft + verify, draft_ms=draft, verify_ms=verify))
     assert pol.kd[2] == pytest.approx(1.0, abs=0.05)
     assert pol.catchup_ratio(2) == pytest.approx(10.0, rel=0.05)
+
+
+def test_a_swapped_in_draft_is_judged_on_its_own_steps():
+    """A draft that is never accepted switches speculation off; after a hot swap the policy drafts
+    again at once, where a twin told nothing of the swap keeps decoding plainly (its α̂ still
+    describes the old draft, and only rare probes could revise it)."""
+    told, twin = (AdaptivePolicy(PROFILE, explore=0.0) for _ in range(2))
+    ctx = StepContext(2, (RequestView("a"), RequestView("b")))
+    for _ in range(60):
+        for pol in (told, twin):
+            g = pol.decide(ctx)
+            pol.observe(StepFeedback(2, tuple(g), (0, 0), step_ms=50.0, draft_ms=2.0, verify_ms=48.0))
+    assert told.decide(ctx) == [0, 0] == twin.decide(ctx)
+    told.draft_changed()
+    assert min(told.decide(ctx)) >= 1
+    assert twin.decide(ctx) == [0, 0]

@@ -133,6 +133,15 @@ class AdaptivePolicy:
         self.depth = [[_DEPTH_PRIOR, _DEPTH_PRIOR] for _ in range(max_gamma + 1)]
         self._pending: dict | None = None
 
+    def draft_changed(self) -> None:
+        """A hot swap: α̂_g, the requests' histories and the depth ratios restart from their priors, so
+        the new draft is judged on its own steps. Kept, they described the old draft for hundreds of
+        steps — and where that draft had switched speculation off, only the rare probes could
+        show that the new one pays. The κ latency corrections stay (same target, same engine)."""
+        self.alpha.reset()
+        self.requests = RequestStates()
+        self.depth = [[_DEPTH_PRIOR, _DEPTH_PRIOR] for _ in range(self.max_gamma + 1)]
+
     # ------------------------------------------------------------------ estimates
     def request_alpha(self, st: _ReqState, alpha_g: float) -> float:
         s, f = st.hist.counts()

@@ -70,6 +70,17 @@ class GammaPolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class DraftAware(Protocol):
+    """A policy whose acceptance estimates belong to the draft model that produced them: the engine
+    tells it when a hot swap replaces that draft (`Engine.swap_drafter`). Latency estimates are
+    the engine's and stay; acceptance learnt of the old draft does not describe the new one."""
+
+    def draft_changed(self) -> None:
+        """A different draft proposes from the next step on."""
+        ...
+
+
 class FixedGamma:
     """Static γ for every request and batch size; γ = 0 is plain decoding."""
 

@@ -78,6 +78,10 @@ class AcceptanceEMA:
         self.succ = self.decay * self.succ + s
         self.fail = self.decay * self.fail + f
 
+    def reset(self) -> None:
+        """Forget every observation: the estimate is the prior again."""
+        self.succ = self.fail = 0.0
+
     @property
     def value(self) -> float:
         w = self.prior_weight

@@ -117,3 +117,7 @@ class TideLatencyPolicy:
     def observe(self, feedback: StepFeedback) -> None:
         self.alpha.update(feedback.gammas, feedback.accepted)
         self.probe.record(feedback.gammas)
+
+    def draft_changed(self) -> None:
+        """A hot swap: α̂ restarts from its prior (it described the old draft)."""
+        self.alpha.reset()

@@ -21,7 +21,7 @@ from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.sampling import greedy_tokens, sample, target_probs, verify_greedy, verify_sampling
 from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from tide.policies import FixedGamma, GammaPolicy, RequestView, StepContext, StepFeedback
+from tide.policies import DraftAware, FixedGamma, GammaPolicy, RequestView, StepContext, StepFeedback
 from tide.telemetry import StepRecord
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,8 @@ class LLMEngine:
         if drafter is not None:
             for seq in self.scheduler.active.values():
                 drafter.add_sequence(seq)
+        if old is not drafter and isinstance(self.policy, DraftAware):
+            self.policy.draft_changed()
 
     def has_work(self) -> bool:
         return len(self.scheduler) > 0
