@@ -5,9 +5,17 @@ A *watch* starts when a draft version takes over a target: a training outcome re
 (candidate replaces base), or the telemetry's serving version changes to a version with fewer
 observations than the one before (a manual promote). Once the new version has `window`
 verifications since then, its live acceptance rate per checked draft token (accepted / checked
-over those observations) is compared with the previous version's long EMA of the same rate: lower
-by more than `margin` → the registry is asked to roll back to the previous version (which workers
-follow through WatchTarget). Not worse → the watch ends, the version stays.
+over those observations) is compared with the previous version's rate over *its* last `window`
+verifications before the takeover: lower by more than `margin` → the registry is asked to roll back
+to the previous version (which workers follow through WatchTarget). Not worse → the watch ends, the
+version stays.
+
+The previous version's recent rate, not its long EMA: traffic shifts between domains, and the long
+EMA (1000 observations) remembers the domain before the shift. In `bench adapt` a draft promoted
+40 s into the HumanEval phase was rolled back against its predecessor's GSM8K rate (0.216 vs 0.352;
+docs/results/2026-12-03), and q2's two rollbacks came the same way. Adjacent windows of equal size
+compare the two versions on the same traffic. (The previous version has served fewer than `window`
+verifications since the controller started: all of them.)
 
 The rate, not the accept length: the accept length grows with γ, which the adaptive policy moves
 all the time (stats.py), so a version that served at a larger γ would set a bar that its successor
@@ -22,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,6 +66,7 @@ class RollbackRecord:
     to_version: str
     reason: str
     live_accept_length: float  # tokens per verification (informative: it moves with γ)
+    # of the previous version over its last `window` verifications before the takeover
     previous_accept_length: float
     verify_steps: int
     time_unix_s: float
@@ -86,6 +95,8 @@ class RollbackGuard:
         self._last: dict[str, RollbackRecord] = {}
         self._serving: dict[str, str] = {}
         self._counts: dict[str, dict[str, tuple[int, int, int]]] = {}  # at the last evaluation
+        # per target and version, count snapshots reaching back `window` verifications (recent_rate)
+        self._history: dict[str, dict[str, deque[tuple[int, int, int]]]] = {}
         self._rolled_back: dict[str, set[str]] = {}
         self._lock = threading.Lock()
 
@@ -128,6 +139,7 @@ class RollbackGuard:
         with self._lock:
             self._detect_takeover(target, serving, counts, now)
             self._counts[target] = counts
+            self._remember(target, counts)
             w = self._watch.get(target)
             if w is None:
                 return None
@@ -136,21 +148,45 @@ class RollbackGuard:
             w = self._watch[target] = Watch(w.version, w.previous, w.base, w.since_unix_s, w.trigger, steps)
             if steps < self.window:
                 return None
-            prev = drafts.get(w.previous)
-            if prev is None or prev.rate_long.den == 0:
+            recent = self._recent(target, w.previous)
+            if recent is None:
                 return self._end(target, f"no statistics of the previous version {w.previous} to compare with")
+            ref, ref_length, ref_steps = recent
             rate = (tokens - steps) / checked if checked else 0.0  # tokens count one bonus per verification
-            ref = prev.rate_long.value
             if rate >= ref - self.margin:
                 return self._end(target, f"kept: acceptance rate {rate:.3f} over {steps} verifications vs {ref:.3f} "
-                                         f"for {w.previous}")
+                                         f"for {w.previous} over its last {ref_steps}")
         reason = (f"auto-rollback: {w.version} accepted {rate:.3f} of its checked draft tokens over {steps} "
-                  f"verifications since {w.trigger}, below {w.previous}'s {ref:.3f} by more than {self.margin} "
-                  f"({tokens / steps:.3f} vs {prev.long.value:.3f} tokens/step)")
+                  f"verifications since {w.trigger}, below {w.previous}'s {ref:.3f} over its last {ref_steps} "
+                  f"by more than {self.margin} ({tokens / steps:.3f} vs {ref_length:.3f} tokens/step)")
         return self._roll_back(target, w, RollbackRecord(target, w.version, w.previous, reason, tokens / steps,
-                                                         prev.long.value, steps, now, rate, ref))
+                                                         ref_length, steps, now, rate, ref))
 
     # ---- internals (the caller holds the lock, except for _roll_back)
+
+    def _remember(self, target: str, counts: dict[str, tuple[int, int, int]]) -> None:
+        """Append each version's new counts; drop snapshots older than the one `window` verifications back."""
+        hist = self._history.setdefault(target, {})
+        for version, c in counts.items():
+            h = hist.setdefault(version, deque())
+            if h and h[-1] == c:
+                continue
+            h.append(c)
+            while len(h) > 1 and h[1][0] <= c[0] - self.window:
+                h.popleft()
+
+    def _recent(self, target: str, version: str) -> tuple[float, float, int] | None:
+        """(acceptance rate, accept length, verifications) of `version` over its last ≈ `window`
+        verifications (all of them where it has fewer since this controller started); None: none."""
+        h = self._history.get(target, {}).get(version)
+        if not h or h[-1][0] == 0:
+            return None
+        last = h[-1]
+        first = h[0] if h[0][0] <= last[0] - self.window else (0, 0, 0)
+        steps, tokens, checked = (a - b for a, b in zip(last, first, strict=True))
+        if steps <= 0 or checked <= 0:
+            return None
+        return (tokens - steps) / checked, tokens / steps, steps
 
     def _detect_takeover(self, target: str, serving: str, counts: dict[str, tuple[int, int, int]],
                          now: float) -> None:

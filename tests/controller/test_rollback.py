@@ -38,8 +38,8 @@ class FakeRegistry:
 class Fleet:
     """Telemetry as the controller sees it: steps of one worker on target "m"."""
 
-    def __init__(self, registry, window=200, margin=0.05) -> None:
-        self.stats = FleetStats(short_horizon=10, long_horizon=100)
+    def __init__(self, registry, window=200, margin=0.05, long_horizon=100) -> None:
+        self.stats = FleetStats(short_horizon=10, long_horizon=long_horizon)
         self.ctl = Controller(StaticDecision(), self.stats, collection=CollectionControl(),
                               rollback=RollbackGuard(registry, window, margin), clock=lambda: 5.0)
         self.t = 1000.0
@@ -115,6 +115,37 @@ def test_a_version_served_at_a_smaller_gamma_is_not_mistaken_for_a_worse_one():
         g.steps(1, accepted=1, version="v2", gamma=1)
         g.steps(1, accepted=0, version="v2", gamma=1)
     assert [c[:2] for c in reg2.calls] == [("m", "v1")] and g.guard.last("m").live_acceptance_rate == 0.5
+
+
+def test_after_a_domain_shift_the_new_version_is_compared_with_the_old_one_on_the_new_traffic():
+    """v1 accepts every checked token on domain A for 2000 verifications, then half on domain B (the
+    shift). v2, promoted 300 verifications into B, accepts half on B too: the same as v1 on the same
+    traffic, so it stays. v1's long EMA (the controller's default 1000-observation horizon) still
+    remembers A (≈ 0.8): against it, as before, v2 was rolled back. A v3 that accepts a quarter on
+    B is worse than v1 there and is rolled back."""
+    def fleet(registry):
+        f = Fleet(registry, window=200, margin=0.05, long_horizon=1000)
+        for _ in range(20):  # the controller evaluates every 100 verifications
+            f.steps(100, accepted=3, version="v1", gamma=3)  # rate 3/3
+        for _ in range(3):
+            f.steps(100, accepted=1, version="v1", gamma=3)  # rate 1/2 (2 checked, 1 accepted)
+        assert next(d for d in f.stats.drafts("m") if d.draft_version == "v1").rate_long.value > 0.75
+        return f
+
+    reg = FakeRegistry()
+    f = fleet(reg)
+    f.promote()
+    f.steps(250, accepted=1, version="v2", gamma=3)
+    assert reg.calls == [] and f.guard.watching("m") is None
+
+    reg3 = FakeRegistry(current="v3")
+    g = fleet(reg3)
+    g.promote(new="v3")
+    for _ in range(125):
+        g.steps(1, accepted=1, version="v3", gamma=3)
+        g.steps(1, accepted=0, version="v3", gamma=1)  # rate (1 + 0) / (2 + 1) = 1/3 < 1/2 - 0.05
+    ((_, to_version, reason),) = reg3.calls
+    assert to_version == "v1" and "v1's 0.500 over its last 200" in reason
 
 
 def test_a_manual_promotion_is_noticed_from_the_serving_version():
