@@ -95,7 +95,7 @@ class RollbackGuard:
         self._last: dict[str, RollbackRecord] = {}
         self._serving: dict[str, str] = {}
         self._counts: dict[str, dict[str, tuple[int, int, int]]] = {}  # at the last evaluation
-        # per target and version, count snapshots reaching back `window` verifications (recent_rate)
+        # per target and version, count snapshots reaching back `window` verifications (_recent)
         self._history: dict[str, dict[str, deque[tuple[int, int, int]]]] = {}
         self._rolled_back: dict[str, set[str]] = {}
         self._lock = threading.Lock()

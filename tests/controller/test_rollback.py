@@ -121,7 +121,7 @@ def test_after_a_domain_shift_the_new_version_is_compared_with_the_old_one_on_th
     """v1 accepts every checked token on domain A for 2000 verifications, then half on domain B (the
     shift). v2, promoted 300 verifications into B, accepts half on B too: the same as v1 on the same
     traffic, so it stays. v1's long EMA (the controller's default 1000-observation horizon) still
-    remembers A (≈ 0.8): against it, as before, v2 was rolled back. A v3 that accepts a quarter on
+    remembers A (≈ 0.8): against it, as before, v2 was rolled back. A v3 that accepts a third on
     B is worse than v1 there and is rolled back."""
     def fleet(registry):
         f = Fleet(registry, window=200, margin=0.05, long_horizon=1000)
