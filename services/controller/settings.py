@@ -27,10 +27,11 @@ Environment variables (all optional; defaults in brackets):
     TIDE_CONTROLLER_TOKENS_NEEDED  tokens to collect for a training run (shown in GetState) [16384]
   Automatic rollback (rollback.py):
     TIDE_CONTROLLER_AUTO_ROLLBACK  1 = roll back a promoted draft that accepts worse live  [1]
-    TIDE_CONTROLLER_ROLLBACK_WINDOW   verifications of the new version before judging it  [200]
+    TIDE_CONTROLLER_ROLLBACK_WINDOW   verifications of the new version before judging it, and of the
+                                   previous version (its last ones before the takeover) to judge by [200]
     TIDE_CONTROLLER_ROLLBACK_MARGIN   roll back when its live acceptance rate per checked draft token
                                    (0..1; it does not move with γ, the accept length does) is below
-                                   the previous version's long EMA of it by more than this [0.05]
+                                   the previous version's over its window by more than this [0.05]
     TIDE_REGISTRY_ADDR             the registry (host:port) rollbacks go to; unset = no rollback [unset]
     TIDE_ADMIN_TOKEN               bearer token: required by this service's admin RPCs and sent
                                    with ApplyDecision to the workers (unset: admin calls refused)
