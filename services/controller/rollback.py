@@ -94,8 +94,8 @@ class RollbackGuard:
         self._watch: dict[str, Watch] = {}
         self._last: dict[str, RollbackRecord] = {}
         self._serving: dict[str, str] = {}
-        self._counts: dict[str, dict[str, tuple[int, int, int]]] = {}  # at the last evaluation
-        # per target and version, count snapshots reaching back `window` verifications (_recent)
+        # per target and version, (verifications, tokens, checked) snapshots up to the last evaluation,
+        # reaching back `window` verifications (_recent)
         self._history: dict[str, dict[str, deque[tuple[int, int, int]]]] = {}
         self._rolled_back: dict[str, set[str]] = {}
         self._lock = threading.Lock()
@@ -127,8 +127,7 @@ class RollbackGuard:
             if w is not None and w.version == version:  # already watched (seen serving first)
                 self._watch[target] = Watch(version, previous, w.base, w.since_unix_s, trigger, w.verify_steps)
                 return
-            self._start(target, Watch(version, previous, self._counts.get(target, {}).get(version, (0, 0, 0)), now,
-                                      trigger))
+            self._start(target, Watch(version, previous, self._latest(target, version), now, trigger))
 
     def evaluate(self, target: str, serving: str, drafts: Mapping[str, DraftStats],
                  now: float) -> RollbackRecord | None:
@@ -138,7 +137,6 @@ class RollbackGuard:
         counts = {v: (d.verify_steps, d.tokens, d.checked) for v, d in drafts.items()}
         with self._lock:
             self._detect_takeover(target, serving, counts, now)
-            self._counts[target] = counts
             self._remember(target, counts)
             w = self._watch.get(target)
             if w is None:
@@ -175,6 +173,11 @@ class RollbackGuard:
             while len(h) > 1 and h[1][0] <= c[0] - self.window:
                 h.popleft()
 
+    def _latest(self, target: str, version: str) -> tuple[int, int, int]:
+        """`version`'s counts at the last evaluation (zeros: not observed yet)."""
+        h = self._history.get(target, {}).get(version)
+        return h[-1] if h else (0, 0, 0)
+
     def _recent(self, target: str, version: str) -> tuple[float, float, int] | None:
         """(acceptance rate, accept length, verifications) of `version` over its last ≈ `window`
         verifications (all of them where it has fewer since this controller started); None: none."""
@@ -200,7 +203,7 @@ class RollbackGuard:
             return
         if counts.get(serving, (0, 0, 0))[0] >= counts.get(before, (0, 0, 0))[0]:
             return  # e.g. back to an established version, or workers on both during a rollout
-        self._start(target, Watch(serving, before, self._counts.get(target, {}).get(serving, (0, 0, 0)), now,
+        self._start(target, Watch(serving, before, self._latest(target, serving), now,
                                   f"the serving version changed from {before}"))
 
     def _start(self, target: str, w: Watch) -> None:
