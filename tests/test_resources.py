@@ -1,4 +1,5 @@
-"""tide.resources: a service process pinned to its CPUs, every thread of it, with torch sized to them."""
+"""tide.resources: a service process pinned to its CPUs, every thread of it, with torch sized to them;
+what a launcher starts kept off CPUs reserved for workers; a process's CPU and wait time."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from services.inference.settings import InferenceSettings
-from tide.resources import parse_cpus, pin_process
+from tide.resources import cpus_left, parse_cpus, pin_process, run_and_wait_s, started_on
 
 # Runs in a child: pinning the test process itself would constrain every later test.
 CHILD = """
@@ -58,3 +61,51 @@ def test_the_worker_reads_its_cpus_from_the_environment():
     assert InferenceSettings.from_env({}).cpu_set == frozenset()
     with pytest.raises(ValueError, match="CPU ids"):
         InferenceSettings.from_env({"TIDE_CPUS": "1-0"})
+
+
+def test_what_is_started_inside_started_on_runs_on_those_cpus_and_the_caller_gets_its_own_back():
+    mine = frozenset(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two CPUs: one to keep free and one to start on")
+    worker = frozenset({min(mine)})
+    rest = cpus_left(worker)
+    assert rest == mine - worker and cpus_left(frozenset()) is None and cpus_left(mine) is None
+    seen = {}
+    with started_on(rest):
+        child = subprocess.Popen([sys.executable, "-c", "import os, time; print(sorted(os.sched_getaffinity(0)))"],
+                                 stdout=subprocess.PIPE, text=True)
+        t = threading.Thread(target=lambda: seen.setdefault("thread", frozenset(os.sched_getaffinity(0))))
+        t.start()
+        t.join()
+    assert child.communicate(timeout=60)[0].strip() == str(sorted(rest))
+    assert seen["thread"] == rest
+    assert frozenset(os.sched_getaffinity(0)) == mine
+    with started_on(None):  # nothing reserved: nothing changes
+        assert frozenset(os.sched_getaffinity(0)) == mine
+
+
+SPIN = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+print("pinned", flush=True)
+t = time.time()
+while time.time() - t < 2.5:
+    pass
+"""
+
+
+def test_two_busy_processes_on_one_cpu_each_wait_for_it_about_half_the_time():
+    cpu = str(min(os.sched_getaffinity(0)))
+    procs = [subprocess.Popen([sys.executable, "-c", SPIN, cpu], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "pinned"
+    before = [run_and_wait_s(p.pid) for p in procs]
+    time.sleep(1.0)  # both spinning on the one CPU
+    after = [run_and_wait_s(p.pid) for p in procs]
+    for p in procs:
+        p.wait(30)
+    for (run0, wait0), (run1, wait1) in zip(before, after, strict=True):
+        # neither can have the CPU much more than half the time; the rest it waited for it
+        assert 0.3 < (wait1 - wait0) / (run1 - run0 + wait1 - wait0) < 0.8, (before, after)
+        assert 0.8 < run1 - run0 + wait1 - wait0 < 2.0  # ≈ the second it was alive and runnable
+    assert run_and_wait_s(procs[0].pid) is None  # gone

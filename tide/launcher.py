@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tide.resources import cpus_left, parse_cpus, started_on
 from tide.servers import LOOPBACK, RedisServer, S3Server, ServerError, die_with_parent_command, free_port
 
 SERVICES = ("registry", "trainer", "controller", "inference", "gateway")  # start order
@@ -62,6 +63,15 @@ class StackConfig:
     # Extra variables per service name ("inference" = every worker), merged last over service_env's
     # own: e.g. {"trainer": {"TIDE_TRAINER_MIN_TOKENS": "2048"}} (benchmarks, experiments).
     env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+
+    def setting(self, service: str, key: str) -> str:
+        """What `service` will read for `key`: its entry in `env`, else the launcher's environment."""
+        return self.env.get(service, {}).get(key, os.environ.get(key, ""))
+
+    def service_cpus(self) -> frozenset[int] | None:
+        """Where the processes other than the workers start: when the workers have CPUs of their own
+        (TIDE_CPUS), the rest (tide.resources); None = anywhere."""
+        return cpus_left(parse_cpus(self.setting("inference", "TIDE_CPUS")))
 
 
 @dataclass(frozen=True)
@@ -220,6 +230,7 @@ class Stack:
         self.servers: list = []
         self.processes: list[ServiceProcess] = []
         self.endpoints: Endpoints | None = None
+        self.service_cpus = cfg.service_cpus()  # None: no CPUs kept for the workers alone
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -227,11 +238,15 @@ class Stack:
     def start(self) -> Endpoints:
         """Start everything in order; on any failure stop what was started and raise StackError."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.service_cpus:
+            self.say(f"workers keep CPUs {self.cfg.setting('inference', 'TIDE_CPUS')} to themselves; "
+                     f"the other services start on CPUs {sorted(self.service_cpus)}")
         try:
-            redis = RedisServer(workdir=self.run_dir / "redis").start()
-            self.servers.append(redis)
-            s3 = S3Server(workdir=Path(self.cfg.data_dir) / "s3").start()
-            self.servers.append(s3)
+            with started_on(self.service_cpus):
+                redis = RedisServer(workdir=self.run_dir / "redis").start()
+                self.servers.append(redis)
+                s3 = S3Server(workdir=Path(self.cfg.data_dir) / "s3").start()
+                self.servers.append(s3)
             self.say(f"redis ready on {redis.url} ({redis.startup_s:.1f} s, pid {redis.pid})\n"
                      f"s3 ready on {s3.url} ({s3.startup_s:.1f} s, pid {s3.pid}; data in {s3.workdir})")
             self.endpoints = ep = self._endpoints(redis.url, s3.endpoint)
@@ -275,7 +290,10 @@ class Stack:
         p = ServiceProcess(label, service_command(name), service_env(name, self.cfg, ep, index),
                            self.run_dir / f"{label}.log", address, probe)
         self.processes.append(p)
-        p.start()
+        # workers, and a trainer given CPUs of its own, pin themselves (tide.resources.pin_process)
+        own = name == "inference" or (name == "trainer" and self.cfg.setting(name, "TIDE_TRAINER_CPUS"))
+        with started_on(None if own else self.service_cpus):
+            p.start()
         self.say(f"{label} starting (pid {p.proc.pid})")
         return p
 
@@ -283,7 +301,8 @@ class Stack:
         ep = self.endpoints
         state = {"endpoints": {k: v for k, v in asdict(ep).items() if "secret" not in k and k != "admin_token"},
                  "pids": {p.name: p.proc.pid for p in self.processes} | {
-                     s.name: s.pid for s in self.servers}, "run_dir": str(self.run_dir)}
+                     s.name: s.pid for s in self.servers}, "run_dir": str(self.run_dir),
+                 "service_cpus": sorted(self.service_cpus) if self.service_cpus else None}
         (self.run_dir / "stack.json").write_text(json.dumps(state, indent=2))
 
     def dead(self) -> ServiceProcess | None:

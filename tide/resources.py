@@ -6,6 +6,12 @@ steals the other's time. `pin_process` applies a CPU set (and a nice increment) 
 the calling process, so call it before the model is loaded; torch's intra-op pool is sized to the
 set, because OpenMP threads that outnumber their cores spin against each other (two processes of
 2 threads each on 2 cores generated at 29 tok/s instead of 169 alone: results, session 4).
+
+A worker's CPUs are its alone: `tide up` starts every other process (Redis, S3, registry, controller,
+gateway, a trainer without CPUs of its own) on `cpus_left(worker CPUs)` through `started_on`. Left
+to the kernel, a process woken by the worker (the gateway reading its token stream, say) may be run
+on the worker's core whenever the other cores are busy, as they are while a trainer trains.
+`run_and_wait_s` reads how long a process ran and waited for a CPU (schedstat), to check that.
 """
 
 from __future__ import annotations
@@ -26,6 +32,46 @@ def parse_cpus(spec: str) -> frozenset[int]:
             raise ValueError(f"expected CPU ids or ranges like 1 or 2-3, got {part!r}")
         cpus.update(range(int(lo), int(hi if sep else lo) + 1))
     return frozenset(cpus)
+
+
+def cpus_left(reserved: frozenset[int]) -> frozenset[int] | None:
+    """The CPUs this process may use that are not `reserved` (where everything else goes when the
+    workers have `reserved`); None when nothing is reserved or nothing would be left."""
+    rest = frozenset(os.sched_getaffinity(0)) - reserved
+    return rest if reserved and rest else None
+
+
+@contextlib.contextmanager
+def started_on(cpus: frozenset[int] | None):
+    """Threads and processes the calling thread starts inside the block run on `cpus` (a new thread or
+    child process inherits its creator's CPU set); None: unchanged. The caller's own set is restored."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)  # pid 0: the calling thread
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def run_and_wait_s(pid: int) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of process `pid`, summed over its
+    threads (/proc/PID/task/*/schedstat, in ns); None where the kernel does not keep schedstat."""
+    run = wait = seen = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                on_cpu, waiting, _ = f.read().split()
+        except (OSError, ValueError):  # a thread that ended meanwhile, or no schedstat
+            continue
+        run, wait, seen = run + int(on_cpu), wait + int(waiting), seen + 1
+    return (run / 1e9, wait / 1e9) if seen else None
 
 
 def _threads() -> list[int]:

@@ -15,11 +15,14 @@ each time on a fresh stack:
           TIDE_TRAINER_MIN_TOKENS so cycles fit in a phase), workers hot-swap what gets promoted.
 
 In both modes the worker and the trainer run on separate CPUs (`--worker-cpus`, `--trainer-cpus`;
-auto: the trainer gets the upper half, on the 2-CPU reference machine CPU 1, the worker CPU 0), which
-is how one machine stands in for the issue's "train online on separate hardware": the static mode's
-worker gets exactly the cores the online mode's worker gets, so the ratio reads what the loop buys,
-not a CPU tug-of-war. Both run the same γ policy (`--policy`, default adaptive: it decides whether and
-how far to speculate from the latency profile the worker measures at start and the live acceptance).
+auto: the trainer gets the upper half, on the 2-CPU reference machine CPU 1, the worker CPU 0),
+which is how one machine stands in for the issue's "train online on separate hardware": the static
+mode's worker gets exactly the cores the online mode's worker gets, so the ratio reads what the loop
+buys, not a CPU tug-of-war. The worker's CPUs are its alone: the stack starts its other processes on
+the rest (tide.resources), and this process's load generator runs there too; `worker_cpu` reports
+the worker's CPU time and its time waiting for a CPU, per second of traffic. Both run the same γ
+policy (`--policy`, default adaptive: it decides whether and how far to speculate from the latency
+profile the worker measures at start and the live acceptance).
 
 Both start from the same draft, registered and promoted in the fresh registry before traffic:
 `--draft DIR`, else a draft bootstrapped once (services.trainer.bootstrap, `--bootstrap-minutes`) on
@@ -71,6 +74,7 @@ from services.inference.bench_adapt_stack import (
 )
 from tide.policies.registry import POLICY_NAMES
 from tide.prompts import Prompt, load_prompts
+from tide.resources import run_and_wait_s, started_on
 
 MODES = ("static", "online")
 # (phase name, prompt file, Spec-Bench categories kept or None = all)
@@ -178,10 +182,13 @@ def mode_env(mode: str, args, mode_dir: Path) -> dict[str, dict[str, str]]:
     else:
         need, steps = str(args.min_tokens), args.train_steps
         env["controller"] = {"TIDE_CONTROLLER_COLLECTION": "auto", "TIDE_CONTROLLER_TOKENS_NEEDED": need}
-        # a cycle = `--train-steps` steps of 4 packed rows x 512 tokens, whatever was buffered
+        # a cycle = `--train-steps` steps of 4 packed rows x 512 tokens, at most `--max-epochs` passes over
+        # the new chunks and the replayed ones (`--replay` x their tokens, `--replay-recent` of those the newest)
         env["trainer"].update({"TIDE_TRAINER_AUTO_TRAIN": "1", "TIDE_TRAINER_AUTO_PROMOTE": "1",
                                "TIDE_TRAINER_MIN_TOKENS": need, "TIDE_TRAINER_STEPS": str(steps),
-                               "TIDE_TRAINER_BATCH_ROWS": "4", "TIDE_TRAINER_WARMUP_STEPS": str(max(1, steps // 6))})
+                               "TIDE_TRAINER_BATCH_ROWS": "4", "TIDE_TRAINER_WARMUP_STEPS": str(max(1, steps // 6)),
+                               "TIDE_TRAINER_MAX_EPOCHS": str(args.max_epochs), "TIDE_TRAINER_REPLAY": str(args.replay),
+                               "TIDE_TRAINER_REPLAY_RECENT": str(args.replay_recent)})
     extra = [parse_env(args.env)] + ([parse_env(args.online_env)] if mode == "online" else [])
     for e in extra:
         for service, kv in e.items():
@@ -201,40 +208,55 @@ def run_mode(mode: str, args, draft_dir: Path, prompts: list[list[Prompt]], bnds
     print(f"[{mode}] starting the stack in {mode_dir}", flush=True)
     ep = stack.start()
     try:
-        model_id = worker_status(ep, ep.workers[0]).model_id
-        version = start_draft(stack, ep, model_id, draft_dir)
-        base = f"http://{ep.gateway_host}:{ep.gateway_port}"
-        new_gw = lambda: Gateway(base, model_id, args.max_tokens)  # noqa: E731
-        warm = [(ps[0], name) for ps, (name, _, _) in zip(prompts, bnds, strict=True)]
-        run_batch(lambda: Gateway(base, model_id, 16), warm * max(1, args.concurrency // len(warm)), args.concurrency)
-        startup_s = time.monotonic() - t_start
-        print(f"[{mode}] ready in {startup_s:.0f} s, draft {version}; traffic for {bnds[-1][2]:.0f} s", flush=True)
-        load0, t0, t0_unix = os.getloadavg()[0], time.monotonic(), time.time()
-        clock = lambda: time.monotonic() - t0  # noqa: E731
-        poller = Poller(ep, model_id, clock, args.poll_s)
-        poller.start()
-        records = drive(new_gw, prompts, bnds, args.concurrency, clock)
-        poller.stop()
-        end = bnds[-1][2]
-        res = {**stats.phase_table(records, bnds), "timeline": stats.timeline(records, end, args.bin_s),
-               "collection_intervals": stats.intervals(poller.samples, "collection", end),
-               "promotions": stats.promotions(poller.events.values(), poller.drafts,
-                                              {o["candidate_version"]: o for o in poller.outcomes.values()},
-                                              t0_unix, version),
-               "rollbacks": [{**e, "t_s": round(e["time_unix_s"] - t0_unix, 2)} for e in poller.events.values()
-                             if e["action"] == "rollback"],
-               "training": stats.training_cycles(poller.outcomes.values(), t0_unix),
-               "chunk_bytes": next((s["chunk_bytes"] for s in reversed(poller.samples)
-                                    if s.get("chunk_bytes") is not None), None),
-               "starting_version": version, "model_id": model_id, "startup_s": round(startup_s, 1),
-               "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],  # at traffic start, end
-               "run_dir": str(stack.run_dir), "env": env, "samples": poller.samples, "requests": records}
-        if mode == "static" and args.ab_rounds > 0:
-            res["collection_ab"] = collection_ab(ep, model_id, base, prompts, bnds, args)
-        return res
+        # the load generator keeps off the worker's CPUs too, as the stack's other processes do
+        with started_on(stack.service_cpus):
+            return _serve_mode(mode, args, stack, ep, env, draft_dir, prompts, bnds, t_start)
     finally:
         stack.stop()
         print(f"[{mode}] stack stopped ({time.monotonic() - t_start:.0f} s in all)", flush=True)
+
+
+def _serve_mode(mode: str, args, stack, ep, env: dict, draft_dir: Path, prompts, bnds, t_start: float) -> dict:
+    """run_mode's traffic on a started stack: starting draft, warm-up, timed phases, the A/B."""
+    model_id = worker_status(ep, ep.workers[0]).model_id
+    version = start_draft(stack, ep, model_id, draft_dir)
+    base = f"http://{ep.gateway_host}:{ep.gateway_port}"
+    new_gw = lambda: Gateway(base, model_id, args.max_tokens)  # noqa: E731
+    warm = [(ps[0], name) for ps, (name, _, _) in zip(prompts, bnds, strict=True)]
+    run_batch(lambda: Gateway(base, model_id, 16), warm * max(1, args.concurrency // len(warm)), args.concurrency)
+    startup_s = time.monotonic() - t_start
+    print(f"[{mode}] ready in {startup_s:.0f} s, draft {version}; traffic for {bnds[-1][2]:.0f} s", flush=True)
+    worker_pid = next(p.proc.pid for p in stack.processes if p.name.startswith("inference"))
+    sched0 = run_and_wait_s(worker_pid)
+    load0, t0, t0_unix = os.getloadavg()[0], time.monotonic(), time.time()
+    clock = lambda: time.monotonic() - t0  # noqa: E731
+    poller = Poller(ep, model_id, clock, args.poll_s)
+    poller.start()
+    records = drive(new_gw, prompts, bnds, args.concurrency, clock)
+    poller.stop()
+    sched1, wall = run_and_wait_s(worker_pid), time.monotonic() - t0
+    end = bnds[-1][2]
+    res = {**stats.phase_table(records, bnds), "timeline": stats.timeline(records, end, args.bin_s),
+           "collection_intervals": stats.intervals(poller.samples, "collection", end),
+           "promotions": stats.promotions(poller.events.values(), poller.drafts,
+                                          {o["candidate_version"]: o for o in poller.outcomes.values()},
+                                          t0_unix, version),
+           "rollbacks": [{**e, "t_s": round(e["time_unix_s"] - t0_unix, 2)} for e in poller.events.values()
+                         if e["action"] == "rollback"],
+           "training": stats.training_cycles(poller.outcomes.values(), t0_unix),
+           "chunk_bytes": next((s["chunk_bytes"] for s in reversed(poller.samples)
+                                if s.get("chunk_bytes") is not None), None),
+           "starting_version": version, "model_id": model_id, "startup_s": round(startup_s, 1),
+           "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],  # at traffic start, end
+           # the worker's seconds on a CPU / waiting for one, per second of traffic (all its threads)
+           "worker_cpu": None if None in (sched0, sched1) else {
+               "run_share": round((sched1[0] - sched0[0]) / wall, 3),
+               "wait_share": round((sched1[1] - sched0[1]) / wall, 3)},
+           "service_cpus": sorted(stack.service_cpus) if stack.service_cpus else None,
+           "run_dir": str(stack.run_dir), "env": env, "samples": poller.samples, "requests": records}
+    if mode == "static" and args.ab_rounds > 0:
+        res["collection_ab"] = collection_ab(ep, model_id, base, prompts, bnds, args)
+    return res
 
 
 def collection_ab(ep, model_id: str, base: str, prompts, bnds, args) -> dict:
@@ -352,6 +374,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="online trainer: TIDE_TRAINER_MIN_TOKENS, buffered tokens a cycle needs [2048]")
     parser.add_argument("--train-steps", type=int, default=24,
                         help="online trainer: TIDE_TRAINER_STEPS, optimizer steps per cycle (batches of 4 x 512) [24]")
+    # 24 steps on one cycle's ≈ 2k new + 2k replayed tokens are ≈ 10 passes: candidates memorised them and
+    # 14 of 16 were not better (docs/results/2026-12-04); a window of the newest chunks, 3 passes
+    parser.add_argument("--max-epochs", type=float, default=3.0,
+                        help="online trainer: TIDE_TRAINER_MAX_EPOCHS, passes over a cycle's data at most [3]")
+    parser.add_argument("--replay", type=float, default=4.0,
+                        help="online trainer: TIDE_TRAINER_REPLAY, replayed tokens per new token [4]")
+    parser.add_argument("--replay-recent", type=float, default=0.75,
+                        help="online trainer: TIDE_TRAINER_REPLAY_RECENT, share of them from the newest chunks [0.75]")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="workers' TIDE_CHUNK_TOKENS (rows per chunk)")
     parser.add_argument("--flush-s", type=float, default=10.0, help="workers' TIDE_FLUSH_INTERVAL_S [10]")
     parser.add_argument("--worker-cpus", default="auto",

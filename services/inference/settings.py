@@ -7,7 +7,8 @@ Environment variables (all optional; defaults in brackets):
                               it natively, else fp32 (tide/precision.py)                      [auto]
     TIDE_DEVICE               cpu | cuda | cuda:N                                              [cpu]
     TIDE_CPUS                 CPUs this worker runs on, e.g. "0" or "0-5" (affinity, and torch
-                              threads = their count; keep the trainer's TIDE_TRAINER_CPUS apart) [all]
+                              threads = their count; keep the trainer's TIDE_TRAINER_CPUS apart;
+                              `tide up` starts its other services on the remaining CPUs)   [all]
     TIDE_MAX_BATCH            KV-cache slots = most sequences decoded per step                 [16]
     TIDE_MAX_SEQ_LEN          prompt + output tokens per sequence                              [2048]
     TIDE_MAX_TOKENS_PER_STEP  prefill token budget per step                                    [512]

@@ -79,13 +79,15 @@ class TrainingCycle:
         phase("training", 0.1)
         out_dir = Path(s.work_dir) / "runs" / run_id / "draft"
         new_tokens = sum(e.num_tokens for e in entries)
-        replay = self.manifest.replay_sample(target, int(s.replay * new_tokens), seed=run_id) if s.replay else []
+        replay = self.manifest.replay_sample(target, int(s.replay * new_tokens), seed=run_id,
+                                             recent_share=s.replay_recent) if s.replay else []
         if replay:
             log.info("training run %s: %d new chunks (%d tokens) + %d replayed (%d tokens)", run_id, len(entries),
                      new_tokens, len(replay), sum(e.num_tokens for e in replay))
         try:
-            cfg = config_cls(steps=s.steps or None, epochs=s.epochs, batch_rows=s.batch_rows, max_len=s.max_len,
-                             lr=s.lr, warmup_steps=s.warmup_steps, device=s.device, seed=s.seed, progress=False)
+            cfg = config_cls(steps=s.steps or None, epochs=s.epochs, max_epochs=s.max_epochs or None,
+                             batch_rows=s.batch_rows, max_len=s.max_len, lr=s.lr,
+                             warmup_steps=s.warmup_steps, device=s.device, seed=s.seed, progress=False)
             summary = train_draft(s.target, self._blobs(entries, replay), out_dir, init=base.path, cfg=cfg,
                                   draft_vocab_size=s.draft_vocab, eval_fraction=s.eval_fraction,
                                   expected_target=target)
@@ -185,6 +187,7 @@ class TrainingCycle:
                       "seconds": summary["train"]["seconds"]},
             "config": {"steps": s.steps, "epochs": s.epochs, "batch_rows": s.batch_rows, "max_len": s.max_len,
                        "lr": s.lr, "warmup_steps": s.warmup_steps, "seed": s.seed, "draft_vocab": s.draft_vocab,
-                       "eval_fraction": s.eval_fraction, "replay": s.replay, "eval_gamma": s.eval_gamma,
+                       "eval_fraction": s.eval_fraction, "replay": s.replay, "replay_recent": s.replay_recent,
+                       "max_epochs": s.max_epochs, "eval_gamma": s.eval_gamma,
                        "promote_margin": s.promote_margin, "auto_promote": s.auto_promote, "device": s.device},
         }

@@ -165,13 +165,23 @@ class Manifest:
                 seen.setdefault(entry.chunk_id, entry)
         return list(seen.values())
 
-    def replay_sample(self, target_model: str, tokens: int, seed: str) -> list[ManifestEntry]:
-        """Earlier runs' chunks to rehearse: a uniform random sample (seeded, so a retried run
-        picks the same) of about `tokens` tokens over the whole history, so every domain the draft
-        learned keeps being represented in proportion to what was collected."""
-        pool = sorted(self.trained(target_model), key=lambda e: e.chunk_id)
-        random.Random(seed).shuffle(pool)
+    def replay_sample(self, target_model: str, tokens: int, seed: str,
+                      recent_share: float = 0.0) -> list[ManifestEntry]:
+        """Earlier runs' chunks to rehearse, about `tokens` tokens: the newest chunks (in the order
+        runs recorded them) for `recent_share` of them, then a uniform random sample (seeded, so a
+        retried run picks the same) over the rest of the history, so every domain the draft learned
+        keeps being represented in proportion to what was collected. The recent part makes a run
+        train on the last few cycles' data of the current domain, not only on its own few chunks."""
+        history = self.trained(target_model)  # oldest run first
         picked, total = [], 0
+        for entry in reversed(history):
+            if total >= recent_share * tokens:
+                break
+            picked.append(entry)
+            total += entry.num_tokens
+        chosen = {e.chunk_id for e in picked}
+        pool = sorted((e for e in history if e.chunk_id not in chosen), key=lambda e: e.chunk_id)
+        random.Random(seed).shuffle(pool)
         for entry in pool:
             if total >= tokens:
                 break

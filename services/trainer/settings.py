@@ -24,6 +24,10 @@ Environment variables (all optional; defaults in brackets):
     TIDE_TRAINER_REPLAY          chunks of earlier runs mixed into each run, as a multiple of the new
                                  chunks' tokens (rehearsal: fine-tuning on the newest domain alone
                                  forgets the others); 0 = off                              [1]
+    TIDE_TRAINER_REPLAY_RECENT   share (0-1) of the replayed tokens taken from the newest earlier
+                                 chunks, the rest sampled over the whole history            [0]
+    TIDE_TRAINER_MAX_EPOCHS      with TIDE_TRAINER_STEPS: at most this many passes over a run's
+                                 data (a step budget on a few chunks memorises them); 0 = no cap [0]
     TIDE_TRAINER_EVAL_GAMMA      γ (1-5) at which candidate and base are compared: the served accept
                                  length (tokens per verification along the engine's walk)  [3]
     TIDE_TRAINER_PROMOTE_MARGIN  promote when candidate - base >= this (tokens/step; no base: vs 1.0) [0.02]
@@ -97,6 +101,8 @@ class TrainerSettings:
     draft_vocab: int = 8192
     eval_fraction: float = 0.1
     replay: float = 1.0
+    replay_recent: float = 0.0
+    max_epochs: float = 0.0
     eval_gamma: int = 3
     promote_margin: float = 0.02
     auto_promote: bool = True
@@ -134,6 +140,10 @@ class TrainerSettings:
         parse_cpus(self.cpus)
         if self.replay < 0:
             raise ValueError(f"TIDE_TRAINER_REPLAY must be >= 0, got {self.replay}")
+        if not 0 <= self.replay_recent <= 1:
+            raise ValueError(f"TIDE_TRAINER_REPLAY_RECENT must be in [0, 1], got {self.replay_recent}")
+        if not 0 <= self.max_epochs < float("inf"):
+            raise ValueError(f"TIDE_TRAINER_MAX_EPOCHS must be a finite number >= 0, got {self.max_epochs}")
         if not 0 < self.eval_fraction < 1 or self.epochs <= 0:
             raise ValueError("eval fraction must be in (0, 1) and epochs > 0")
         if not self.prefix.strip("/") or not self.consumer:
@@ -184,6 +194,8 @@ class TrainerSettings:
             draft_vocab=get("TIDE_TRAINER_DRAFT_VOCAB", "draft_vocab", int),
             eval_fraction=get("TIDE_TRAINER_EVAL_FRACTION", "eval_fraction", float),
             replay=get("TIDE_TRAINER_REPLAY", "replay", float),
+            replay_recent=get("TIDE_TRAINER_REPLAY_RECENT", "replay_recent", float),
+            max_epochs=get("TIDE_TRAINER_MAX_EPOCHS", "max_epochs", float),
             eval_gamma=get("TIDE_TRAINER_EVAL_GAMMA", "eval_gamma", int),
             promote_margin=get("TIDE_TRAINER_PROMOTE_MARGIN", "promote_margin", float),
             auto_promote=get("TIDE_TRAINER_AUTO_PROMOTE", "auto_promote", _flag),

@@ -40,9 +40,9 @@ def chat_target(tmp_path_factory) -> Path:
 class Up:
     """`python -m tide.cli up ...` with its output collected line by line."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "tide.cli", "up", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
 
@@ -71,10 +71,18 @@ def alive(pid: int) -> bool:
     return True
 
 
+def cpus_of(pid: int) -> set[frozenset[int]]:
+    """The distinct CPU sets of a process's threads."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
 @pytest.mark.timeout(600)
-def test_tide_up_serves_and_ctrl_c_stops_everything(chat_target, tmp_path):
+def test_tide_up_serves_keeps_the_workers_cpus_and_ctrl_c_stops_everything(chat_target, tmp_path):
     port, data = free_port(), tmp_path / "var"
-    up = Up("--target", str(chat_target), "--port", str(port), "--data-dir", str(data))
+    cpus = sorted(os.sched_getaffinity(0))
+    # with two CPUs or more, the worker gets the first to itself (TIDE_CPUS)
+    worker_cpu = {"TIDE_CPUS": str(cpus[0])} if len(cpus) > 1 else {}
+    up = Up("--target", str(chat_target), "--port", str(port), "--data-dir", str(data), env=worker_cpu)
     try:
         m = up.wait_for_line(r"stack ready in ([\d.]+) s: (\S+)", 420)
         base = m.group(2)
@@ -116,6 +124,13 @@ def test_tide_up_serves_and_ctrl_c_stops_everything(chat_target, tmp_path):
         assert telemetry_records() > 0  # worker -> Redis stream -> controller
         pids = list(state["pids"].values())
         assert all(alive(p) for p in pids)
+        if worker_cpu:  # every thread of the worker on its CPU, every other process's off it
+            rest = frozenset(cpus[1:])
+            assert state["service_cpus"] == sorted(rest)
+            assert cpus_of(state["pids"]["inference-0"]) == {frozenset(cpus[:1])}
+            for name, pid in state["pids"].items():
+                if name != "inference-0":
+                    assert cpus_of(pid) == {rest}, name
 
         up.proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert up.proc.wait(90) == 0, up.text

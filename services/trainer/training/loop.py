@@ -33,6 +33,11 @@ class TrainConfig:
     step weights) and are scaled down for the small, online data sets TIDE trains on."""
 
     steps: int | None = None  # optimizer steps; None = `epochs` passes over the data
+    # With `steps`: at most this many passes over the data (None = no cap). A fixed step budget on
+    # the few thousand tokens an online cycle gets memorises them: 24 steps of 4 rows (≈ 9 passes
+    # over 5 chunks) took train-batch top-1 from 0.29 to 0.58 while held-out acceptance fell, 1.388
+    # -> 1.365 at γ = 3 (docs/results/2026-12-04).
+    max_epochs: float | None = None
     schedule_steps: int | None = None  # length of the LR schedule; None = `steps` (lets a run stop early and resume)
     epochs: float = 1.0
     batch_rows: int = 8  # packed rows per batch (per rank)
@@ -201,6 +206,8 @@ def _steps(cfg: TrainConfig, data: Dataset, objective: Eagle3Objective, model, o
     if per_epoch == 0:
         raise ValueError(f"{len(lengths)} pieces make fewer batches than {world} ranks")
     total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * per_epoch))
+    if cfg.steps is not None and cfg.max_epochs:
+        total = min(total, max(1, math.ceil(cfg.max_epochs * per_epoch)))
     horizon = cfg.schedule_steps or total  # the LR schedule's length
     result = TrainResult(progress["step"], progress["tokens"], progress["seconds"])
     autocast = cfg.autocast and native_bf16(device.type)
