@@ -166,7 +166,8 @@ def build(settings: ControllerSettings, *, worker_client: WorkerClient | None = 
         settings.no_gain_runs, settings.gain_margin, settings.tokens_needed))
     stats = FleetStats(settings.ema_short, settings.ema_long, settings.load_window_s)
     controller = Controller(settings.decision, stats, client=client, collection=collection,
-                            rollback=RollbackGuard(registry, settings.rollback_window, settings.rollback_margin))
+                            rollback=RollbackGuard(registry, settings.rollback_window, settings.rollback_margin,
+                                                   settings.rollback_z))
     for address in settings.workers:
         controller.fleet.add(address, configured=True)
     rclient = settings.storage.redis_client(socket_connect_timeout=2.0, socket_timeout=5.0)

@@ -6,9 +6,16 @@ A *watch* starts when a draft version takes over a target: a training outcome re
 observations than the one before (a manual promote). Once the new version has `window`
 verifications since then, its live acceptance rate per checked draft token (accepted / checked
 over those observations) is compared with the previous version's rate over *its* last `window`
-verifications before the takeover: lower by more than `margin` → the registry is asked to roll back
+verifications before the takeover: lower by more than `margin`, and by more than `z` standard errors
+of the difference (two-proportion test on the checked tokens) → the registry is asked to roll back
 to the previous version (which workers follow through WatchTarget). Not worse → the watch ends, the
 version stays.
+
+Why the test as well as the margin: two windows of 200 verifications at 2 clients are ≈ 8 s of
+traffic each, a handful of requests. In `bench adapt` (docs/results/2026-12-04) a draft that
+evaluated better (1.550 vs 1.518 on held-out chunks) was rolled back at 0.322 vs 0.372 on ≈ 210
+checked tokens each: 0.05 is 1.1 standard errors there. A draft that is really worse, like the
+deliberately bad one of the tests (0 vs 0.67), is many standard errors below at once.
 
 The previous version's recent rate, not its long EMA: traffic shifts between domains, and the long
 EMA (1000 observations) remembers the domain before the shift. In `bench adapt` a draft promoted
@@ -29,6 +36,7 @@ The rollback is skipped when the registry's pointer is pinned or no longer on th
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter, deque
 from collections.abc import Mapping
@@ -84,11 +92,21 @@ class Watch:
     verify_steps: int = 0  # observed since the watch started (updated on evaluation)
 
 
+def standard_error(rate: float, checked: int, ref: float, ref_checked: int) -> float:
+    """Standard error of `ref - rate` for acceptance rates over `checked` and `ref_checked` draft
+    tokens, under the pooled rate (two-proportion test). Tokens of one verification or request are
+    not independent, so the real error is larger: hence a z of 3 by default."""
+    if checked <= 0 or ref_checked <= 0:
+        return 0.0
+    pooled = (rate * checked + ref * ref_checked) / (checked + ref_checked)
+    return math.sqrt(max(pooled * (1 - pooled), 0.0) * (1 / checked + 1 / ref_checked))
+
+
 class RollbackGuard:
     """Thread-safe. `port` None = disabled (nothing is watched)."""
 
-    def __init__(self, port: RegistryPort | None, window: int = 200, margin: float = 0.05) -> None:
-        self.port, self.window, self.margin = port, window, margin
+    def __init__(self, port: RegistryPort | None, window: int = 200, margin: float = 0.05, z: float = 3.0) -> None:
+        self.port, self.window, self.margin, self.z = port, window, margin, z
         self.rollbacks: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
         self._watch: dict[str, Watch] = {}
@@ -149,14 +167,16 @@ class RollbackGuard:
             recent = self._recent(target, w.previous)
             if recent is None:
                 return self._end(target, f"no statistics of the previous version {w.previous} to compare with")
-            ref, ref_length, ref_steps = recent
+            ref, ref_length, ref_steps, ref_checked = recent
             rate = (tokens - steps) / checked if checked else 0.0  # tokens count one bonus per verification
-            if rate >= ref - self.margin:
+            drop, se = ref - rate, standard_error(rate, checked, ref, ref_checked)
+            if drop <= self.margin or drop <= self.z * se:
                 return self._end(target, f"kept: acceptance rate {rate:.3f} over {steps} verifications vs {ref:.3f} "
-                                         f"for {w.previous} over its last {ref_steps}")
+                                         f"for {w.previous} over its last {ref_steps} (standard error {se:.3f})")
         reason = (f"auto-rollback: {w.version} accepted {rate:.3f} of its checked draft tokens over {steps} "
                   f"verifications since {w.trigger}, below {w.previous}'s {ref:.3f} over its last {ref_steps} "
-                  f"by more than {self.margin} ({tokens / steps:.3f} vs {ref_length:.3f} tokens/step)")
+                  f"by more than {self.margin} and {drop / se if se else float('inf'):.1f} standard errors "
+                  f"({tokens / steps:.3f} vs {ref_length:.3f} tokens/step)")
         return self._roll_back(target, w, RollbackRecord(target, w.version, w.previous, reason, tokens / steps,
                                                          ref_length, steps, now, rate, ref))
 
@@ -178,9 +198,9 @@ class RollbackGuard:
         h = self._history.get(target, {}).get(version)
         return h[-1] if h else (0, 0, 0)
 
-    def _recent(self, target: str, version: str) -> tuple[float, float, int] | None:
-        """(acceptance rate, accept length, verifications) of `version` over its last ≈ `window`
-        verifications (all of them where it has fewer since this controller started); None: none."""
+    def _recent(self, target: str, version: str) -> tuple[float, float, int, int] | None:
+        """(acceptance rate, accept length, verifications, checked tokens) of `version` over its last
+        ≈ `window` verifications (all of them where it has fewer since this controller started); None: none."""
         h = self._history.get(target, {}).get(version)
         if not h or h[-1][0] == 0:
             return None
@@ -189,7 +209,7 @@ class RollbackGuard:
         steps, tokens, checked = (a - b for a, b in zip(last, first, strict=True))
         if steps <= 0 or checked <= 0:
             return None
-        return (tokens - steps) / checked, tokens / steps, steps
+        return (tokens - steps) / checked, tokens / steps, steps, checked
 
     def _detect_takeover(self, target: str, serving: str, counts: dict[str, tuple[int, int, int]],
                          now: float) -> None:

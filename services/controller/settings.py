@@ -32,6 +32,8 @@ Environment variables (all optional; defaults in brackets):
     TIDE_CONTROLLER_ROLLBACK_MARGIN   roll back when its live acceptance rate per checked draft token
                                    (0..1; it does not move with γ, the accept length does) is below
                                    the previous version's over its window by more than this [0.05]
+    TIDE_CONTROLLER_ROLLBACK_Z     ... and by more than this many standard errors of the difference
+                                   (a window is a few seconds of traffic; 0 = the margin alone) [3]
     TIDE_REGISTRY_ADDR             the registry (host:port) rollbacks go to; unset = no rollback [unset]
     TIDE_ADMIN_TOKEN               bearer token: required by this service's admin RPCs and sent
                                    with ApplyDecision to the workers (unset: admin calls refused)
@@ -97,6 +99,7 @@ class ControllerSettings:
     auto_rollback: bool = True
     rollback_window: int = 200
     rollback_margin: float = 0.05  # acceptance rate per checked draft token (0..1)
+    rollback_z: float = 3.0  # standard errors (rollback.standard_error)
     registry_addr: str = ""
     admin_token: str | None = field(default=None, repr=False)
     storage: StorageSettings = field(default_factory=StorageSettings)
@@ -113,9 +116,9 @@ class ControllerSettings:
         if self.claim_idle_ms < 1 or self.metrics_port < 0 or not self.consumer:
             raise ValueError("claim idle must be >= 1 ms, metrics port >= 0 and the consumer name non-empty")
         self._check_collection()
-        if self.rollback_window < 1 or not 0 <= self.rollback_margin < 1:
-            raise ValueError("rollback window must be >= 1 verification and the rollback margin (an acceptance "
-                             "rate) in [0, 1)")
+        if self.rollback_window < 1 or not 0 <= self.rollback_margin < 1 or not 0 <= self.rollback_z < float("inf"):
+            raise ValueError("rollback window must be >= 1 verification, the rollback margin (an acceptance "
+                             "rate) in [0, 1) and the rollback z a finite number >= 0")
         if self.registry_addr:
             _address(self.registry_addr)
 
@@ -176,6 +179,7 @@ class ControllerSettings:
             auto_rollback=get("TIDE_CONTROLLER_AUTO_ROLLBACK", d.auto_rollback, _flag),
             rollback_window=get("TIDE_CONTROLLER_ROLLBACK_WINDOW", d.rollback_window, int),
             rollback_margin=get("TIDE_CONTROLLER_ROLLBACK_MARGIN", d.rollback_margin, float),
+            rollback_z=get("TIDE_CONTROLLER_ROLLBACK_Z", d.rollback_z, float),
             registry_addr=get(REGISTRY_ADDR_ENV, ""),
             admin_token=env.get(ADMIN_TOKEN_ENV) or None,
             storage=StorageSettings.from_env(env),

@@ -38,10 +38,10 @@ class FakeRegistry:
 class Fleet:
     """Telemetry as the controller sees it: steps of one worker on target "m"."""
 
-    def __init__(self, registry, window=200, margin=0.05, long_horizon=100) -> None:
+    def __init__(self, registry, window=200, margin=0.05, long_horizon=100, z=3.0) -> None:
         self.stats = FleetStats(short_horizon=10, long_horizon=long_horizon)
         self.ctl = Controller(StaticDecision(), self.stats, collection=CollectionControl(),
-                              rollback=RollbackGuard(registry, window, margin), clock=lambda: 5.0)
+                              rollback=RollbackGuard(registry, window, margin, z), clock=lambda: 5.0)
         self.t = 1000.0
 
     def steps(self, n: int, accepted: int, version: str, gamma: int = 3) -> None:
@@ -94,6 +94,26 @@ def test_a_version_that_is_not_worse_stays():
         f.steps(1, accepted=2, version="v2")
         f.steps(1, accepted=1 if i % 20 == 0 else 2, version="v2")
     assert reg.calls == [] and f.guard.watching("m") is None and f.guard.last("m") is None
+
+
+def test_a_drop_within_the_noise_of_two_short_windows_is_not_a_rollback():
+    """bench adapt's case: at γ = 1, 0.322 vs 0.372 over ≈ 200 checked tokens each is about one
+    standard error; the margin alone rolled back a draft that had evaluated better. A drop of 0.1 over
+    four times the window is 4.3 standard errors: rolled back."""
+    def run(window: int, v2_hits: int, z: float) -> list:
+        reg = FakeRegistry()
+        f = Fleet(reg, window=window, margin=0.05, z=z)
+        for i in range(window):  # v1 accepts 372 of every 1000 single draft tokens
+            f.steps(1, accepted=int((i + 1) * 0.372) - int(i * 0.372), version="v1", gamma=1)
+        f.promote()
+        for i in range(window):
+            f.steps(1, accepted=int(i < v2_hits), version="v2", gamma=1)
+        return reg.calls
+
+    assert run(200, v2_hits=62, z=3.0) == []  # 0.310 vs 0.370: 1.3 standard errors
+    assert [c[1] for c in run(200, v2_hits=62, z=0.0)] == ["v1"]  # the margin alone: rolled back
+    calls = run(800, v2_hits=217, z=3.0)  # 0.271 vs 0.371
+    assert [c[1] for c in calls] == ["v1"] and "standard errors" in calls[0][2]
 
 
 def test_a_version_served_at_a_smaller_gamma_is_not_mistaken_for_a_worse_one():

@@ -53,6 +53,15 @@ def before_draft(head, train_set):
     return build_draft(head, train_set, draft_vocab_size=64, seed=0)
 
 
+def test_a_step_budget_is_capped_at_max_epochs_passes(wide_target, wide_chunks):
+    head, train_set, _, draft = setup(wide_target, wide_chunks)
+    two_passes = train(draft, head, train_set, TrainConfig(epochs=2, **FAST)).steps
+    assert two_passes >= 2
+    capped = train(draft, head, train_set, TrainConfig(steps=10 * two_passes, max_epochs=2, **FAST))
+    assert capped.steps == two_passes  # not the 10x budget
+    assert train(draft, head, train_set, TrainConfig(steps=1, max_epochs=2, **FAST)).steps == 1  # a cap, no floor
+
+
 def test_deterministic_under_seed(wide_target, wide_chunks):
     runs = []
     for seed in (0, 0, 1):

@@ -85,16 +85,20 @@ def test_auto_trigger_backs_off_after_failed_runs():
 def test_settings_of_the_cycle():
     s = TrainerSettings.from_env({"TIDE_TRAINER_AUTO_PROMOTE": "0", "TIDE_TRAINER_PROMOTE_MARGIN": "0.5",
                                   "TIDE_TRAINER_AUTO_TRAIN": "false", "TIDE_TRAINER_CPUS": "0,2-3",
-                                  "TIDE_TRAINER_NICE": "10", "TIDE_REGISTRY_ADDR": "registry:50055"})
+                                  "TIDE_TRAINER_NICE": "10", "TIDE_REGISTRY_ADDR": "registry:50055",
+                                  "TIDE_TRAINER_MAX_EPOCHS": "3", "TIDE_TRAINER_REPLAY_RECENT": "0.75"})
     assert (s.auto_promote, s.promote_margin, s.auto_train, s.nice, s.registry_addr) == (
         False, 0.5, False, 10, "registry:50055")
+    assert (s.max_epochs, s.replay_recent) == (3.0, 0.75)
     assert s.cpu_set == {0, 2, 3} and parse_cpus("") == frozenset()
     d = TrainerSettings.from_env({})
     assert (d.auto_promote, d.promote_margin, d.auto_train, d.nice, d.cpus) == (True, 0.02, True, 0, "")
+    assert (d.max_epochs, d.replay_recent) == (0.0, 0.0)  # no cap; replay sampled over the whole history
     for key, value in (("TIDE_TRAINER_CPUS", "3-1"), ("TIDE_TRAINER_CPUS", "a"), ("TIDE_TRAINER_NICE", "-1"),
                        ("TIDE_TRAINER_NICE", "20"), ("TIDE_TRAINER_AUTO_PROMOTE", "maybe"),
                        ("TIDE_TRAINER_PROMOTE_MARGIN", "nan"), ("TIDE_TRAINER_EVAL_GAMMA", "6"),
-                       ("TIDE_REGISTRY_ADDR", "nohost")):
+                       ("TIDE_REGISTRY_ADDR", "nohost"), ("TIDE_TRAINER_REPLAY_RECENT", "1.5"),
+                       ("TIDE_TRAINER_MAX_EPOCHS", "-1"), ("TIDE_TRAINER_MAX_EPOCHS", "inf")):
         with pytest.raises(ValueError):
             TrainerSettings.from_env({key: value})
 
