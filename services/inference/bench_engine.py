@@ -228,11 +228,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--target", default="ref")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="auto = bf16 where native, else fp32")
-    parser.add_argument("--draft", help="EAGLE-3 checkpoint dir (default: a random draft, latency only)")
+    parser.add_argument("--draft", help="EAGLE-3 checkpoint dir or bootstrap dir (default: a random draft, "
+                                        "latency only)")
     parser.add_argument("--prompts", default="spec_bench_questions.jsonl")
 
 
 def run_cli(args) -> int:
+    if args.draft:  # a checkpoint or a bootstrap directory, checked before the model loads
+        from services.trainer.draft_eval import resolve_draft_dir
+
+        try:
+            args = argparse.Namespace(**{**vars(args), "draft": str(resolve_draft_dir(args.draft))})
+        except FileNotFoundError as e:
+            raise SystemExit(f"tide bench engine: --draft: {e}") from None
     res = run(args)
     print_table(res)
     if args.json:

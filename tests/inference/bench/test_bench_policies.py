@@ -150,6 +150,15 @@ def test_tide_cli_registers_bench_policies(capsys):
         assert exc.value.code == 0 and "--quick" in capsys.readouterr().out
 
 
+def test_bench_engine_names_a_draft_it_cannot_use_before_loading_the_model(tmp_path):
+    from tide.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "engine", "--quick", "--draft", str(tmp_path)])
+    assert str(exc.value) == (f"tide bench engine: --draft: {tmp_path} is neither a draft checkpoint nor a "
+                              "bootstrap directory")
+
+
 def _round(speed: dict[str, float]) -> dict[str, dict]:
     """One round's results: every policy at `speed[label]` tok/s in every phase (others at 50)."""
     labels = [label for label, _, _ in bp.policy_list(quick=True)]
