@@ -118,7 +118,7 @@ def bootstrap_prompt_file(directory: Path) -> Path:
 def starting_draft(target: str, minutes: float, seed: int) -> tuple[Path, dict]:
     """The cached starting draft (bootstrapped now when missing) and its summary."""
     from services.trainer.bootstrap import BootstrapConfig, bootstrap
-    from services.trainer.draft_eval import resolve_draft_dir
+    from tide.eagle3.checkpoint import find_checkpoint_dir
     from tide.target import cache_dir, resolve_target
 
     model_id = resolve_target(target).model_id
@@ -135,7 +135,7 @@ def starting_draft(target: str, minutes: float, seed: int) -> tuple[Path, dict]:
         print(f"bootstrapping the starting draft ({minutes:g} min budget) into {out}", flush=True)
     report = bootstrap(dataclasses.replace(cfg, out=str(out)))
     gc.collect()
-    return resolve_draft_dir(out), {"path": str(out), "cached": cached, "bootstrap_minutes": minutes,
+    return find_checkpoint_dir(out), {"path": str(out), "cached": cached, "bootstrap_minutes": minutes,
                                     "prompts": str(prompts),
                                     "prompt_files": list(BOOTSTRAP_PROMPTS),
                                     "accept_length": report.get("accept_length"),
@@ -297,9 +297,9 @@ def run(args) -> dict:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.draft:
-        from services.trainer.draft_eval import resolve_draft_dir
+        from tide.eagle3.checkpoint import find_checkpoint_dir
 
-        draft_dir, draft_info = resolve_draft_dir(args.draft), {"path": str(args.draft), "cached": None}
+        draft_dir, draft_info = find_checkpoint_dir(args.draft), {"path": str(args.draft), "cached": None}
     else:
         draft_dir, draft_info = starting_draft(args.target, args.bootstrap_minutes, args.seed)
     prompts, bnds = phase_prompts(args.seed, args.max_prompt_chars), bounds(args.phase_s)

@@ -235,10 +235,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args) -> int:
     if args.draft:  # a checkpoint or a bootstrap directory, checked before the model loads
-        from services.trainer.draft_eval import resolve_draft_dir
+        from tide.eagle3.checkpoint import find_checkpoint_dir
 
         try:
-            args = argparse.Namespace(**{**vars(args), "draft": str(resolve_draft_dir(args.draft))})
+            args = argparse.Namespace(**{**vars(args), "draft": str(find_checkpoint_dir(args.draft))})
         except FileNotFoundError as e:
             raise SystemExit(f"tide bench engine: --draft: {e}") from None
     res = run(args)

@@ -64,6 +64,7 @@ from services.trainer.generation import (
     torch_threads,
     write_blob,
 )
+from tide.eagle3.checkpoint import BOOTSTRAP_DRAFT_DIR, CONFIG_FILE
 from tide.precision import dtype_name, resolve_dtype
 from tide.prompts import Prompt
 
@@ -246,7 +247,7 @@ def _bootstrap(cfg: BootstrapConfig, started: float | None) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.open(out, cfg)
-    if manifest.doc["done"] and (out / REPORT_JSON).exists() and (out / "draft" / "config.json").exists():
+    if manifest.doc["done"] and (out / REPORT_JSON).exists() and (out / BOOTSTRAP_DRAFT_DIR / CONFIG_FILE).exists():
         log.info("%s: bootstrap already finished", out)
         return json.loads((out / REPORT_JSON).read_text())
     manifest.doc["runs"] += 1
@@ -507,7 +508,7 @@ def finish(cfg: BootstrapConfig, out: Path, manifest: Manifest, clock: Clock, ta
     from tide.eagle3 import load_checkpoint
 
     head, draft, tr = summary["head"], summary["draft"], manifest.doc["train"]
-    draft_dir = out / "draft"
+    draft_dir = out / BOOTSTRAP_DRAFT_DIR
     args = {**dataclasses.asdict(cfg), "target": str(cfg.target), "target_model": head.model_id}
     export_draft(draft_dir, draft.cpu(), args, summary["train_chunks"], {"curve": tr["curve"]},
                  target_model=head.model_id)

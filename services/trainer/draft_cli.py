@@ -219,12 +219,13 @@ def _eval(args) -> int:
 
 
 def _finetune(args) -> int:
-    from services.trainer.draft_eval import draft_target, resolve_draft_dir
+    from services.trainer.draft_eval import draft_target
     from services.trainer.generation import torch_threads
     from services.trainer.training.loop import TrainConfig
     from services.trainer.training.run import train_draft
+    from tide.eagle3.checkpoint import find_checkpoint_dir
 
-    init = resolve_draft_dir(args.init)
+    init = find_checkpoint_dir(args.init)
     target = args.target or draft_target(init)
     cfg = TrainConfig(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_rows=args.batch_rows,
                       max_len=args.max_len, warmup_steps=args.warmup_steps, seed=args.seed,

@@ -22,17 +22,8 @@ from services.trainer.generation import (
     torch_threads,
     write_blob,
 )
+from tide.eagle3.checkpoint import find_checkpoint_dir
 from tide.precision import resolve_dtype
-
-
-def resolve_draft_dir(path) -> Path:
-    """A checkpoint directory, or a bootstrap output directory (its `draft/`)."""
-    p = Path(path)
-    if (p / "config.json").exists():
-        return p
-    if (p / "draft" / "config.json").exists():
-        return p / "draft"
-    raise FileNotFoundError(f"{p} is neither a draft checkpoint nor a bootstrap directory")
 
 
 def draft_target(draft_dir: Path) -> str:
@@ -63,7 +54,7 @@ def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens,
     from services.inference.engine.llama import LlamaModel
     from tide.target import load_tokenizer, resolve_target
 
-    draft_dir = resolve_draft_dir(draft)
+    draft_dir = find_checkpoint_dir(draft)
     tfiles = resolve_target(target or draft_target(draft_dir))
     model = LlamaModel.load(tfiles, dtype=resolve_dtype(dtype))
     prompts = load_prompt_files(prompt_files, limit)
@@ -116,7 +107,7 @@ def evaluate_on_chunks(draft, chunks, target: str | None = None, gammas=(1, 2, 3
     drafts are compared on exactly the same sequences. Sequences up to `max_len` rows stay whole."""
     from tide.target import resolve_target
 
-    draft_dir = resolve_draft_dir(draft)
+    draft_dir = find_checkpoint_dir(draft)
     with torch_threads(threads):
         result = _evaluate_chunks(draft_dir, resolve_target(target or draft_target(draft_dir)), chunks, gammas,
                                   ttt_steps, max_len)

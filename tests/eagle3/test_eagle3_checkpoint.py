@@ -210,3 +210,17 @@ def test_specforge_style_config_without_layer_ids_loads(tmp_path):
     loaded = load_checkpoint(tmp_path, embed, TARGET)
     assert loaded.cfg.aux_layers is None
     assert torch.equal(run(draft), run(loaded))
+
+
+def test_a_checkpoint_is_found_in_its_own_dir_or_a_bootstrap_output_and_nowhere_else(tmp_path):
+    from tide.eagle3.checkpoint import find_checkpoint_dir
+
+    ckpt, bootstrap = tmp_path / "ckpt", tmp_path / "boot"
+    draft, _ = make_draft()
+    save_checkpoint(draft, ckpt)
+    save_checkpoint(draft, bootstrap / "draft")
+    (tmp_path / "empty").mkdir()
+    assert find_checkpoint_dir(ckpt) == ckpt
+    assert find_checkpoint_dir(str(bootstrap)) == bootstrap / "draft"
+    with pytest.raises(FileNotFoundError, match="empty is neither a draft checkpoint nor a bootstrap directory"):
+        find_checkpoint_dir(tmp_path / "empty")

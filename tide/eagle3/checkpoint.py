@@ -27,6 +27,7 @@ from tide.eagle3.model import Eagle3Draft
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+BOOTSTRAP_DRAFT_DIR = "draft"  # where `tide draft bootstrap` puts the checkpoint inside its output directory
 _FLOAT_DTYPES = {"F32", "BF16", "F16"}
 
 
@@ -84,6 +85,16 @@ def save_checkpoint(draft: Eagle3Draft, path, extra: dict | None = None) -> Path
     config = json.dumps(draft.cfg.to_json_dict(extra), indent=2, sort_keys=True) + "\n"
     _atomic_write(path / CONFIG_FILE, config.encode())
     return path
+
+
+def find_checkpoint_dir(path) -> Path:
+    """`path` when it is a checkpoint directory, its `draft/` when it is a bootstrap output directory;
+    FileNotFoundError naming it otherwise (so a CLI can refuse it before loading a model)."""
+    p = Path(path)
+    for candidate in (p, p / BOOTSTRAP_DRAFT_DIR):
+        if (candidate / CONFIG_FILE).exists():
+            return candidate
+    raise FileNotFoundError(f"{p} is neither a draft checkpoint nor a bootstrap directory")
 
 
 def read_config(path) -> Eagle3Config:
