@@ -337,6 +337,9 @@ def print_table(res: dict) -> None:
     for mode in (m for m in MODES if m in res):
         cells = [res[mode]["phases"][n] for n in names] + [res[mode]["overall"]]
         print(f"{mode:14s}" + "".join(f"{fmt(c['tok_s']):>11s}{fmt(c['accept_length'], 2):>9s}" for c in cells))
+    for mode in (m for m in MODES if m in res):  # how much of the output the γ policy chose to speculate
+        cells = [res[mode]["phases"][n] for n in names] + [res[mode]["overall"]]
+        print(f"{mode + ' drafted':14s}" + "".join(f"{fmt(c.get('drafted_share'), 2):>20s}" for c in cells))
     if "ratio" in res:
         cells = [res["ratio"]["phases"][n] for n in names] + [res["ratio"]["overall"]]
         print(f"{'online/static':14s}" + "".join(f"{fmt(c['tok_s'], 3):>11s}{fmt(c['accept_length'], 3):>9s}"

@@ -14,6 +14,8 @@ count partly. Hence:
   tok_s          = Σ tokens · share / window seconds                      (client-side tokens/s)
   accept_length  = Σ accept_length · verify_steps · share / Σ verify_steps · share   (None: no
                    verify step in the window; the step-weighted mean the gateway itself uses)
+  drafted_share  = Σ accept_length · verify_steps · share / Σ tokens · share: the share of tokens that
+                   speculative steps emitted (the rest came from plain decoding: the γ policy's choice)
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def window(records: Iterable[dict], a: float, b: float) -> dict:
     seconds = b - a
     return {"tok_s": round(tokens / seconds, 3) if seconds > 0 else None,
             "accept_length": round(weighted / steps, 4) if steps > 0 else None,
+            "drafted_share": round(min(1.0, weighted / tokens), 4) if tokens > 0 else None,
             "tokens": round(tokens, 1), "verify_steps": round(steps, 1), "seconds": round(seconds, 2),
             "completed": done, "errors": errors}
 

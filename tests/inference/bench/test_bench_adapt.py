@@ -27,6 +27,7 @@ def test_tokens_and_steps_are_spread_over_the_request_and_straddlers_split():
     assert gsm["tokens"] == pytest.approx(27) and gsm["tok_s"] == pytest.approx(2.7)
     assert chat["accept_length"] == pytest.approx((2.0 * 50 + 3.0 * 5) / 55, abs=1e-4)  # step-weighted
     assert gsm["accept_length"] == pytest.approx((3.0 * 5 + 1.5 * 4) / 9, abs=1e-4)
+    assert chat["drafted_share"] == pytest.approx((2.0 * 50 + 3.0 * 5) / 120, abs=1e-4)  # the rest decoded plainly
     assert (chat["completed"], chat["errors"], gsm["completed"]) == (0, 1, 3)  # by answer time; r[0] ends at 10
     assert st.window(r, 20, 30)["accept_length"] is None and st.window(r, 20, 30)["tok_s"] == 0
     table = st.phase_table(r, BOUNDS)
@@ -107,7 +108,7 @@ def test_json_shape_table_and_plots(tmp_path, capsys):
     assert doc["ratio"]["overall"]["tok_s"] == pytest.approx(1.2)
     ba.print_table(res)
     out = capsys.readouterr().out
-    assert "online/static" in out and "promotion at 12 s" in out and "checks:" in out
+    assert "online/static" in out and "online drafted" in out and "promotion at 12 s" in out and "checks:" in out
     from services.inference.bench_adapt_plots import plot
 
     paths = plot(res, tmp_path / "plots")
