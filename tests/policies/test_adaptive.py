@@ -1,5 +1,7 @@
 """Ours: model prior + online corrections; per-request trimming; robustness to a stale profile."""
 
+import random
+
 import pytest
 
 from tide.policies.adaptive import AdaptivePolicy
@@ -152,6 +154,35 @@ def test_catch_up_cost_is_learnt_apart_from_the_draft_step():
         pol.observe(StepFeedback(2, gammas, (1, 1), step_ms=draft + verify, draft_ms=draft, verify_ms=verify))
     assert pol.kd[2] == pytest.approx(1.0, abs=0.05)
     assert pol.catchup_ratio(2) == pytest.approx(10.0, rel=0.05)
+
+
+def _drafted_share_after_a_stall(pol: AdaptivePolicy, stall: float, steps: int = 900, seed: int = 0) -> float:
+    """Two requests accepting 60 % of their draft tokens on an engine that runs as profiled, except
+    that the first regular draft step stalls `stall` x; the share of the last 300 steps that drafted.
+    A request's lag is the rows its draft has not seen: 1 + accepted after a drafting step, + 1 per
+    plain step (so every probe after an off period is a catch-up step)."""
+    rng, lag, drafted, stalled = random.Random(seed), [0, 0], [], False
+    for _ in range(steps):
+        g = pol.decide(StepContext(2, tuple(RequestView(f"r{k}", lag=lag[k]) for k in range(2))))
+        acc = tuple(sum(rng.random() < 0.6 for _ in range(x)) for x in g)
+        spec = [x for x, y in zip(lag, g, strict=True) if y > 0]
+        draft = max(g) * PROFILE.draft_ms(2) + (PROFILE.catchup_ms(max(spec), len(spec)) if spec else 0.0)
+        if spec and max(spec) <= 4 and not stalled:
+            draft, stalled = draft * stall, True
+        verify = PROFILE.target_ms(2, 1 + max(g))
+        pol.observe(StepFeedback(2, tuple(g), acc, step_ms=draft + verify, draft_ms=draft, verify_ms=verify))
+        lag = [1 + a if x > 0 else n + 1 for n, x, a in zip(lag, g, acc, strict=True)]
+        drafted.append(max(g) > 0)
+    return sum(drafted[-300:]) / 300
+
+
+@pytest.mark.parametrize("stall", [30.0, 300.0])
+def test_one_stalled_draft_step_does_not_switch_speculation_off_for_good(stall):
+    """Drafting pays here (α 0.6 at batch 2). One draft step that stalls (descheduled, a collector
+    pause) used to lift κ_d past the break-even; ordinary draft steps then never ran again to
+    correct it, and the probes, which all catch up, never touched κ_d: speculation stayed off."""
+    assert _drafted_share_after_a_stall(AdaptivePolicy(PROFILE), 1.0) > 0.95
+    assert _drafted_share_after_a_stall(AdaptivePolicy(PROFILE), stall) > 0.95
 
 
 def test_a_swapped_in_draft_is_judged_on_its_own_steps():

@@ -20,6 +20,11 @@ Online corrections (all exponentially forgetting, so they follow drift):
   up more than `REGULAR_LAG` rows (their draft ms minus κ_d·γ·D(b)): on the reference CPU the
   engine's catch-up of 23 rows at batch 1 took ≈ 5 ms where the profile measured 0.2 ms, and
   one such step folded into κ_d used to inflate the price of every ordinary draft after it.
+  A catch-up step still bounds κ_d from above (its whole draft ms over γ·D(b)): while speculation
+  is off, ordinary draft steps never run, and a κ_d inflated by a stall used to keep it off for
+  good, learning only from the probes, which all catch up (bench b4 in docs/results/2026-12-04:
+  550 s of plain decoding at 0.88x the speculative rate). Every κ observation is clipped to
+  [1/MAX_CORRECTION, MAX_CORRECTION].
 * r_j: the depth-j acceptance relative to the geometric model — accepted tokens at depth j over
   Σ α̂_i of the requests that reached depth j (prior r_j = 1 with 20 pseudo-attempts). EAGLE
   drafts decay with depth; every step informs all depths it reached, so deep levels are learnt
@@ -70,6 +75,10 @@ _DEPTH_PRIOR = 20.0  # pseudo-attempts behind r_j = 1: a few steps' evidence bef
 # Lags up to this are ordinary drafting (the previous step's bonus and accepted rows, ≤ γ + 1):
 # their cost is in D(b) and κ_d. Longer lags are catch-ups after speculation was off (κ_c).
 REGULAR_LAG = 4
+# A κ observation is clipped to [1/16, 16] × the profile. The profile was measured on this machine,
+# so a step 16× off it is a stall (the process descheduled, a collector pause, another thread holding
+# the GIL), not a new cost; unclipped, one such step could lift κ_d past speculation's break-even.
+MAX_CORRECTION = 16.0
 
 
 class _ReqState:
@@ -170,6 +179,7 @@ class AdaptivePolicy:
         return got if got is not None else self.kv_bucket.get(bucket, 1.0)
 
     def _ema(self, table: dict, key, value: float) -> None:
+        value = min(max(value, 1.0 / MAX_CORRECTION), MAX_CORRECTION)
         old = table.get(key)
         table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
 
@@ -268,6 +278,8 @@ class AdaptivePolicy:
             self._ema(self.kv, (bucket, round(self.verify_n(b, feedback.gammas))), ratio)
             self._ema(self.kv_bucket, bucket, ratio)
         if feedback.draft_ms > 0 and catchup > 0:  # a catch-up step: what the ordinary draft leaves
+            if draft > 0:  # its whole draft time bounds the ordinary part: a κ_d above is wrong
+                self.kd[bucket] = min(self.kd.get(bucket, 1.0), feedback.draft_ms / draft)
             extra = max(feedback.draft_ms - self.kd.get(bucket, 1.0) * draft, 0.0)
             self._ema(self.kc, bucket, extra / catchup)
         elif feedback.draft_ms > 0 and draft > 0:
