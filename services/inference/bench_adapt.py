@@ -136,10 +136,10 @@ def starting_draft(target: str, minutes: float, seed: int) -> tuple[Path, dict]:
     report = bootstrap(dataclasses.replace(cfg, out=str(out)))
     gc.collect()
     return find_checkpoint_dir(out), {"path": str(out), "cached": cached, "bootstrap_minutes": minutes,
-                                    "prompts": str(prompts),
-                                    "prompt_files": list(BOOTSTRAP_PROMPTS),
-                                    "accept_length": report.get("accept_length"),
-                                    "wall_minutes": report.get("wall_minutes")}
+                                      "prompts": str(prompts),
+                                      "prompt_files": list(BOOTSTRAP_PROMPTS),
+                                      "accept_length": report.get("accept_length"),
+                                      "wall_minutes": report.get("wall_minutes")}
 
 
 def parse_env(items: list[str]) -> dict[str, dict[str, str]]:
