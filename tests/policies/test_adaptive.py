@@ -185,6 +185,18 @@ def test_one_stalled_draft_step_does_not_switch_speculation_off_for_good(stall):
     assert _drafted_share_after_a_stall(AdaptivePolicy(PROFILE), stall) > 0.95
 
 
+def test_a_catch_up_step_bounds_the_draft_cost_no_lower_than_the_clip():
+    """A catch-up step's draft ms caps κ_d (never raises it); a near-zero one (a weightless drafter)
+    caps it at 1/16, the floor every κ observation has, not at ~0 (drafting priced free)."""
+    pol = AdaptivePolicy(PROFILE, explore=0.0)
+    reqs = (RequestView("a", lag=32), RequestView("b", lag=32))  # lag > REGULAR_LAG: catch-up steps
+    verify = PROFILE.target_ms(2, 2)
+    for draft_ms, kd in ((4 * PROFILE.draft_ms(2), 1.0), (0.5 * PROFILE.draft_ms(2), 0.5), (1e-6, 1 / 16)):
+        pol.decide(StepContext(2, reqs))
+        pol.observe(StepFeedback(2, (1, 1), (0, 0), step_ms=draft_ms + verify, draft_ms=draft_ms, verify_ms=verify))
+        assert pol.kd[2] == pytest.approx(kd)
+
+
 def test_a_swapped_in_draft_is_judged_on_its_own_steps():
     """A draft that is never accepted switches speculation off; after a hot swap the policy drafts
     again at once, where a twin told nothing of the swap keeps decoding plainly (its α̂ still

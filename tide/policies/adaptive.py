@@ -279,7 +279,8 @@ class AdaptivePolicy:
             self._ema(self.kv_bucket, bucket, ratio)
         if feedback.draft_ms > 0 and catchup > 0:  # a catch-up step: what the ordinary draft leaves
             if draft > 0:  # its whole draft time bounds the ordinary part: a κ_d above is wrong
-                self.kd[bucket] = min(self.kd.get(bucket, 1.0), feedback.draft_ms / draft)
+                bound = max(feedback.draft_ms / draft, 1.0 / MAX_CORRECTION)
+                self.kd[bucket] = min(self.kd.get(bucket, 1.0), bound)
             extra = max(feedback.draft_ms - self.kd.get(bucket, 1.0) * draft, 0.0)
             self._ema(self.kc, bucket, extra / catchup)
         elif feedback.draft_ms > 0 and draft > 0:
