@@ -42,7 +42,7 @@ duration_s). Collection overhead: after the static phases, on the static stack, 
 request list is served in windows with collection forced off / on / on / off (ABBA, `--ab-rounds`
 times) by admin decisions to the worker; greedy, so every window generates identical tokens; the
 cost is 1 − median(on tok/s) / median(off tok/s), trainer ingesting the chunks included.
-Plots (bench_adapt_plots): adapt.png, loop.png. `--quick`: 3 × 150 s phases per mode and one A/B
+Plots (bench_adapt_plots): adapt.png, loop.png, policy.png. `--quick`: 3 × 150 s phases per mode and one A/B
 round of 4 requests (≈ 17 min on the 2-core CPU machine when idle, with a cached starting draft: the
 first run bootstraps it, `--bootstrap-minutes` more); full: 3 × 300 s, two A/B rounds of 12 requests.
 """
@@ -358,7 +358,7 @@ def print_table(res: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="3 x 150 s phases per mode, one A/B round (< 20 min)")
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--plots", type=Path, help="directory for adapt.png and loop.png")
+    parser.add_argument("--plots", type=Path, help="directory for adapt.png, loop.png and policy.png")
     parser.add_argument("--target", default="ref")
     parser.add_argument("--draft", help="starting EAGLE-3 checkpoint dir (default: the cached bootstrap on prompts "
                                         "no phase serves)")

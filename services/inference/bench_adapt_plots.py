@@ -6,6 +6,10 @@ adapt.png  accept length (top) and client-side tokens/s (bottom) over time, stat
 loop.png   the online loop's plumbing over time: chunk MB written by the workers, tokens buffered
            at the trainer, tokens collected since collection was last enabled (controller); it runs
            on past the traffic window while in-flight requests finish (solid black line).
+policy.png the workers' γ policy in both modes: its global acceptance estimate α̂ (top) and its
+           draft-cost correction κ_d per batch bucket (bottom, log scale: measured / profiled draft
+           ms; above ≈ 2 at batch 2 on the reference CPU drafting stops paying), so a policy that
+           stopped speculating shows why (docs/results/2026-12-04, run b4).
 """
 
 from __future__ import annotations
@@ -81,4 +85,33 @@ def plot(res: dict, out_dir: Path) -> list[str]:
     paths.append(out_dir / "loop.png")
     fig.savefig(paths[1], dpi=110)
     plt.close(fig)
+
+    paths.append(out_dir / "policy.png")
+    _plot_policy(res, paths[2], end, plt)
     return [str(p) for p in paths]
+
+
+def _plot_policy(res: dict, path: Path, end: float, plt) -> None:
+    fig, (top, bot) = plt.subplots(2, 1, figsize=(11, 5.5), sharex=True)
+    for mode in ("static", "online"):
+        samples = [s for s in res[mode].get("samples", []) if s.get("policy")]
+        ts = [s["t"] for s in samples]
+        top.plot(ts, [s["policy"].get("alpha_global") for s in samples], color=COLORS[mode], lw=1.4, label=mode)
+        buckets = sorted({k for s in samples for k in s["policy"] if k.startswith("kappa_draft[")})
+        for i, key in enumerate(buckets):
+            pts = [(s["t"], s["policy"][key]) for s in samples if key in s["policy"]]
+            bot.plot([p[0] for p in pts], [p[1] for p in pts], color=COLORS[mode], lw=1.4, ls=("-", "--", ":")[i % 3],
+                     label=f"{mode} {key.removeprefix('kappa_draft[').rstrip(']')}")
+    for ax in (top, bot):
+        _decorate(ax, res, ax is top)
+    bot.set_yscale("log")
+    bot.set_xlim(0, end)
+    top.set_ylabel("α̂ (global acceptance estimate)")
+    bot.set_ylabel("κ_d (draft ms / profiled)")
+    bot.set_xlabel("seconds since traffic started")
+    top.legend(fontsize=8, loc="lower right")
+    bot.legend(fontsize=8, loc="upper right")
+    top.set_title("the γ policy's estimates (worker metric tide_inference_policy_estimate)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -7,7 +7,8 @@
 - `Poller`: every `every_s` seconds, one sample of the loop's state: the workers' draft version and
   collection flag (GetStatus), the controller's collection state and the serving version's short
   acceptance EMA (GetState), the trainer's state and buffered tokens (GetStatus), chunk bytes the
-  workers wrote (their Prometheus counter), the registry pointer's history; trainer outcomes are
+  workers wrote (their Prometheus counter), the first worker's γ-policy estimates (α̂, κ corrections:
+  `policy_estimates`), the registry pointer's history; trainer outcomes are
   kept by run_id (from the controller's last_training and the trainer's last_outcome).
 - `start_draft`: register + promote a checkpoint directory in the stack's registry and wait until
   every worker serves it. `set_collection` flips collection on every worker by an admin decision.
@@ -171,20 +172,46 @@ def start_draft(stack: Stack, ep: Endpoints, model_id: str, draft_dir: Path, tim
     return v
 
 
-def _metrics_chunk_bytes(port: int) -> float | None:
+def _scrape(port: int) -> str | None:
+    """A worker's /metrics text; None without a port or when it does not answer."""
     if not port:
         return None
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=RPC_TIMEOUT_S) as r:
-            m = _CHUNK_BYTES.search(r.read().decode())
+            return r.read().decode()
     except OSError:
         return None
+
+
+def _chunk_bytes(text: str | None) -> float | None:
+    if text is None:
+        return None
+    m = _CHUNK_BYTES.search(text)
     return float(m.group(1)) if m else 0.0
 
 
-def chunk_bytes(ep: Endpoints) -> int | None:
-    """Chunk bytes all workers wrote so far (their tide_chunk_bytes_written counters); None: unreadable."""
-    got = [_metrics_chunk_bytes(ep.metrics.get(f"inference-{i}", 0)) for i in range(len(ep.workers))]
+def policy_estimates(text: str | None) -> dict[str, float]:
+    """The γ policy's estimates in a /metrics text (tide_inference_policy_estimate), keyed
+    "name" or "name[scope]", e.g. "alpha_global", "kappa_draft[batch=2]"."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text or ""):
+        if family.name == "tide_inference_policy_estimate":
+            for smp in family.samples:
+                scope = smp.labels.get("scope", "")
+                out[smp.labels["name"] + (f"[{scope}]" if scope else "")] = round(smp.value, 4)
+    return out
+
+
+def _worker_metrics(ep: Endpoints) -> list[str | None]:
+    return [_scrape(ep.metrics.get(f"inference-{i}", 0)) for i in range(len(ep.workers))]
+
+
+def chunk_bytes(ep: Endpoints, texts: list[str | None] | None = None) -> int | None:
+    """Chunk bytes all workers wrote so far (their tide_chunk_bytes_written counters); None: unreadable.
+    `texts`: the workers' /metrics already scraped (else scraped now)."""
+    got = [_chunk_bytes(t) for t in (_worker_metrics(ep) if texts is None else texts)]
     return None if not got or None in got else int(sum(got))
 
 
@@ -267,5 +294,7 @@ class Poller(threading.Thread):
                     "reason": ev.reason, "actor": ev.actor, "time_unix_s": ev.time_unix_s}
         except Exception as e:
             s["registry_error"] = type(e).__name__
-        s["chunk_bytes"] = chunk_bytes(self.ep)
+        texts = _worker_metrics(self.ep)
+        s["chunk_bytes"] = chunk_bytes(self.ep, texts)
+        s["policy"] = policy_estimates(texts[0]) if texts else {}  # the first worker's γ policy
         return s

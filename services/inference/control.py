@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.inference.engine.drafters import Drafter, NgramDrafter
-from tide.policies import DraftAware, GammaPolicy, StepContext, StepFeedback
+from tide.policies import DraftAware, Estimate, GammaPolicy, Introspectable, StepContext, StepFeedback
 from tide.policies.profile import LatencyProfile
 from tide.policies.registry import POLICY_NAMES, make_policy
 
@@ -192,6 +192,9 @@ class ScheduledPolicy:
     def draft_changed(self) -> None:
         if isinstance(self.inner, DraftAware):
             self.inner.draft_changed()
+
+    def estimates(self) -> list[Estimate]:
+        return self.inner.estimates() if isinstance(self.inner, Introspectable) else []
 
 
 DrafterFactory = Callable[[str], Drafter | None]

@@ -16,6 +16,11 @@ DECISIONS = Counter("tide_inference_decisions", "Controller decisions by outcome
 RUNNING = Gauge("tide_inference_running_requests", "Sequences holding a KV slot")
 WAITING = Gauge("tide_inference_waiting_requests", "Accepted requests without a KV slot yet")
 KV_USAGE = Gauge("tide_inference_kv_cache_usage", "Fraction of KV-cache slots in use [0, 1]")
+# One series per estimate of the γ policy (tide.policies.Estimate): alpha_global, depth_ratio{depth=j},
+# kappa_verify / kappa_draft / kappa_catchup {batch=B[,tokens=n]} (measured over profiled ms), refreshed
+# about once a second; empty for a policy without estimates (static-γ).
+POLICY_ESTIMATE = Gauge("tide_inference_policy_estimate", "The γ policy's online estimates",
+                        ["policy", "name", "scope"])
 COLLECTION = Gauge("tide_inference_collection_enabled", "1 while hidden-state collection is on")
 
 TELEMETRY_PUBLISHED = Counter("tide_telemetry_records_published", "Step records written to the telemetry stream")

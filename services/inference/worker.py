@@ -43,11 +43,13 @@ from services.inference.requests import (
     TokenEvent,
     prepare,
 )
+from tide.policies import Introspectable
 from tide.policies.profile import LatencyProfile
 from tide.telemetry import StepRecord
 
 log = logging.getLogger(__name__)
 _HALT = object()  # command that stops the loop thread
+ESTIMATES_EVERY_S = 1.0  # the policy's estimates are exported this often: scrapes are seconds apart
 
 
 class Worker:
@@ -65,6 +67,7 @@ class Worker:
         self.max_queue, self.forced_gamma, self.profile = max_queue, forced_gamma, profile
         self.drafter_factory, self.device = drafter_factory, device
         self.started_s = time.monotonic()
+        self._estimates_at = 0.0  # monotonic s of the last estimates export (ESTIMATES_EVERY_S)
         self._lock = threading.Lock()
         self._live: dict[str, RequestHandle] = {}  # accepted, not finished (guarded by _lock)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -230,6 +233,20 @@ class Worker:
         metrics.RUNNING.set(active)
         metrics.WAITING.set(max(0, len(self._live) - active))
         metrics.KV_USAGE.set(active / self.engine.config.max_batch)
+        self._export_estimates()
+
+    def _export_estimates(self) -> None:
+        """The γ policy's estimates as `tide_inference_policy_estimate` (at most every ESTIMATES_EVERY_S;
+        the series are replaced whole, so a policy swap leaves none of the old policy's behind)."""
+        now = time.monotonic()
+        if now - self._estimates_at < ESTIMATES_EVERY_S:
+            return
+        self._estimates_at = now
+        policy = self.engine.policy
+        estimates = policy.estimates() if isinstance(policy, Introspectable) else []
+        metrics.POLICY_ESTIMATE.clear()
+        for e in estimates:
+            metrics.POLICY_ESTIMATE.labels(policy.name, e.name, e.scope).set(e.value)
 
     def _add(self, h: RequestHandle) -> None:
         if h.done:  # cancelled before it reached the engine

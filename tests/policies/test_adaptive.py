@@ -211,3 +211,26 @@ def test_a_swapped_in_draft_is_judged_on_its_own_steps():
     told.draft_changed()
     assert min(told.decide(ctx)) >= 1
     assert twin.decide(ctx) == [0, 0]
+
+
+def test_its_estimates_show_what_it_learnt():
+    """What an operator reads off the worker's metrics: draft steps that run 3x their profiled cost
+    show as kappa_draft ≈ 3 at their batch bucket, a draft accepted 1 time in 5 as alpha_global
+    near 0.2 (its prior is 0.5), and every estimate names what it is per."""
+    pol = AdaptivePolicy(PROFILE, explore=0.0)
+    ctx = StepContext(2, (RequestView("a"), RequestView("b")))
+    rng = random.Random(0)
+    for _ in range(400):
+        g = pol.decide(ctx)
+        if max(g) == 0:
+            pol.observe(StepFeedback(2, tuple(g), (0, 0), step_ms=30.0, verify_ms=30.0))
+            continue
+        accepted = tuple(next((k for k in range(x) if rng.random() > 0.2), x) for x in g)
+        draft = 3.0 * max(g) * PROFILE.draft_ms(2)
+        verify = PROFILE.target_ms(2, 1 + sum(g) / 2)
+        pol.observe(StepFeedback(2, tuple(g), accepted, step_ms=draft + verify, draft_ms=draft, verify_ms=verify))
+    est = {(e.name, e.scope): e.value for e in pol.estimates()}
+    assert est[("kappa_draft", "batch=2")] == pytest.approx(3.0, rel=0.05)
+    assert 0.1 < est[("alpha_global", "")] < 0.3
+    assert est[("depth_ratio", "depth=1")] == pytest.approx(1.0, abs=0.2)
+    assert all(0 < v < 16.01 for v in est.values())

@@ -4,6 +4,16 @@ Policies run inside the inference worker, once per engine step, and must decide 
 microseconds from local state; their parameters and tables come from the controller.
 """
 
-from tide.policies.base import DraftAware, FixedGamma, GammaPolicy, RequestView, StepContext, StepFeedback
+from tide.policies.base import (
+    DraftAware,
+    Estimate,
+    FixedGamma,
+    GammaPolicy,
+    Introspectable,
+    RequestView,
+    StepContext,
+    StepFeedback,
+)
 
-__all__ = ["DraftAware", "FixedGamma", "GammaPolicy", "RequestView", "StepContext", "StepFeedback"]
+__all__ = ["DraftAware", "Estimate", "FixedGamma", "GammaPolicy", "Introspectable", "RequestView", "StepContext",
+           "StepFeedback"]

@@ -60,7 +60,7 @@ import random
 from collections import Counter
 from itertools import accumulate
 
-from tide.policies.base import StepContext, StepFeedback
+from tide.policies.base import Estimate, StepContext, StepFeedback
 from tide.policies.estimators import (
     ALPHA_CAP,
     AcceptanceEMA,
@@ -182,6 +182,16 @@ class AdaptivePolicy:
         value = min(max(value, 1.0 / MAX_CORRECTION), MAX_CORRECTION)
         old = table.get(key)
         table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
+
+    def estimates(self) -> list[Estimate]:
+        """α̂_g, the depth ratios r_j, and the κ corrections per batch bucket (1 where none is learnt:
+        the profile is taken as it is). Exported by the worker (`tide_inference_policy_estimate`)."""
+        out = [Estimate("alpha_global", self.alpha.value)]
+        out += [Estimate("depth_ratio", self.depth_ratio(j), f"depth={j}") for j in range(1, self.max_gamma + 1)]
+        out += [Estimate("kappa_verify", v, f"batch={b},tokens={n}") for (b, n), v in sorted(self.kv.items())]
+        for name, table in (("kappa_draft", self.kd), ("kappa_catchup", self.kc)):
+            out += [Estimate(name, v, f"batch={b}") for b, v in sorted(table.items())]
+        return out
 
     # ------------------------------------------------------------------ decide
     def decide(self, ctx: StepContext) -> list[int]:

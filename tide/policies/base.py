@@ -81,6 +81,29 @@ class DraftAware(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """One of a policy's online estimates, as the worker exports it (`Introspectable`).
+
+    `scope` says what the value is per: "" for the whole worker, else comma-separated key=value
+    pairs such as "batch=2" (a batch bucket), "batch=2,tokens=3" or "depth=1"."""
+
+    name: str
+    value: float
+    scope: str = ""
+
+
+@runtime_checkable
+class Introspectable(Protocol):
+    """A policy whose decisions rest on online estimates (acceptance, latency corrections) that an
+    operator should be able to see: the worker exports them as `tide_inference_policy_estimate`.
+    Without them, why a policy stopped speculating can only be inferred from its effects."""
+
+    def estimates(self) -> list[Estimate]:
+        """The current estimates; cheap (called about once a second from the engine's thread)."""
+        ...
+
+
 class FixedGamma:
     """Static γ for every request and batch size; γ = 0 is plain decoding."""
 

@@ -12,7 +12,7 @@ T(b·n); on a Table-5-shaped profile (``T_total_ms``) it is literally T(b·n).
 
 from __future__ import annotations
 
-from tide.policies.base import StepContext, StepFeedback
+from tide.policies.base import Estimate, StepContext, StepFeedback
 from tide.policies.estimators import ALPHA_CAP, AcceptanceEMA, OffProbe, expected_accept_len
 from tide.policies.profile import LatencyProfile
 
@@ -117,6 +117,10 @@ class TideLatencyPolicy:
     def observe(self, feedback: StepFeedback) -> None:
         self.alpha.update(feedback.gammas, feedback.accepted)
         self.probe.record(feedback.gammas)
+
+    def estimates(self) -> list[Estimate]:
+        """α̂, which the thresholds are compared with (exported as `tide_inference_policy_estimate`)."""
+        return [Estimate("alpha_global", self.alpha.value)]
 
     def draft_changed(self) -> None:
         """A hot swap: α̂ restarts from its prior (it described the old draft)."""

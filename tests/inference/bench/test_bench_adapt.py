@@ -88,8 +88,10 @@ def test_promotions_training_and_checks():
 def fake_mode(tok: float, acc: float) -> dict:
     records = [rec(t, t + 5, int(tok * 5), acc, 20) for t in range(0, 30, 5)]
     return {**st.phase_table(records, BOUNDS), "timeline": st.timeline(records, 30, 10), "requests": records,
-            "collection_intervals": [[3.0, 14.0]], "samples": [{"t": 0, "chunk_bytes": 0, "buffered_tokens": 0},
-                                                               {"t": 20, "chunk_bytes": 2e6, "buffered_tokens": 900}],
+            "collection_intervals": [[3.0, 14.0]],
+            "samples": [{"t": 0, "chunk_bytes": 0, "buffered_tokens": 0, "policy": {}},
+                        {"t": 20, "chunk_bytes": 2e6, "buffered_tokens": 900,
+                         "policy": {"alpha_global": 0.3, "kappa_draft[batch=2]": 1.2, "kappa_draft[batch=1]": 0.9}}],
             "promotions": [], "chunk_bytes": 2_000_000}
 
 
@@ -112,9 +114,28 @@ def test_json_shape_table_and_plots(tmp_path, capsys):
     from services.inference.bench_adapt_plots import plot
 
     paths = plot(res, tmp_path / "plots")
-    assert [p.rsplit("/", 1)[-1] for p in paths] == ["adapt.png", "loop.png"]
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["adapt.png", "loop.png", "policy.png"]
     for p in paths:
         assert ba.Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_pollers_policy_estimates_are_read_from_the_workers_exposition():
+    """What the worker exports (services.inference.metrics, the process's default registry) is what
+    the bench reads back: names keyed with their scope, and nothing of other metrics."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    from services.inference import metrics
+    from services.inference.bench_adapt_stack import policy_estimates
+
+    metrics.POLICY_ESTIMATE.clear()
+    metrics.POLICY_ESTIMATE.labels("adaptive", "alpha_global", "").set(0.31)
+    metrics.POLICY_ESTIMATE.labels("adaptive", "kappa_draft", "batch=2").set(2.5)
+    try:
+        got = policy_estimates(generate_latest(REGISTRY).decode())
+    finally:
+        metrics.POLICY_ESTIMATE.clear()
+    assert got == {"alpha_global": 0.31, "kappa_draft[batch=2]": 2.5}
+    assert policy_estimates(None) == {}
 
 
 @pytest.fixture
@@ -246,5 +267,5 @@ def test_run_cli_assembles_both_modes_without_a_stack(monkeypatch, tmp_path, cap
     assert got["ratio"]["phases"]["humaneval"]["tok_s"] == pytest.approx(1.2)
     assert got["promotions"][0]["version"] == "m/v0002" and got["training"]["mean_duration_s"] == 40.0
     assert got["collection_overhead"]["cost_pct"] == pytest.approx(100 * (1 - 10 / 10.5), abs=0.01)
-    assert got["chunk_bytes"] == {"static": 2_000_000, "online": 2_000_000} and len(got["plots"]) == 2
+    assert got["chunk_bytes"] == {"static": 2_000_000, "online": 2_000_000} and len(got["plots"]) == 3
     assert "wrote" in capsys.readouterr().out

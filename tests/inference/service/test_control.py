@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inference.service.svc import ADMIN_TOKEN, request, rpc_error, run_stream, step_records, stub, wait_for
+from prometheus_client import REGISTRY
 
 from services.inference.control import DecisionError, SpeculationBucket, SpeculationSchedule
+from services.inference.worker import ESTIMATES_EVERY_S
 from tide.grpcutil import channel
 from tide.policies.profile import synthetic_profile
 from tide.proto.tide.v1 import inference_pb2
@@ -120,6 +123,36 @@ def test_policy_with_profile_in_table_json(make_service):
     assert resp.status.gamma_policy.name == "tide"
     tokens, _, last = run_stream(stub(svc), request("after", LOOPING, max_tokens=10))
     assert len(tokens) == 10
+
+
+def _estimate(policy: str, name: str, scope: str = "") -> float | None:
+    return REGISTRY.get_sample_value("tide_inference_policy_estimate", {"policy": policy, "name": name, "scope": scope})
+
+
+def test_the_policys_estimates_are_exported_and_leave_with_it(make_service):
+    """A policy's α̂ is on /metrics and follows the draft: on the tiny random target the n-gram
+    drafter is mostly rejected, and the `tide` policy's α̂ falls from its 0.5 prior to about the
+    share of drafted tokens accepted. A static γ has no estimates: after the swap none of the old
+    policy's series are left to mislead a dashboard."""
+    svc = make_service()
+    admin, client = stub(svc, ADMIN_TOKEN), stub(svc)
+    table = json.dumps({"profile": synthetic_profile().to_dict()})
+    resp = admin.ApplyDecision(decision("e1", gamma_policy=inference_pb2.GammaPolicy(
+        name="tide", params={"gamma": 3, "alpha_decay": 0.99}, table_json=table)))
+    assert resp.outcome == Outcome.OUTCOME_APPLIED, resp.detail
+    _, _, last = run_stream(client, request("loop-1", LOOPING, max_tokens=60))
+    spec = last.final.speculation
+    time.sleep(ESTIMATES_EVERY_S + 0.1)  # the next step exports again
+    run_stream(client, request("loop-2", LOOPING, max_tokens=2))
+    alpha = _estimate("tide", "alpha_global")
+    assert spec.draft_tokens >= 30 and spec.accepted_tokens / spec.draft_tokens < 0.3
+    assert alpha is not None and alpha < 0.4
+    static = inference_pb2.GammaPolicy(name="static", params={"gamma": 2})
+    resp = admin.ApplyDecision(decision("e2", gamma_policy=static))
+    assert resp.outcome == Outcome.OUTCOME_APPLIED, resp.detail
+    time.sleep(ESTIMATES_EVERY_S + 0.1)
+    run_stream(client, request("loop-3", LOOPING, max_tokens=4))
+    assert _estimate("tide", "alpha_global") is None
 
 
 def test_schedule_turns_speculation_off_per_batch_size(make_service, redis_client, unique_prefix):
