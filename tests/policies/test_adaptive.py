@@ -185,6 +185,40 @@ def test_one_stalled_draft_step_does_not_switch_speculation_off_for_good(stall):
     assert _drafted_share_after_a_stall(AdaptivePolicy(PROFILE), stall) > 0.95
 
 
+def _drafted_share_after_a_busy_plain_spell(pol: AdaptivePolicy, slow: float, alpha: float, seed: int) -> float:
+    """200 steps of a draft that is never accepted (speculation goes off) on a host where plain steps
+    run `slow` x the profile (a busy spell), then a hot swap to a draft accepted with probability
+    `alpha` per token on a host that runs as profiled: the share of the last 300 of 1500 steps that
+    drafted."""
+    rng, lag, drafted = random.Random(seed), [0, 0], []
+    for i in range(1700):
+        if i == 200:
+            pol.draft_changed()
+        a, s = (0.0, slow) if i < 200 else (alpha, 1.0)
+        g = pol.decide(StepContext(2, tuple(RequestView(f"r{k}", lag=lag[k]) for k in range(2))))
+        acc = tuple(next((k for k in range(x) if rng.random() >= a), x) for x in g)
+        spec = [x for x, y in zip(lag, g, strict=True) if y > 0]
+        draft = max(g) * PROFILE.draft_ms(2) + (PROFILE.catchup_ms(max(spec), len(spec)) if spec else 0.0)
+        verify = PROFILE.target_ms(2, 1 + max(g)) * (s if max(g) == 0 else 1.0)
+        pol.observe(StepFeedback(2, tuple(g), acc, step_ms=draft + verify, draft_ms=draft, verify_ms=verify))
+        lag = [1 + x2 if x > 0 else n + 1 for n, x, x2 in zip(lag, g, acc, strict=True)]
+        drafted.append(max(g) > 0)
+    return sum(drafted[-300:]) / 300
+
+
+def test_a_plain_step_cost_learnt_in_a_busy_spell_does_not_keep_speculation_on_for_good():
+    """Drafting at α 0.05 does not pay here, and the policy mostly decodes plainly. When the plain
+    steps it last ran were slow (a busy host: 2x), their κ used to stay 2 for as long as it kept
+    speculating, which it then did for good: plain decoding looked twice as dear and was never
+    tried again to find out (bench b6, docs/results/2026-12-05). The unplayed width's κ now follows
+    the bucket's level."""
+    seeds = range(4)
+    calm = [_drafted_share_after_a_busy_plain_spell(AdaptivePolicy(PROFILE), 1.0, 0.05, s) for s in seeds]
+    busy = [_drafted_share_after_a_busy_plain_spell(AdaptivePolicy(PROFILE), 2.0, 0.05, s) for s in seeds]
+    assert sum(calm) / 4 < 0.3
+    assert sum(busy) / 4 < 0.3  # the old code: 1.0 with every seed
+
+
 def test_a_catch_up_step_bounds_the_draft_cost_no_lower_than_the_clip():
     """A catch-up step's draft ms caps κ_d (never raises it); a near-zero one (a weightless drafter)
     caps it at 1/16, the floor every κ observation has, not at ~0 (drafting priced free)."""

@@ -16,6 +16,8 @@ to the largest lag of the batch (c(L_max, b), Nightjar Table 1) when it resumes.
 Online corrections (all exponentially forgetting, so they follow drift):
 * κ(B, n): measured / profiled verify ms per bucket and tokens-per-sequence (falls back to the
   bucket's mean ratio, then 1); κ_d(B) likewise for draft ms — a stale or wrong profile heals.
+  The κ(B, n) of a width not played relaxes toward the bucket's level (`stale_relax` per step),
+  so a cost measured in a busy spell cannot keep an arm that is never played again priced wrong.
   κ_c(B) corrects the catch-up cost c(L, b) separately, from the steps whose draft had to catch
   up more than `REGULAR_LAG` rows (their draft ms minus κ_d·γ·D(b)): on the reference CPU the
   engine's catch-up of 23 rows at batch 1 took ≈ 5 ms where the profile measured 0.2 ms, and
@@ -107,6 +109,7 @@ class AdaptivePolicy:
         alpha_prior: float = 0.5,
         stale_decay: float = 0.95,
         correction_decay: float = 0.95,
+        stale_relax: float = 0.99,
         depth_decay: float = 0.995,
         switch_horizon: float = 16.0,
         explore: float = 0.02,
@@ -125,6 +128,7 @@ class AdaptivePolicy:
         self.alpha = AcceptanceEMA(decay=alpha_decay, prior=alpha_prior)
         self.stale_decay = stale_decay
         self.decay = correction_decay
+        self.stale_relax = stale_relax
         self.depth_decay = depth_decay
         self.switch_horizon = switch_horizon
         self.explore = explore
@@ -184,8 +188,9 @@ class AdaptivePolicy:
         table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
 
     def estimates(self) -> list[Estimate]:
-        """α̂_g, the depth ratios r_j, and the κ corrections per batch bucket (1 where none is learnt:
-        the profile is taken as it is). Exported by the worker (`tide_inference_policy_estimate`)."""
+        """α̂_g, the depth ratios r_j, and the κ corrections per batch bucket; a bucket without an
+        observation yet has none (the profile is taken as it is there). Exported by the worker
+        (`tide_inference_policy_estimate`)."""
         out = [Estimate("alpha_global", self.alpha.value)]
         out += [Estimate("depth_ratio", self.depth_ratio(j), f"depth={j}") for j in range(1, self.max_gamma + 1)]
         out += [Estimate("kappa_verify", v, f"batch={b},tokens={n}") for (b, n), v in sorted(self.kv.items())]
@@ -285,8 +290,10 @@ class AdaptivePolicy:
         verify, draft, catchup = self.raw_times(b, feedback.gammas, p["lags"])
         if feedback.verify_ms > 0 and verify > 0:
             ratio = feedback.verify_ms / verify
-            self._ema(self.kv, (bucket, round(self.verify_n(b, feedback.gammas))), ratio)
+            played = round(self.verify_n(b, feedback.gammas))
+            self._ema(self.kv, (bucket, played), ratio)
             self._ema(self.kv_bucket, bucket, ratio)
+            self._relax_unplayed(bucket, played)
         if feedback.draft_ms > 0 and catchup > 0:  # a catch-up step: what the ordinary draft leaves
             if draft > 0:  # its whole draft time bounds the ordinary part: a κ_d above is wrong
                 bound = max(feedback.draft_ms / draft, 1.0 / MAX_CORRECTION)
@@ -308,6 +315,18 @@ class AdaptivePolicy:
         if len(decided) != len(ran):
             return ran
         return tuple(a if a > 0 else g for a, g in zip(decided, ran, strict=True))
+
+    def _relax_unplayed(self, bucket: int, played: int) -> None:
+        """κ(B, n) of the verify widths this step did not play drift toward the bucket's level κ(B)
+        (`stale_relax` per step of the bucket). Learnt only from the width played, the κ of an arm not
+        played stays whatever it was when last played: in bench b6 (docs/results/2026-12-05) plain
+        steps measured during a busy spell left κ(2, 1) at 1.97 while speculating steps ran at
+        1.3, and the policy kept drafting at α̂ ≈ 0.19, below break-even, for 500 s, since plain
+        decoding looked 1.5x dearer than it was and was never tried again to find out."""
+        level = self.kv_bucket[bucket]
+        for key, v in self.kv.items():
+            if key[0] == bucket and key[1] != played:
+                self.kv[key] = v + (1 - self.stale_relax) * (level - v)
 
     def _learn_depths(self, alphas: list[float], gammas: tuple[int, ...], accepted: tuple[int, ...]) -> None:
         touched = False
