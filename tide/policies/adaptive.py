@@ -319,10 +319,10 @@ class AdaptivePolicy:
     def _relax_unplayed(self, bucket: int, played: int) -> None:
         """κ(B, n) of the verify widths this step did not play drift toward the bucket's level κ(B)
         (`stale_relax` per step of the bucket). Learnt only from the width played, the κ of an arm not
-        played stays whatever it was when last played: in bench b6 (docs/results/2026-12-05) plain
-        steps measured during a busy spell left κ(2, 1) at 1.97 while speculating steps ran at
-        1.3, and the policy kept drafting at α̂ ≈ 0.19, below break-even, for 500 s, since plain
-        decoding looked 1.5x dearer than it was and was never tried again to find out."""
+        played stays whatever it was when last played: in bench b6 (docs/results/2026-12-05) a spell
+        of slow plain steps left κ(2, 1) at 1.97 while speculating steps ran at 1.3, and the policy
+        kept drafting at α̂ ≈ 0.19, below break-even, for 600 s: plain decoding looked 1.5x dearer
+        than it was and was never tried again to find out."""
         level = self.kv_bucket[bucket]
         for key, v in self.kv.items():
             if key[0] == bucket and key[1] != played:
