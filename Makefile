@@ -25,6 +25,7 @@ run: setup
 
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --durations=25
 
 lint: setup

@@ -268,3 +268,10 @@ class ChunkBuilder:
         self.num_tokens = 0
         self._keys.clear()
         return chunk
+
+
+def learnable_rows(start: int, n: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, loss_mask uint8) of `n` captured rows starting at position `start`: a row is
+    learnable when its next token is generated output (position >= prompt length - 1)."""
+    pos = torch.arange(start, start + n)
+    return pos, (pos >= prompt_len - 1).to(torch.uint8)

@@ -19,9 +19,14 @@ from minio import Minio
 
 from services.inference.control import PolicySpec, make_drafter
 from services.inference.drafts import DRAFTER_NAME, DraftWatcher
-from services.inference.engine.engine import EngineConfig, LLMEngine
 from services.inference.exporter import ChunkExporter
-from services.inference.profiling import (
+from services.inference.server import serve
+from services.inference.settings import InferenceSettings
+from services.inference.telemetry import TelemetryPublisher
+from services.inference.worker import Worker
+from tide import blobs, streams
+from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.profiling import (
     PROFILE_POLICIES,
     LiveProfile,
     cached_profile,
@@ -29,11 +34,6 @@ from services.inference.profiling import (
     random_draft,
     wants_profile,
 )
-from services.inference.server import serve
-from services.inference.settings import InferenceSettings
-from services.inference.telemetry import TelemetryPublisher
-from services.inference.worker import Worker
-from tide import blobs, streams
 from tide.grpcutil import GrpcServer
 from tide.policies.profile import LatencyProfile
 from tide.precision import dtype_name
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 def load_target(settings: InferenceSettings):
     """(LlamaModel, tokenizer or None, model id) for the configured target (GGUF converted once, cached)."""
-    from services.inference.engine.llama import LlamaModel
+    from tide.engine.llama import LlamaModel
 
     target = resolve_target(settings.target)
     model = LlamaModel.load(target, dtype=settings.torch_dtype, device=settings.device)
@@ -78,7 +78,7 @@ def start_profile(settings: InferenceSettings, model, model_id: str) -> LatencyP
     if not wants_profile(settings.policy, settings.profile_at_start):
         return None
     if settings.drafter == "eagle3":  # the registry's draft comes later; latency depends on its shape only
-        from services.inference.engine.drafters.eagle3 import Eagle3Drafter
+        from tide.engine.drafters.eagle3 import Eagle3Drafter
 
         drafter = Eagle3Drafter(random_draft(model, min(8192, model.cfg.vocab_size)), "shape", 1, 1)
     else:

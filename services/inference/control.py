@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.inference.engine.drafters import Drafter, NgramDrafter
+from tide.engine.drafters import Drafter, NgramDrafter
 from tide.policies import DraftAware, Estimate, GammaPolicy, Introspectable, StepContext, StepFeedback
 from tide.policies.profile import LatencyProfile
 from tide.policies.registry import POLICY_NAMES, make_policy
@@ -131,7 +131,7 @@ def build_policy(spec: PolicySpec, profile: LatencyProfile | None = None) -> Gam
     LatencyProfile (`LatencyProfile.to_dict()` shape) used instead of the worker's `profile`; every
     other key is a structured keyword argument of the policy (e.g. vLLM's per-batch-size table).
     The scalar param `reprofile` = 1 first re-measures the worker's profile (a
-    `services.inference.profiling.LiveProfile`) in place; it is not passed to the policy."""
+    `tide.engine.profiling.LiveProfile`) in place; it is not passed to the policy."""
     if spec.name not in POLICY_NAMES:
         raise DecisionError(f"unknown gamma policy {spec.name!r}; known: {', '.join(POLICY_NAMES)}")
     params = {str(k): _param(v) for k, v in spec.params.items()}

@@ -35,10 +35,10 @@ import grpc
 from minio.error import S3Error
 from prometheus_client import Counter, Gauge
 
-from services.inference.engine.drafters import Drafter, NgramDrafter
-from services.inference.engine.drafters.eagle3 import Eagle3Drafter
 from tide.blobs import ChecksumMismatch
 from tide.eagle3 import DraftIncompatible
+from tide.engine.drafters import Drafter, NgramDrafter
+from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.registry_client import RegistryClient, fetch_version
 
 log = logging.getLogger(__name__)

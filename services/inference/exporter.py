@@ -24,11 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import redis
-import torch
 
 from services.inference import metrics
 from tide import blobs, streams
-from tide.chunks import ChunkBuilder, ChunkInvalid, encode_chunk
+from tide.chunks import ChunkBuilder, ChunkInvalid, encode_chunk, learnable_rows
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +52,6 @@ class _Buffer:
     draft_version: str = ""
     workloads: set[str] = field(default_factory=set)
     opened_s: float = 0.0  # monotonic time of the first row
-
-
-def learnable_rows(start: int, n: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions, loss_mask uint8) of `n` captured rows starting at position `start`: a row is
-    learnable when its next token is generated output (position >= prompt length - 1)."""
-    pos = torch.arange(start, start + n)
-    return pos, (pos >= prompt_len - 1).to(torch.uint8)
 
 
 class ChunkExporter:

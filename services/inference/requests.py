@@ -13,7 +13,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from services.inference.engine.sequence import FinishReason, SamplingParams, Sequence
+from tide.engine.sequence import FinishReason, SamplingParams, Sequence
 
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 16

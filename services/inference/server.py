@@ -25,7 +25,6 @@ from services.inference.control import (
     SpeculationSchedule,
     WorkerStatus,
 )
-from services.inference.engine.sequence import FinishReason
 from services.inference.requests import (
     ErrorEvent,
     ErrorKind,
@@ -35,6 +34,7 @@ from services.inference.requests import (
     TokenEvent,
 )
 from services.inference.worker import Worker
+from tide.engine.sequence import FinishReason
 from tide.grpcutil import GrpcServer
 from tide.proto.tide.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 

@@ -31,9 +31,6 @@ from services.inference.control import (
     build_policy,
     make_drafter,
 )
-from services.inference.engine.drafters import Drafter
-from services.inference.engine.engine import LLMEngine, RequestOutput
-from services.inference.engine.sequence import FinishReason
 from services.inference.requests import (
     ErrorEvent,
     ErrorKind,
@@ -43,6 +40,9 @@ from services.inference.requests import (
     TokenEvent,
     prepare,
 )
+from tide.engine.drafters import Drafter
+from tide.engine.engine import LLMEngine, RequestOutput
+from tide.engine.sequence import FinishReason
 from tide.policies import Introspectable
 from tide.policies.profile import LatencyProfile
 from tide.telemetry import StepRecord

@@ -10,7 +10,7 @@ import sys
 import pytest
 from registry.harness import TARGET, TOKEN
 
-from tide.admin.cli import _user, main
+from tools.admin.cli import _user, main
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -111,7 +111,7 @@ def test_missing_token_and_unreachable_registry(seeded, capsys, monkeypatch):
 def test_installed_script(seeded):
     _, (v1, _, _) = seeded
     script = os.path.join(os.path.dirname(sys.executable), "tidectl")
-    cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "tide.admin.cli"]
+    cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "tools.admin.cli"]
     done = subprocess.run(
         [*cmd, "drafts", "promote", v1, "--json"], capture_output=True, text=True, timeout=60, env=os.environ.copy()
     )

@@ -1,5 +1,5 @@
 """docker-compose.yml and the Dockerfile, checked without Docker (no engine on these machines):
-the same commands and variables as `tide up` (tide/launcher.py), every variable read by its
+the same commands and variables as `tide up` (tools/launcher.py), every variable read by its
 service, addresses and health checks that line up, and `docker-compose config` (Debian's v1,
 offline) when it is installed."""
 
@@ -17,7 +17,7 @@ import yaml
 from launcher.envkeys import SERVICES, keys_read
 
 from services.controller.decisions import StaticDecision
-from tide.launcher import DECISION, Endpoints, StackConfig, service_command, service_env
+from tools.launcher import DECISION, Endpoints, StackConfig, service_command, service_env
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -68,10 +68,10 @@ def test_addresses_and_health_checks_line_up(compose):
     assert e["controller"]["TIDE_CONTROLLER_WORKERS"] == e["gateway"]["TIDE_WORKERS"] == worker
     assert e["trainer"]["TIDE_CONTROLLER_ADDR"] == f"controller:{port(listen['controller'])}"
     for name, address in listen.items():
-        assert compose[name]["healthcheck"]["test"] == ["CMD", "python", "-m", "tide.launcher", "probe", "grpc",
+        assert compose[name]["healthcheck"]["test"] == ["CMD", "python", "-m", "tide.probe", "grpc",
                                                         f"127.0.0.1:{port(address)}"], name
     gw = e["gateway"]["TIDE_GATEWAY_PORT"]
-    assert compose["gateway"]["healthcheck"]["test"][-3:] == ["probe", "http", f"http://127.0.0.1:{gw}/ready"]
+    assert compose["gateway"]["healthcheck"]["test"][-3:] == ["tide.probe", "http", f"http://127.0.0.1:{gw}/ready"]
     assert compose["gateway"]["ports"][0].endswith(f":{gw}") and e["gateway"]["TIDE_GATEWAY_HOST"] == "0.0.0.0"
     # storage: the bucket the services use is the one created; queues and blobs on the compose hosts
     for name in ("registry", "trainer", "inference"):

@@ -45,16 +45,6 @@ from support.bootstrap import save_tiny_chat_target
 
 from tide import grpcutil, streams
 from tide.blobs import StorageSettings
-from tide.launcher import (
-    BUCKET,
-    STREAM_PREFIX,
-    ServiceProcess,
-    Stack,
-    StackConfig,
-    grpc_serving,
-    service_command,
-    service_env,
-)
 from tide.proto.tide.v1 import (
     controller_pb2,
     controller_pb2_grpc,
@@ -66,6 +56,16 @@ from tide.proto.tide.v1 import (
 from tide.registry_client import RegistryClient
 from tide.streams import ChunkRef, DeadLetter
 from tide.target import TargetFiles
+from tools.launcher import (
+    BUCKET,
+    STREAM_PREFIX,
+    ServiceProcess,
+    Stack,
+    StackConfig,
+    grpc_serving,
+    service_command,
+    service_env,
+)
 
 pytestmark = pytest.mark.slow
 

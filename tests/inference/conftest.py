@@ -6,7 +6,7 @@ import pytest
 import torch
 from support.engine import save_tiny_target
 
-from services.inference.engine.llama import LlamaModel
+from tide.engine.llama import LlamaModel
 from tide.target import TargetFiles, resolve_target
 
 

@@ -11,11 +11,12 @@ import pytest
 from launcher.envkeys import SERVICES, keys_read
 
 from services.controller.decisions import StaticDecision
-from tide import cli
 from tide.grpcutil import GrpcServer
-from tide.launcher import SERVICES as LAUNCHED
-from tide.launcher import Endpoints, StackConfig, grpc_serving, http_ok, service_command, service_env
+from tide.probe import grpc_serving, http_ok
 from tide.servers import free_port
+from tools import cli
+from tools.launcher import SERVICES as LAUNCHED
+from tools.launcher import Endpoints, StackConfig, service_command, service_env
 
 EP = Endpoints(redis_url="redis://127.0.0.1:1/0", s3_endpoint="127.0.0.1:2", s3_access_key="a", s3_secret_key="s",
                admin_token="t", registry="127.0.0.1:3", trainer="127.0.0.1:4", controller="127.0.0.1:5",
@@ -57,7 +58,7 @@ def test_the_services_point_at_each_other():
 
 def test_cli_parses_up(monkeypatch):
     seen = {}
-    monkeypatch.setattr("tide.launcher.up", lambda cfg: seen.setdefault("cfg", cfg) and 0)
+    monkeypatch.setattr("tools.launcher.up", lambda cfg: seen.setdefault("cfg", cfg) and 0)
     assert cli.main(["up", "--port", "0", "--workers", "2", "--target", "t", "--no-collection",
                      "--data-dir", "/tmp/x"]) == 0
     cfg = seen["cfg"]
@@ -72,10 +73,10 @@ def test_probes_tell_the_truth():
     assert not grpc_serving(closed, timeout_s=0.5) and not http_ok(f"http://{closed}/ready", timeout_s=0.5)
     with GrpcServer() as server:
         assert grpc_serving(server.target)
-        probe = [sys.executable, "-m", "tide.launcher", "probe", "grpc"]
+        probe = [sys.executable, "-m", "tide.probe", "grpc"]
         assert subprocess.run([*probe, server.target], timeout=30).returncode == 0
         server.set_serving("", False)
         assert not grpc_serving(server.target)
     assert subprocess.run([*probe, closed], timeout=30).returncode == 1
-    assert subprocess.run([sys.executable, "-m", "tide.launcher", "probe"], timeout=30,
+    assert subprocess.run([sys.executable, "-m", "tide.probe"], timeout=30,
                           capture_output=True).returncode == 2

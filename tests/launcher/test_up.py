@@ -38,10 +38,10 @@ def chat_target(tmp_path_factory) -> Path:
 
 
 class Up:
-    """`python -m tide.cli up ...` with its output collected line by line."""
+    """`python -m tools.cli up ...` with its output collected line by line."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tide.cli", "up", *args], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "up", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()

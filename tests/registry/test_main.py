@@ -62,7 +62,7 @@ def test_service_process(s3_server, s3_bucket):
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         argv = ["--registry", f"127.0.0.1:{port}", "drafts", "rollback", "tiny", "--json"]
         cli = subprocess.run(
-            [sys.executable, "-m", "tide.admin.cli", *argv], capture_output=True, text=True, timeout=60, env=env
+            [sys.executable, "-m", "tools.admin.cli", *argv], capture_output=True, text=True, timeout=60, env=env
         )
         assert cli.returncode == 4 and json.loads(cli.stdout)["error"]["code"] == "FAILED_PRECONDITION"
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()

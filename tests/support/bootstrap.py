@@ -55,7 +55,7 @@ def tiny_bootstrap(tmp_path_factory, **overrides):
     returns (BootstrapConfig, report, paths) with paths = {"target", "prompts", "heldout", "out"}."""
     if "run" in _CACHE:
         return _CACHE["run"]
-    from services.trainer.bootstrap import BootstrapConfig, bootstrap
+    from tools.draft.bootstrap import BootstrapConfig, bootstrap
 
     root = tmp_path_factory.mktemp("bootstrap")
     save_tiny_chat_target(root / "target", layers=4, init_std=0.05)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from services.inference.engine.drafters.base import DraftAlgorithm, Proposal
+from tide.engine.drafters.base import DraftAlgorithm, Proposal
 from tide.target import TargetFiles
 
 
@@ -111,8 +111,8 @@ class CyclingGamma:
 
 def tiny_eagle3_drafter(model, seed: int = 0, draft_vocab: int = 40, max_batch: int = 8, max_len: int = 320):
     """A random (useless) EAGLE-3 drafter that fits `model` (an engine LlamaModel)."""
-    from services.inference.engine.drafters.eagle3 import Eagle3Drafter
     from tide.eagle3.testing import make_draft
+    from tide.engine.drafters.eagle3 import Eagle3Drafter
 
     cfg = model.cfg
     target = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.inference.engine.llama import ForwardBatch, LlamaModel
 from tide.chunks import ChunkBuilder, encode_chunk
+from tide.engine.llama import ForwardBatch, LlamaModel
 from tide.target import TargetFiles
 
 TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from services.trainer import bootstrap as bs
-from services.trainer.draft_eval import evaluate_on_prompts
-from services.trainer.generation import torch_threads
 from services.trainer.training.loop import lr_at
 from tests.support.bootstrap import TINY_BOOTSTRAP, save_tiny_chat_target, tiny_bootstrap, write_prompt_file
 from tide.chunks import decode_chunk
+from tools.draft import bootstrap as bs
+from tools.draft.draft_eval import evaluate_on_prompts
+from tools.draft.generation import torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,8 @@ def booted(tmp_path_factory):
 
 
 def test_bootstrap_writes_loadable_draft_report_and_plot(booted):
-    from services.inference.engine.drafters.eagle3 import Eagle3Drafter
-    from services.inference.engine.llama import LlamaModel
+    from tide.engine.drafters.eagle3 import Eagle3Drafter
+    from tide.engine.llama import LlamaModel
     from tide.target import resolve_target
 
     cfg, report, paths = booted
@@ -126,7 +126,7 @@ def test_resume_generates_only_missing_prompts(tmp_path, monkeypatch):
 
 
 def test_draft_eval_cli_reports_acceptance_and_top1(booted, tmp_path):
-    from tide.cli import main
+    from tools.cli import main
 
     _, _, paths = booted
     out = tmp_path / "eval.json"
@@ -145,7 +145,7 @@ def test_eval_on_the_held_out_chunks_reproduces_the_bootstrap_report(booted, tmp
     """`tide draft eval --chunks` scores a draft on sequences captured before: on a bootstrap's
     held-out chunks it gives exactly the report's held-out numbers (same rows, same exported weights),
     which is what makes two drafts comparable on one held-out set."""
-    from tide.cli import main
+    from tools.cli import main
 
     cfg, report, paths = booted
     out = tmp_path / "eval.json"

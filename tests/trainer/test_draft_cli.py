@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from services.trainer import bootstrap as bs
-from services.trainer import draft_cli
 from tests.support.bootstrap import tiny_bootstrap
-from tide.cli import main
+from tools.cli import main
+from tools.draft import bootstrap as bs
+from tools.draft import draft_cli
 
 
 def test_gamma_lists():
@@ -60,7 +60,7 @@ def test_bootstrap_cli_maps_arguments(tmp_path, monkeypatch, capsys):
 
 
 def test_process_age_counts_the_time_before_the_call():
-    code = "import time; time.sleep(1.0); from services.trainer.draft_cli import process_age_s; print(process_age_s())"
+    code = "import time; time.sleep(1.0); from tools.draft.draft_cli import process_age_s; print(process_age_s())"
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 1.0 <= age < 30.0
 

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from services.trainer.generation import length_sorted_groups
+from tools.draft.generation import length_sorted_groups
 
 
 def test_groups_hold_every_prompt_once_sorted_by_length_within_windows():
@@ -30,10 +30,10 @@ def test_a_cut_ends_every_running_sequence_with_its_greedy_prefix_captured(tmp_p
     """The bootstrap's generation deadline: a cut cancels the running sequences, frees their slots
     and still yields their groups; each cut sequence's rows are a prefix of what an uncut run
     generates for the same prompt, and the groups not yet joined never start."""
-    from services.inference.engine.llama import LlamaModel
-    from services.trainer.generation import SequenceChunks, generate_groups, make_engine
     from tests.support.bootstrap import save_tiny_chat_target
     from tide.chunks import decode_chunk
+    from tide.engine.llama import LlamaModel
+    from tools.draft.generation import SequenceChunks, generate_groups, make_engine
 
     target = save_tiny_chat_target(tmp_path / "t", layers=4, init_std=0.05)
     model = LlamaModel.load(target, dtype=torch.float32)

@@ -9,7 +9,6 @@ import safetensors
 import torch
 import torch.nn.functional as F
 
-from services.inference.engine import llama
 from services.trainer.training.data import load_dataset
 from services.trainer.training.evaluate import evaluate
 from services.trainer.training.export import read_record
@@ -17,6 +16,7 @@ from services.trainer.training.head import TargetHead, draft_vocab_from_counts
 from services.trainer.training.loop import TrainConfig, train
 from services.trainer.training.run import build_draft, train_draft
 from tide.eagle3 import load_checkpoint, validate_checkpoint_dir
+from tide.engine import llama
 
 CFG = TrainConfig(steps=6, batch_rows=4, max_len=64, warmup_steps=2, log_every=3, progress=False)
 

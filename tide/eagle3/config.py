@@ -1,7 +1,7 @@
 """EAGLE-3 draft configuration: the `config.json` that SGLang's and vLLM's `LlamaForCausalLMEagle3` read.
 
 Aux layer ids, one convention inside TIDE: **index of the target decoder layer whose output is
-captured** (0-based), as `services.inference.engine.llama.LlamaConfig.aux_layers` uses. Default
+captured** (0-based), as `tide.engine.llama.LlamaConfig.aux_layers` uses. Default
 `(1, L//2 - 1, L - 4)`. The two serving engines spell the same choice differently:
 
 - SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` in this same convention (it adds 1

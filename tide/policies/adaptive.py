@@ -39,7 +39,7 @@ Online corrections (all exponentially forgetting, so they follow drift):
   `switch_horizon` = 16 steps since one catch-up enables many speculative steps.
 
 Padded verification (`padded_verify`, default: the profile's ``meta["verify_padding"]``, which
-services.inference.profiling sets for our engine): when the engine pads every sequence of a verify
+tide.engine.profiling sets for our engine): when the engine pads every sequence of a verify
 forward to the longest draft, a step costs T(b, 1 + max_i γ_i) whatever the others draft. Then
 trimming saves nothing and is skipped (every request drafts m), the κ corrections compare with
 T(b, 1 + max γ), and a probe drafts for the whole batch (same cost, b samples instead of b/4).

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from services.inference import bench_adapt as ba
-from services.inference import bench_adapt_stats as st
-from tide import cli
-from tide.launcher import Endpoints, StackConfig, service_env
+from benchmarks import adapt as ba
+from benchmarks import adapt_stats as st
+from tools import cli
+from tools.launcher import Endpoints, StackConfig, service_env
 
 BOUNDS = [("chat", 0.0, 10.0), ("gsm8k", 10.0, 20.0), ("humaneval", 20.0, 30.0)]
 
@@ -111,7 +111,7 @@ def test_json_shape_table_and_plots(tmp_path, capsys):
     ba.print_table(res)
     out = capsys.readouterr().out
     assert "online/static" in out and "online drafted" in out and "promotion at 12 s" in out and "checks:" in out
-    from services.inference.bench_adapt_plots import plot
+    from benchmarks.adapt_plots import plot
 
     paths = plot(res, tmp_path / "plots")
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["adapt.png", "loop.png", "policy.png"]
@@ -124,8 +124,8 @@ def test_the_pollers_policy_estimates_are_read_from_the_workers_exposition():
     the bench reads back: names keyed with their scope, and nothing of other metrics."""
     from prometheus_client import REGISTRY, generate_latest
 
+    from benchmarks.adapt_stack import policy_estimates
     from services.inference import metrics
-    from services.inference.bench_adapt_stack import policy_estimates
 
     metrics.POLICY_ESTIMATE.clear()
     metrics.POLICY_ESTIMATE.labels("adaptive", "alpha_global", "").set(0.31)

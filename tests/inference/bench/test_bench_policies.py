@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from services.inference import bench_policies as bp
+from benchmarks import policies as bp
 
 PHASE_KEYS = {"tok_s", "mean_latency_s", "p99_latency_s", "tpot_ms", "mean_gamma", "accept_length"}
 
@@ -86,7 +86,7 @@ def test_bench_runs_end_to_end_on_tiny_model(tiny_model, tmp_path):
 def test_closed_loop_phase_keeps_its_clients_busy_with_the_same_requests(tiny_model):
     """A closed-loop phase holds `clients` requests in flight (each finished one is replaced at once),
     and every policy gets the same seeded request sequence: a faster policy only gets further."""
-    from services.inference.engine.engine import EngineConfig
+    from tide.engine.engine import EngineConfig
     from tide.policies import FixedGamma
 
     rng = random.Random(1)
@@ -142,7 +142,7 @@ def test_cli_arguments(argv):
 
 
 def test_tide_cli_registers_bench_policies(capsys):
-    from tide.cli import main
+    from tools.cli import main
 
     for kind in ("policies", "engine"):
         with pytest.raises(SystemExit) as exc:
@@ -151,7 +151,7 @@ def test_tide_cli_registers_bench_policies(capsys):
 
 
 def test_bench_engine_names_a_draft_it_cannot_use_before_loading_the_model(tmp_path):
-    from tide.cli import main
+    from tools.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["bench", "engine", "--quick", "--draft", str(tmp_path)])

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from services.inference import profiling
 from services.inference.control import DecisionError, PolicySpec, build_policy
-from services.inference.engine.drafters import NgramDrafter
-from services.inference.engine.drafters.eagle3 import Eagle3Drafter
-from services.inference.profiling import (
+from tide.engine import profiling
+from tide.engine.drafters import NgramDrafter
+from tide.engine.drafters.eagle3 import Eagle3Drafter
+from tide.engine.profiling import (
     LiveProfile,
     cached_profile,
     default_grid,

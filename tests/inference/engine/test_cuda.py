@@ -10,10 +10,10 @@ import pytest
 import torch
 from support.engine import ScriptedDrafter, save_tiny_target, tiny_eagle3_drafter
 
-from services.inference.engine.drafters import NgramDrafter
-from services.inference.engine.engine import EngineConfig, LLMEngine
-from services.inference.engine.llama import LlamaModel
-from services.inference.engine.sequence import SamplingParams
+from tide.engine.drafters import NgramDrafter
+from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.llama import LlamaModel
+from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

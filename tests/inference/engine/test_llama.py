@@ -6,7 +6,7 @@ import pytest
 import torch
 from support.engine import save_tiny_target
 
-from services.inference.engine.llama import ForwardBatch, LlamaModel
+from tide.engine.llama import ForwardBatch, LlamaModel
 
 
 def _prefill_batch(ids: torch.Tensor, start: int = 0) -> ForwardBatch:
@@ -78,7 +78,7 @@ def test_vocab_logits_of_a_row_do_not_depend_on_how_many_rows_share_the_gemm(row
     rounds a row differently from one of 1-32 rows (the reference head's shape), which one plain
     `F.linear` over all rows fails here; `vocab_logits` blocks the rows. On the same machines MKL's
     float32 GEMM rounds a row differently from 16 rows on (`logits_head` packs float32 heads)."""
-    from services.inference.engine.llama import logits_head, vocab_logits
+    from tide.engine.llama import logits_head, vocab_logits
 
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(49152, 576, generator=g) * 0.05).to(dtype)  # the reference model's lm_head shape

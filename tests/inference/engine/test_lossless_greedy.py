@@ -11,9 +11,9 @@ import pytest
 import torch
 from support.engine import CyclingGamma, RandomDrafter, ScriptedDrafter, tiny_eagle3_drafter
 
-from services.inference.engine.drafters import NgramDrafter
-from services.inference.engine.engine import EngineConfig, LLMEngine
-from services.inference.engine.sequence import SamplingParams
+from tide.engine.drafters import NgramDrafter
+from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma
 
 VOCAB = 96

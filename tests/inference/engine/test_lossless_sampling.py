@@ -13,11 +13,11 @@ import pytest
 import torch
 from support.engine import RandomDrafter, tiny_eagle3_drafter
 
-from services.inference.engine.drafters import NgramDrafter
-from services.inference.engine.engine import EngineConfig, LLMEngine
-from services.inference.engine.llama import ForwardBatch
-from services.inference.engine.sampling import target_probs, verify_sampling
-from services.inference.engine.sequence import SamplingParams
+from tide.engine.drafters import NgramDrafter
+from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.llama import ForwardBatch
+from tide.engine.sampling import target_probs, verify_sampling
+from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma
 
 ALPHA = 1e-3

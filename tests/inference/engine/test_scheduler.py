@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference.engine.scheduler import Scheduler
-from services.inference.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from tide.engine.scheduler import Scheduler
+from tide.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
 
 def _seq(rid: str, n: int, t: float = 0.0) -> Sequence:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference.engine.detokenizer import IncrementalText
-from services.inference.engine.engine import EngineConfig, LLMEngine
-from services.inference.engine.sequence import SamplingParams
+from tide.engine.detokenizer import IncrementalText
+from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.sequence import SamplingParams
 from tide.target import load_tokenizer
 
 

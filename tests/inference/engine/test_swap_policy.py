@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from support.engine import RandomDrafter
 
-from services.inference.engine.drafters import NgramDrafter
-from services.inference.engine.engine import EngineConfig, LLMEngine
+from tide.engine.drafters import NgramDrafter
+from tide.engine.engine import EngineConfig, LLMEngine
 from tide.policies import DraftAware, FixedGamma
 
 VOCAB = 96

@@ -86,8 +86,8 @@ def test_buffers_full_drops_rows_and_memory_stays_bounded(tiny_model):
     preallocated buffers are dropped and counted; the capture hook never blocks."""
     import threading
 
-    from services.inference.engine.engine import CapturedRows
     from services.inference.exporter import ChunkExporter
+    from tide.engine.engine import CapturedRows
 
     release = threading.Event()
 

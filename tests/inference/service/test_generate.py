@@ -6,8 +6,8 @@ import grpc
 import pytest
 from inference.service.svc import request, rpc_error, run_stream, stub
 
-from services.inference.engine.engine import EngineConfig, LLMEngine
-from services.inference.engine.sequence import SamplingParams
+from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.sequence import SamplingParams
 from tide.proto.tide.v1 import inference_pb2
 
 PROMPTS = [[5, 9, 14, 5, 9, 14, 5, 9], [40, 41, 42, 43, 40, 41], [7, 3, 88, 21, 60, 7, 3], [11, 12, 13, 14, 15]]

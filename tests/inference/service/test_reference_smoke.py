@@ -6,9 +6,9 @@ import pytest
 from inference.service.svc import request, run_stream, stub
 
 from services.inference.app import build
-from services.inference.engine.engine import EngineConfig, LLMEngine
-from services.inference.engine.sequence import SamplingParams
 from services.inference.settings import InferenceSettings
+from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.sequence import SamplingParams
 from tide.proto.tide.v1 import inference_pb2
 
 PROMPT = "Question: what are the three primary colors? Answer:"

@@ -1,1 +1,0 @@
-"""Operator tooling: the `tidectl` CLI (`tide.admin.cli`) for the draft registry."""

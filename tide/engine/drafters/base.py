@@ -1,0 +1,70 @@
+"""The drafter interface the engine talks to, and the typed proposal it gets back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tide.engine.features import FeatureStore
+from tide.engine.sequence import Sequence
+
+
+class DraftAlgorithm(enum.Enum):
+    NONE = "none"
+    NGRAM = "ngram"
+    EAGLE3 = "eagle3"
+
+    def is_none(self) -> bool:
+        return self is DraftAlgorithm.NONE
+
+    def is_ngram(self) -> bool:
+        return self is DraftAlgorithm.NGRAM
+
+    def is_eagle3(self) -> bool:
+        return self is DraftAlgorithm.EAGLE3
+
+    def needs_target_features(self) -> bool:
+        """EAGLE-3 drafts from the target's hidden states; the engine must capture them."""
+        return self is DraftAlgorithm.EAGLE3
+
+
+@dataclass
+class Proposal:
+    """Draft tokens per sequence (target-vocabulary ids), in the order the engine asked.
+
+    `probs[i]` is the proposal distribution q over the target vocabulary, one row per draft token
+    [len(tokens[i]), V], or None when the proposal is deterministic (one-hot at the token).
+    """
+
+    tokens: list[list[int]]
+    probs: list[torch.Tensor | None]
+
+
+class Drafter(Protocol):
+    algorithm: DraftAlgorithm
+    version: str  # draft version id ("" for weightless drafters)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """A sequence got a KV slot; allocate per-sequence state."""
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        """The sequence finished or was cancelled; drop its state."""
+
+    def lag(self, seq: Sequence) -> int:
+        """Committed tokens the draft has not yet consumed (its catch-up work at the next draft)."""
+
+    def propose(
+        self,
+        seqs: list[Sequence],
+        gammas: list[int],
+        features: FeatureStore | None,
+        generators: list[torch.Generator | None],
+    ) -> Proposal:
+        """Draft up to gammas[i] >= 1 tokens after each sequence's last token (fewer is allowed).
+
+        `features` holds the target's aux states of every cached token (EAGLE-3 only);
+        `generators[i]` is the sequence's RNG for sampled proposals (None for greedy requests).
+        """

@@ -1,0 +1,358 @@
+"""The engine loop: schedule -> prefill -> draft -> verify -> commit, one step at a time.
+
+Single-threaded by design: the inference service drives `step()` from one thread and talks to the
+engine only between steps (add, cancel, swap the drafter, change the policy).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tide.engine.detokenizer import IncrementalText
+from tide.engine.drafters.base import DraftAlgorithm, Drafter
+from tide.engine.features import FeatureStore
+from tide.engine.llama import LlamaModel
+from tide.engine.model_runner import ModelRunner
+from tide.engine.sampling import greedy_tokens, sample, target_probs, verify_greedy, verify_sampling
+from tide.engine.scheduler import Scheduler
+from tide.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from tide.policies import DraftAware, FixedGamma, GammaPolicy, RequestView, StepContext, StepFeedback
+from tide.telemetry import StepRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 16  # KV-cache slots = most sequences decoding at once
+    max_seq_len: int = 2048  # prompt + output tokens per sequence
+    max_tokens_per_step: int = 512  # prefill budget per step (decode rows count against it)
+    max_gamma: int = 8  # hard cap on draft tokens per request per step
+    prefill_chunk: int = 256  # prompts are prefilled in chunks cut at multiples of this
+    seed: int = 0  # RNG for sampled requests without their own seed
+    worker_id: str = "local"
+    target_model: str = ""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None
+    sequence: Sequence
+
+
+@dataclass
+class CapturedRows:
+    """Target states of tokens a request just committed (prompt chunks and accepted tokens).
+
+    Row j belongs to token `token_ids[j]` at position `start + j`: aux [n, 3H] are the outputs of
+    the EAGLE-3 layers after processing that token, final [n, H] the post-norm last state.
+    """
+
+    request_id: str
+    workload: str
+    num_prompt: int  # rows at positions < num_prompt are prompt tokens, the rest generated
+    start: int
+    token_ids: list[int]
+    aux: torch.Tensor
+    final: torch.Tensor
+
+
+@dataclass
+class _Decoded:
+    seq: Sequence
+    gamma: int
+    accepted: int
+    emitted: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: EngineConfig,
+        tokenizer=None,
+        drafter: Drafter | None = None,
+        policy: GammaPolicy | None = None,
+    ) -> None:
+        if config.max_seq_len > model.cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's context "
+                             f"{model.cfg.max_position_embeddings}")
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config.max_batch, config.max_tokens_per_step, config.max_seq_len,
+                                   config.prefill_chunk)
+        self.runner = ModelRunner(model, config.max_batch, config.max_seq_len,
+                                  max(config.prefill_chunk, config.max_gamma + 1))
+        self.drafter: Drafter | None = None
+        self.features: FeatureStore | None = None
+        self.policy: GammaPolicy = policy or FixedGamma(0)
+        self.eos_ids = set(model.cfg.eos_token_ids)
+        self.capture_listeners: list[Callable[[list[CapturedRows]], None]] = []
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self._generators: dict[str, torch.Generator] = {}
+        self._texts: dict[str, IncrementalText] = {}
+        self._step = 0
+        self._default_rng = torch.Generator().manual_seed(config.seed)
+        if drafter is not None:
+            self.swap_drafter(drafter)
+
+    # ---- control, between steps -------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculative: bool = True,
+        workload: str = "",
+    ) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if max(prompt_ids) >= self.model.cfg.vocab_size or min(prompt_ids) < 0:
+            raise ValueError("prompt has token ids outside the vocabulary")
+        seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt=len(prompt_ids),
+                       params=params, speculative=speculative, workload=workload, arrival_s=time.monotonic())
+        self.scheduler.add(seq)
+        if not params.greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else
+                            int(torch.randint(0, 2**62, (1,), generator=self._default_rng)))
+            self._generators[request_id] = gen
+        if self.tokenizer is not None:
+            self._texts[request_id] = IncrementalText(self.tokenizer, params.stop)
+        return seq
+
+    def cancel(self, request_id: str) -> bool:
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, FinishReason.CANCELLED)
+        return True
+
+    def set_policy(self, policy: GammaPolicy) -> None:
+        self.policy = policy
+
+    def swap_drafter(self, drafter: Drafter | None) -> None:
+        """Replace the drafter between steps; in-flight requests continue with the new one.
+
+        A feature-consuming drafter rebuilds its state for running sequences from the feature
+        store on its first proposal (its lag is their whole context). Once allocated, the store
+        keeps being filled even if a weightless drafter takes over, so a later EAGLE-3 swap finds
+        every in-flight token's features. (Requests already in flight when the store is first
+        created have zero rows for their past: their drafts are weaker, their output unchanged.)"""
+        old = self.drafter
+        needs = drafter is not None and drafter.algorithm.needs_target_features()
+        if needs and self.features is None:
+            width = 3 * self.model.cfg.hidden_size
+            self.features = FeatureStore(self.config.max_batch, self.runner.cache.max_len, width,
+                                         self.model.dtype, self.model.device)
+        if old is not None:
+            for seq in self.scheduler.active.values():
+                old.remove_sequence(seq)
+        self.drafter = drafter
+        if drafter is not None:
+            for seq in self.scheduler.active.values():
+                drafter.add_sequence(seq)
+        if old is not drafter and isinstance(self.policy, DraftAware):
+            self.policy.draft_changed()
+
+    def has_work(self) -> bool:
+        return len(self.scheduler) > 0
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        outputs: dict[str, RequestOutput] = {}
+        prefill_tokens = 0
+        if plan.prefill:
+            prefill_tokens = self._prefill(plan.prefill, outputs)
+        draft_ms = verify_ms = 0.0
+        decoded: list[_Decoded] = []
+        if plan.decode:
+            decoded, draft_ms, verify_ms = self._decode(plan.decode, outputs)
+        total_ms = (time.perf_counter() - t_start) * 1e3
+        self._step += 1
+        if decoded:
+            self.policy.observe(StepFeedback(
+                batch_size=len(decoded), gammas=tuple(d.gamma for d in decoded),
+                accepted=tuple(d.accepted for d in decoded), step_ms=draft_ms + verify_ms,
+                draft_ms=draft_ms, verify_ms=verify_ms))
+        if self.step_listeners and (decoded or prefill_tokens):
+            record = StepRecord(
+                worker_id=self.config.worker_id, step=self._step, time_unix_s=time.time(),
+                batch_size=len(decoded), request_ids=[d.seq.request_id for d in decoded],
+                gammas=[d.gamma for d in decoded], accepted=[d.accepted for d in decoded],
+                draft_ms=draft_ms, verify_ms=verify_ms, other_ms=max(0.0, total_ms - draft_ms - verify_ms),
+                prefill_tokens=prefill_tokens,
+                drafter=self.drafter.algorithm.value if self.drafter else DraftAlgorithm.NONE.value,
+                draft_version=self.drafter.version if self.drafter else "",
+                target_model=self.config.target_model, workload=[d.seq.workload for d in decoded])
+            for listener in self.step_listeners:
+                listener(record)
+        return list(outputs.values())
+
+    def _capture(self) -> bool:
+        return self.features is not None or bool(self.capture_listeners)
+
+    def _prefill(self, items: list[tuple[Sequence, int]], outputs: dict[str, RequestOutput]) -> int:
+        """One forward per prompt chunk: padding prompts of different lengths into one batch would
+        make a prompt's states depend on its batch mates (SDPA's blocking follows the shape)."""
+        capture = self._capture()
+        for seq, n in items:
+            if seq.num_cached == 0 and self.drafter is not None:
+                self.drafter.add_sequence(seq)
+            chunk = seq.token_ids[seq.num_cached:seq.num_cached + n]
+            completes = seq.num_cached + n == seq.num_prompt
+            out = self.runner.run([seq], [chunk], [seq.num_cached], [n - 1 if completes else n], capture)
+            self._hand_off([seq], [seq.num_cached], [n], [chunk], out)
+            seq.num_cached += n
+            if not completes:
+                continue
+            if seq.params.greedy:
+                token = int(greedy_tokens(out.logits[-1:])[0])
+            else:
+                token = sample(target_probs(out.logits[-1:].cpu(), seq.params)[0], self._generators[seq.request_id])
+            seq.status = SequenceStatus.RUNNING
+            self._emit(seq, [token], outputs)
+        return sum(n for _, n in items)
+
+    def _decode(self, seqs: list[Sequence], outputs: dict[str, RequestOutput]):
+        gammas = self._decide_gammas(seqs)
+        t0 = time.perf_counter()
+        drafts: list[list[int]] = [[] for _ in seqs]
+        draft_probs: list[torch.Tensor | None] = [None] * len(seqs)
+        spec_idx = [i for i, g in enumerate(gammas) if g > 0]
+        if spec_idx:
+            proposal = self.drafter.propose(
+                [seqs[i] for i in spec_idx], [gammas[i] for i in spec_idx], self.features,
+                [self._generators.get(seqs[i].request_id) for i in spec_idx])
+            for j, i in enumerate(spec_idx):
+                drafts[i] = proposal.tokens[j][:gammas[i]]
+                probs = proposal.probs[j]
+                draft_probs[i] = None if probs is None else probs[:len(drafts[i])]
+        t1 = time.perf_counter()
+        new_tokens = [[seq.token_ids[-1], *d] for seq, d in zip(seqs, drafts, strict=True)]
+        starts = [seq.num_cached for seq in seqs]
+        out = self.runner.run(seqs, new_tokens, starts, [0] * len(seqs), self._capture())
+        greedy_rows = greedy_tokens(out.logits).tolist() if any(s.params.greedy for s in seqs) else None
+        results: list[_Decoded] = []
+        for i, seq in enumerate(seqs):
+            lo, hi = out.row_offsets[i], out.row_offsets[i + 1]
+            if seq.params.greedy:
+                k, nxt = verify_greedy(greedy_rows[lo:hi], drafts[i])
+            else:
+                # Sampling runs on the CPU, where the per-request generators live (small rows).
+                probs = target_probs(out.logits[lo:hi].cpu(), seq.params)
+                k, nxt = verify_sampling(probs, drafts[i], draft_probs[i], self._generators[seq.request_id])
+            results.append(_Decoded(seq, len(drafts[i]), k, drafts[i][:k] + [nxt]))
+        self._hand_off(seqs, starts, [d.accepted + 1 for d in results], new_tokens, out)
+        for d in results:
+            d.seq.num_cached += d.accepted + 1
+            d.seq.record_step(d.gamma, d.accepted)
+            self._emit(d.seq, d.emitted, outputs)
+        t2 = time.perf_counter()
+        return results, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    def _decide_gammas(self, seqs: list[Sequence]) -> list[int]:
+        cap = self.config.max_gamma
+        if self.drafter is None:
+            return [0] * len(seqs)
+        views = tuple(RequestView(
+            request_id=s.request_id, recent_gammas=tuple(g for g, _ in s.recent),
+            recent_accepted=tuple(a for _, a in s.recent), last_gamma=s.last_gamma,
+            lag=self.drafter.lag(s), context_len=len(s.token_ids), drafter=self.drafter.algorithm.value,
+        ) for s in seqs)
+        decided = self.policy.decide(StepContext(batch_size=len(seqs), requests=views, step=self._step, max_gamma=cap))
+        gammas = []
+        for seq, g in zip(seqs, decided, strict=True):
+            if not seq.speculative:
+                g = 0
+            # Never draft past max_tokens or the context: at most remaining - 1 drafts + 1 bonus.
+            remaining = min(seq.params.max_tokens - seq.num_output, self.config.max_seq_len - len(seq.token_ids))
+            gammas.append(max(0, min(int(g), cap, remaining - 1)))
+        return gammas
+
+    def _hand_off(self, seqs, starts, counts, tokens, out) -> None:
+        """Store committed rows' features for the drafter and give them to capture listeners."""
+        if out.aux is None:
+            return
+        if self.features is not None:
+            for i, seq in enumerate(seqs):
+                self.features.write(seq.slot, starts[i], out.aux[i, :counts[i]])
+        if self.capture_listeners:
+            rows = [CapturedRows(seq.request_id, seq.workload, seq.num_prompt, starts[i], tokens[i][:counts[i]],
+                                 out.aux[i, :counts[i]], out.final[i, :counts[i]])
+                    for i, seq in enumerate(seqs)]
+            for listener in self.capture_listeners:
+                listener(rows)
+
+    # ---- outputs -------------------------------------------------------------------------------
+
+    def _emit(self, seq: Sequence, tokens: list[int], outputs: dict[str, RequestOutput]) -> None:
+        """Append tokens one at a time, stopping at EOS / stop token / max_tokens / context / stop string."""
+        added: list[int] = []
+        reason: FinishReason | None = None
+        text = self._texts.get(seq.request_id)
+        delta = ""
+        for tok in tokens:
+            seq.token_ids.append(tok)
+            added.append(tok)
+            if tok in seq.params.stop_token_ids:
+                reason, seq.matched_stop = FinishReason.STOP, tok
+            elif tok in self.eos_ids and not seq.params.ignore_eos:
+                reason = FinishReason.STOP
+            elif seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.config.max_seq_len:
+                reason = FinishReason.LENGTH
+            if text is not None and text.stop:
+                piece, hit = text.update(seq.output_ids)
+                delta += piece
+                if hit:
+                    reason, seq.matched_stop = FinishReason.STOP, text.matched
+            if reason is not None:
+                break
+        if text is not None and not text.stop:
+            piece, _ = text.update(seq.output_ids)
+            delta += piece
+        if reason is not None:
+            if text is not None:
+                delta += text.flush()
+            self._finish(seq, reason)
+        prev = outputs.get(seq.request_id)
+        if prev is not None:
+            added = prev.new_token_ids + added
+            delta = prev.text_delta + delta
+        outputs[seq.request_id] = RequestOutput(seq.request_id, added, delta, reason is not None, reason, seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.slot >= 0 and self.drafter is not None:
+            self.drafter.remove_sequence(seq)
+        self.scheduler.finish(seq, reason)
+        self._generators.pop(seq.request_id, None)
+        self._texts.pop(seq.request_id, None)
+
+    # ---- convenience -------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 speculative: bool = True) -> list[Sequence]:
+        """Run prompts to completion (offline use: tests, benchmarks, bootstrap)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        base = f"gen-{self._step}-"
+        seqs = [self.add_request(f"{base}{i}", p, sp, speculative) for i, (p, sp) in enumerate(zip(prompts, plist,
+                                                                                                  strict=True))]
+        while any(not s.status.is_finished() for s in seqs):
+            self.step()
+        return seqs

@@ -1,0 +1,82 @@
+"""The only engine module that touches the device for the target: batches -> forwards -> rows.
+
+Turns lists of (sequence, new tokens) into one padded `ForwardBatch`, runs the target, and
+returns per-sequence logits rows and, when asked, the captured states of every fed token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tide.engine.llama import ForwardBatch, LlamaModel
+from tide.engine.sequence import Sequence
+
+
+@dataclass
+class RunOutput:
+    logits: torch.Tensor  # [R, V] rows in request order (see `row_offsets`)
+    row_offsets: list[int]  # sequence i owns logits rows row_offsets[i]:row_offsets[i+1]
+    aux: torch.Tensor | None  # [B, q, 3H] captured auxiliary states (padded), or None
+    final: torch.Tensor | None  # [B, q, H] post-norm final states (padded), or None
+
+
+# Attention over a span of cache slots computes every slot in it, idle ones too; up to this many
+# slots per sequence in the batch that is cheaper than gathering the batch's keys and values.
+SPAN_MAX_SLOTS_PER_SEQUENCE = 2
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, max_batch: int, max_seq_len: int, max_new_per_step: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.max_seq_len = max_seq_len
+        # Slack beyond max_seq_len: padded rows of a verify step may write past a sequence's end.
+        self.cache = model.new_cache(max_batch, max_seq_len + max_new_per_step + 1)
+        model.ensure_positions(self.cache.max_len)
+
+    def run(
+        self,
+        seqs: list[Sequence],
+        new_tokens: list[list[int]],
+        starts: list[int],
+        logits_from: list[int],
+        capture: bool,
+    ) -> RunOutput:
+        """Feed new_tokens[i] to sequence i at positions starts[i]...; return logits for rows
+        logits_from[i]..len(new_tokens[i])-1 of each sequence (prefill: only the last row)."""
+        B = len(seqs)
+        q = max(len(t) for t in new_tokens)
+        ids = torch.zeros((B, q), dtype=torch.long)
+        pos = torch.empty((B, q), dtype=torch.long)
+        rows: list[int] = []
+        offsets = [0]
+        for i, toks in enumerate(new_tokens):
+            ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            pos[i] = torch.arange(starts[i], starts[i] + q)
+            rows.extend(range(i * q + logits_from[i], i * q + len(toks)))
+            offsets.append(len(rows))
+        slots_list = [s.slot for s in seqs]
+        kv_len = max(st + q for st in starts)
+        contiguous = slots_list == list(range(slots_list[0], slots_list[0] + B))
+        span = (min(slots_list), max(slots_list) + 1)
+        mask = None
+        if not (B == 1 and q == 1):
+            # Key position k is visible to the query at position p iff k <= p: causal within the new
+            # tokens, and it hides whatever stale entries lie beyond each sequence's own length.
+            mask = torch.arange(kv_len)[None, None, None, :] <= pos[:, None, :, None]
+            mask = mask.to(self.device)
+        fb = ForwardBatch(
+            input_ids=ids.to(self.device),
+            positions=pos.to(self.device),
+            slots=torch.tensor(slots_list, dtype=torch.long, device=self.device),
+            kv_len=kv_len,
+            mask=mask,
+            slot_range=(slots_list[0], slots_list[0] + B) if contiguous else None,
+            slot_span=span if not contiguous and span[1] - span[0] <= SPAN_MAX_SLOTS_PER_SEQUENCE * B else None,
+            logits_rows=None if len(rows) == B * q else torch.tensor(rows, dtype=torch.long, device=self.device),
+            capture=capture,
+        )
+        logits, final, aux = self.model.forward(fb, self.cache)
+        return RunOutput(logits=logits, row_offsets=offsets, aux=aux, final=final)

@@ -1,0 +1,306 @@
+"""Latency profiles of the serving engine: T(b, n), D(b), catch-up c(lag, b), prefill; cached on disk.
+
+`profile_latency(model, drafter, batches, ns, lags, reps)` measures, on this machine and in this
+process, the tables the γ policies need (seed 000 §4.1: "profile T(n) and D0 at start-up") and
+returns a `tide.policies.profile.LatencyProfile` (every value in milliseconds):
+
+* T(b, n): one target forward of n new tokens for each of b sequences with `CONTEXT` cached
+  tokens each (the verify step of γ = n − 1), the fastest of `reps` rounds over the whole grid
+  after 2 warm-ups (`interleaved_min_ms`);
+* D(b): one draft step for b sequences (EAGLE-3: one new feature row + one token; n-gram: one
+  prompt lookup per sequence; no drafter: 0);
+* c(lag, b): the extra draft cost of feeding `lag` missed feature rows per sequence (EAGLE-3
+  only; the n-gram drafter never lags);
+* prefill_ms_per_token: one 128-token prompt chunk of one sequence, per token.
+
+`cached_profile(...)` keeps one JSON file per (target, dtype, device, torch threads, drafter
+shape, grid) under `$TIDE_PROFILE_CACHE_DIR` (default `$TIDE_CACHE_DIR/profiles`), so workers do not
+re-profile every start. `LiveProfile` is a profile that can re-measure itself in place (`refresh`),
+which is how a worker re-profiles on request (a decision with the policy param `reprofile` = 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import fields
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from tide.eagle3 import Eagle3Config, Eagle3Draft
+from tide.engine.drafters.eagle3 import Eagle3Drafter
+from tide.engine.llama import LlamaModel
+from tide.engine.model_runner import ModelRunner
+from tide.engine.sequence import SamplingParams, Sequence
+from tide.policies.profile import LatencyProfile
+
+log = logging.getLogger(__name__)
+
+CONTEXT = 128  # cached tokens per sequence when timing forwards (a typical chat prompt length)
+PREFILL_CHUNK = 128  # tokens in the timed prefill forward
+# Policies whose constructor takes a LatencyProfile (tide and adaptive refuse to run without one).
+PROFILE_POLICIES = ("tide", "adaptive", "nightjar", "onthefly", "vllm", "dsd")
+PROFILE_FORMAT = 3  # bump when what a profile means changes (part of the cache key); 3: minima over rounds
+
+
+_TIMER: list[Callable[[], float]] = [time.perf_counter]  # what interleaved_min_ms reads (see cpu_timer)
+
+
+@contextlib.contextmanager
+def cpu_timer():
+    """Inside: profiles are timed in this thread's CPU time (torch threads = 1), not wall time, so
+    other processes on a shared machine barely move them (benchmarks.policies' --clock cpu)."""
+    _TIMER.append(time.thread_time)
+    try:
+        yield
+    finally:
+        _TIMER.pop()
+
+
+def interleaved_min_ms(fns: list[Callable[[], object]], reps: int, warmup: int = 2) -> list[float]:
+    """Per function, the fastest of `reps` timed runs in ms, the runs taken in rounds over all of
+    `fns` (after `warmup` runs of each). Interference from neighbours only ever adds time, and on a
+    shared VM it comes in bursts of seconds to minutes: consecutive repetitions of one point all
+    land in the same burst (a median of them measured T(16, 1) at 89 ms, above T(16, 2) at 87 ms,
+    and made every policy speculate at batch 16), while rounds spread a burst over all points and
+    the minimum drops it."""
+    timer = _TIMER[-1]
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(max(reps, 1)):
+        for i, fn in enumerate(fns):
+            t0 = timer()
+            fn()
+            best[i] = min(best[i], (timer() - t0) * 1e3)
+    return best
+
+
+def fake_seqs(batch: int, length: int, vocab: int | None = None, seed: int = 0) -> list[Sequence]:
+    """`batch` sequences in slots 0.. with `length` tokens, all but the last one cached.
+
+    Tokens are 1s, or seeded random ids below `vocab` (realistic work for the n-gram lookup)."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(batch):
+        toks = [1] * length if vocab is None else torch.randint(3, vocab, (length,), generator=gen).tolist()
+        s = Sequence(f"b{i}", toks, length, SamplingParams())
+        s.slot, s.num_cached = i, length - 1
+        seqs.append(s)
+    return seqs
+
+
+@torch.inference_mode()
+def profile_target(model: LlamaModel, batches: Seq[int], ns: Seq[int], reps: int) -> dict[int, dict[int, float]]:
+    """T(b, n) in ms: one forward of n new tokens for each of b sequences at CONTEXT cached tokens."""
+    runner = ModelRunner(model, max(batches), CONTEXT + max(ns) + 8, max(ns) + 1)
+    points, fwds = [], []
+    for b in batches:
+        seqs = fake_seqs(b, CONTEXT)
+        for n in ns:
+            points.append((b, n))
+            fwds.append(partial(runner.run, seqs, [[7] * n for _ in range(b)], [CONTEXT] * b, [0] * b, False))
+    table: dict[int, dict[int, float]] = {b: {} for b in batches}
+    for (b, n), ms in zip(points, interleaved_min_ms(fwds, reps), strict=True):
+        table[b][n] = round(ms, 3)
+    return table
+
+
+@torch.inference_mode()
+def profile_prefill(model: LlamaModel, reps: int) -> float:
+    """ms per prompt token: one PREFILL_CHUNK-token prefill forward of one sequence (last row's logits)."""
+    runner = ModelRunner(model, 1, PREFILL_CHUNK + 8, PREFILL_CHUNK)
+    seq = fake_seqs(1, PREFILL_CHUNK)
+    fwd = partial(runner.run, seq, [[7] * PREFILL_CHUNK], [0], [PREFILL_CHUNK - 1], False)
+    return round(interleaved_min_ms([fwd], reps)[0] / PREFILL_CHUNK, 4)
+
+
+def random_draft(model: LlamaModel, draft_vocab: int = 8192) -> Eagle3Draft:
+    """A random EAGLE-3 draft of the production shape: right for latency, useless for acceptance."""
+    cfg = model.cfg
+    target = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+              "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+              "max_position_embeddings": cfg.max_position_embeddings}
+    draft = Eagle3Draft(Eagle3Config.for_target(target, draft_vocab_size=draft_vocab)).to(model.dtype)
+    draft.set_embedding(model.embed)
+    return draft
+
+
+def profile_draft(drafter: Eagle3Drafter, model: LlamaModel, batches: Seq[int], lags: Seq[int],
+                  reps: int) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+    """(D(b) ms: one EAGLE-3 draft step with one new feature row; catch-up ms: extra cost of a lag).
+
+    Uses slots 0..max(batches)-1 of `drafter`: pass a drafter no live engine is using."""
+    from tide.engine.features import FeatureStore
+
+    width = 3 * model.cfg.hidden_size
+    store = FeatureStore(max(batches), CONTEXT + max(lags) + 16, width, model.dtype, model.device)
+    store.rows.normal_()
+    step_ms, catchup = {}, {}
+    for b in batches:
+        seqs = fake_seqs(b, CONTEXT + max(lags))
+        for s in seqs:
+            drafter.add_sequence(s)
+
+        def run(lag: int, seqs=seqs) -> None:
+            for s in seqs:
+                drafter._consumed[s.request_id] = s.num_cached - lag
+            drafter.propose(seqs, [1] * len(seqs), store, [None] * len(seqs))
+
+        step, *lagged = interleaved_min_ms([partial(run, 1)] + [partial(run, lag) for lag in lags], reps)
+        step_ms[b] = round(step, 3)
+        catchup[b] = {lag: round(max(0.0, ms - step), 3) for lag, ms in zip(lags, lagged, strict=True)}
+        for s in seqs:
+            drafter.remove_sequence(s)
+    return step_ms, catchup
+
+
+def profile_lookup_draft(drafter, vocab: int, batches: Seq[int], reps: int) -> dict[int, float]:
+    """D(b) ms of a weightless drafter (n-gram): one γ = 1 proposal for b random-token sequences."""
+    out = {}
+    for b in batches:
+        seqs = fake_seqs(b, CONTEXT, vocab=vocab, seed=b)
+        out[b] = round(interleaved_min_ms([partial(drafter.propose, seqs, [1] * b, None, [None] * b)], reps)[0], 4)
+    return out
+
+
+def drafter_shape(drafter) -> dict:
+    """What the draft latency depends on (part of the cache key)."""
+    if drafter is None:
+        return {"algorithm": "none"}
+    if isinstance(drafter, Eagle3Drafter):
+        c = drafter.draft.cfg
+        return {"algorithm": "eagle3", "hidden": c.hidden_size, "draft_vocab": c.draft_vocab_size,
+                "intermediate": c.intermediate_size, "heads": [c.num_attention_heads, c.num_key_value_heads]}
+    return {"algorithm": drafter.algorithm.value, "class": type(drafter).__name__,
+            **{k: getattr(drafter, k) for k in ("max_n", "min_n", "window") if hasattr(drafter, k)}}
+
+
+def _for_profiling(drafter: Eagle3Drafter, batches: Seq[int], lags: Seq[int]) -> Eagle3Drafter:
+    """A drafter safe to time: a fresh EAGLE-3 wrapper (own KV slots, sized for the grid) sharing
+    the draft weights, so a live engine's drafter state is never touched."""
+    return Eagle3Drafter(drafter.draft, drafter.version, max(batches), CONTEXT + max(lags) + 16)
+
+
+def profile_latency(model: LlamaModel, drafter, batches: Seq[int], ns: Seq[int], lags: Seq[int] = (1, 4, 16, 64),
+                    reps: int = 5) -> LatencyProfile:
+    """Measure a LatencyProfile for `model` + `drafter` (None, an n-gram or an EAGLE-3 drafter)."""
+    t0 = time.perf_counter()
+    batches, ns, lags = sorted(set(batches)), sorted(set(ns)), sorted(set(lags))
+    t_ms = profile_target(model, batches, ns, reps)
+    c_ms: dict[int, dict[int, float]] = {}
+    if drafter is None:
+        d_ms = {b: 0.0 for b in batches}
+    elif isinstance(drafter, Eagle3Drafter):
+        d_ms, c_ms = profile_draft(_for_profiling(drafter, batches, lags), model, batches, lags, reps)
+    else:
+        d_ms = profile_lookup_draft(drafter, model.cfg.vocab_size, batches, reps)
+    meta = {"context_tokens": CONTEXT, "reps": reps, "threads": torch.get_num_threads(),
+            "clock": "wall" if _TIMER[-1] is time.perf_counter else "cpu",
+            "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
+            "drafter": drafter_shape(drafter), "measured_unix_s": round(time.time(), 1),
+            # ModelRunner pads every sequence of a forward to the longest: a verify step costs
+            # T(b, 1 + max γ), not T(b, 1 + mean γ) (tide.policies.adaptive reads this)
+            "verify_padding": True}
+    prof = LatencyProfile(T_ms=t_ms, D0_ms=d_ms[batches[0]], D_ms=d_ms, C_ms=c_ms,
+                          prefill_ms_per_token=profile_prefill(model, reps), meta=meta)
+    prof.meta["profile_s"] = round(time.perf_counter() - t0, 1)
+    return prof
+
+
+def default_grid(max_batch: int, max_gamma: int) -> tuple[list[int], list[int], list[int]]:
+    """(batches, ns, lags) for a worker: powers of two up to max_batch (and max_batch), n = 1..γmax+1
+    (every other n past 5, interpolation fills in), lags 1/4/16/64."""
+    batches = sorted({1 << k for k in range(max_batch.bit_length()) if 1 << k <= max_batch} | {max_batch})
+    top = max(max_gamma, 1) + 1
+    ns = sorted({n for n in range(1, top + 1) if n <= 5 or n % 2 == 1} | {top})
+    return batches, ns, [1, 4, 16, 64]
+
+
+def cache_dir() -> Path:
+    """$TIDE_PROFILE_CACHE_DIR, else $TIDE_CACHE_DIR/profiles (tide.target's cache root, ~/.cache/tide)."""
+    from tide.target import cache_dir as tide_cache
+
+    env = os.environ.get("TIDE_PROFILE_CACHE_DIR")
+    return Path(env) if env else tide_cache() / "profiles"
+
+
+def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags) -> dict:
+    """Everything a profile depends on; its SHA-256 names the cache file."""
+    return {"format": PROFILE_FORMAT, "target": model_id, "dtype": str(model.dtype), "device": str(model.device),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "context": CONTEXT,
+            "clock": "wall" if _TIMER[-1] is time.perf_counter else "cpu",
+            "drafter": drafter_shape(drafter), "batches": sorted(set(batches)), "ns": sorted(set(ns)),
+            "lags": sorted(set(lags)) if isinstance(drafter, Eagle3Drafter) else []}
+
+
+def cache_path(key: dict, directory: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in key["target"])[-48:]
+    return (directory or cache_dir()) / f"{slug}-{digest}.json"
+
+
+def cached_profile(model: LlamaModel, drafter, *, model_id: str, batches, ns, lags=(1, 4, 16, 64), reps: int = 5,
+                   directory: Path | None = None, refresh: bool = False) -> tuple[LatencyProfile, Path, bool]:
+    """(profile, its cache file, True when it came from the cache). `refresh` re-measures and rewrites."""
+    key = cache_key(model_id, model, drafter, batches, ns, lags)
+    path = cache_path(key, directory)
+    if not refresh and path.exists():
+        try:
+            prof = LatencyProfile.load(path)
+            if prof.meta.get("cache_key") == key:
+                return prof, path, True
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            log.warning("ignoring unreadable profile cache %s: %s", path, e)
+    prof = profile_latency(model, drafter, batches, ns, lags, reps)
+    prof.meta["cache_key"] = key
+    prof.meta["target"] = model_id
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(prof.to_json())
+    tmp.replace(path)  # atomic: concurrent workers never read half a file
+    return prof, path, False
+
+
+class LiveProfile(LatencyProfile):
+    """A LatencyProfile that can re-measure itself in place (`refresh()`), keeping its identity so
+    every holder (the worker, policies built later) sees the new tables."""
+
+    def attach(self, remeasure: Callable[[], LatencyProfile]) -> LiveProfile:
+        self._remeasure = remeasure
+        return self
+
+    @classmethod
+    def wrap(cls, prof: LatencyProfile, remeasure: Callable[[], LatencyProfile]) -> LiveProfile:
+        live = cls(**{f.name: getattr(prof, f.name) for f in fields(LatencyProfile)})
+        return live.attach(remeasure)
+
+    def refresh(self) -> LiveProfile:
+        new = self._remeasure()
+        for f in fields(LatencyProfile):
+            setattr(self, f.name, getattr(new, f.name))
+        self.__post_init__()  # rebuild the interpolators and drop the lookup memo
+        return self
+
+
+def wants_profile(policy: str, setting: str) -> bool:
+    """TIDE_PROFILE_AT_START: "auto" (default) profiles for policies that take a profile; 1/0 force."""
+    s = setting.strip().lower()
+    if s in ("", "auto"):
+        return policy in PROFILE_POLICIES
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"TIDE_PROFILE_AT_START must be auto, 1 or 0, got {setting!r}")

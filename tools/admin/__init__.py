@@ -1,0 +1,1 @@
+"""Operator tooling: the `tidectl` CLI (`tools.admin.cli`) for the draft registry."""

@@ -1,0 +1,206 @@
+"""`tidectl`: operate the draft registry.
+
+    tidectl drafts list     [TARGET]                         versions (all targets when none given)
+    tidectl drafts show     VERSION | TARGET                 one version, or a target's pointer and history
+    tidectl drafts pin      VERSION [--reason R]             workers run VERSION until unpin
+    tidectl drafts unpin    [TARGET] [--reason R]
+    tidectl drafts promote  VERSION [--reason R] [--expect-current V]
+    tidectl drafts rollback [TARGET | VERSION] [--reason R] [--expect-current V]
+                                                              back to the previous current (or to VERSION)
+    tidectl drafts watch    TARGET                           print each assignment change (Ctrl-C stops)
+
+Common options (before or after the subcommand): `--registry host:port` (else $TIDE_REGISTRY_ADDR,
+else 127.0.0.1:50055), `--token` (else $TIDE_ADMIN_TOKEN; needed for pin/unpin/promote/rollback),
+`--json` (machine-readable output on stdout), `--timeout` seconds. A target can also be given as
+`--target`; when omitted and the registry knows exactly one target, that one is used.
+
+Exit status: 0 ok; 2 bad usage or INVALID_ARGUMENT; 3 NOT_FOUND; 4 FAILED_PRECONDITION or ABORTED;
+5 UNAUTHENTICATED / PERMISSION_DENIED; 6 UNAVAILABLE / DEADLINE_EXCEEDED; 1 anything else.
+Errors go to stderr as `tidectl: CODE: message` (and as {"error": {...}} on stdout with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import os
+import re
+import sys
+
+import grpc
+
+from tide.grpcutil import ADMIN_TOKEN_ENV
+from tide.registry_client import REGISTRY_ADDR_ENV, RegistryClient
+from tools.admin import render
+
+_VERSION_RE = re.compile(r".+/v[0-9]{4,}")
+EXIT_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT: 2,
+    grpc.StatusCode.NOT_FOUND: 3,
+    grpc.StatusCode.FAILED_PRECONDITION: 4,
+    grpc.StatusCode.ABORTED: 4,
+    grpc.StatusCode.UNAUTHENTICATED: 5,
+    grpc.StatusCode.PERMISSION_DENIED: 5,
+    grpc.StatusCode.UNAVAILABLE: 6,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 6,
+}
+
+
+class UsageError(Exception):
+    """A problem with the command line itself (exit 2)."""
+
+
+def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
+    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    p.add_argument("--registry", default=d(None), help=f"registry host:port (default ${REGISTRY_ADDR_ENV})")
+    p.add_argument("--token", default=d(None), help=f"admin bearer token (default ${ADMIN_TOKEN_ENV})")
+    p.add_argument("--json", action="store_true", default=d(False), help="print JSON instead of text")
+    p.add_argument("--timeout", type=float, default=d(15.0), help="seconds per call (default 15)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidectl", description="Operate TIDE's draft registry.")
+    _common(parser, suppress=False)
+    groups = parser.add_subparsers(dest="group", required=True, metavar="{drafts}")
+    drafts = groups.add_parser("drafts", help="draft versions and pointers").add_subparsers(
+        dest="command", required=True, metavar="{list,show,pin,unpin,promote,rollback,watch}"
+    )
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = drafts.add_parser(name, help=help)
+        _common(p, suppress=True)
+        p.add_argument("--target", help="target model (inferred from a version id or a single-target registry)")
+        return p
+
+    command("list", "list draft versions").add_argument("name", nargs="?", metavar="TARGET")
+    command("show", "show a version, or a target's pointer").add_argument("name", metavar="VERSION|TARGET")
+    for name, help in (("pin", "pin a version"), ("promote", "make a version the current one")):
+        p = command(name, help)
+        p.add_argument("version", metavar="VERSION")
+        p.add_argument("--reason", default="")
+        if name == "promote":
+            _expect_current(p)
+    p = command("unpin", "remove the pin of a target")
+    p.add_argument("name", nargs="?", metavar="TARGET")
+    p.add_argument("--reason", default="")
+    p = command("rollback", "return to the previous current version")
+    p.add_argument("name", nargs="?", metavar="TARGET|VERSION")
+    p.add_argument("--to", dest="to_version", default="", metavar="VERSION", help="a specific previous version")
+    p.add_argument("--reason", default="")
+    _expect_current(p)
+    command("watch", "stream a target's assignment").add_argument("name", nargs="?", metavar="TARGET")
+    return parser
+
+
+def _expect_current(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expect-current", dest="expect_current", metavar="VERSION",
+                   help="only if this is still the current version ('' = none)")
+
+
+def _target(args, client: RegistryClient, name: str | None = None) -> str:
+    """The target to act on: --target, a target argument, a version's target, or the only one known."""
+    if args.target:
+        return args.target
+    if name:
+        return name.rsplit("/", 1)[0] if _VERSION_RE.fullmatch(name) else name
+    targets = sorted({d.target_model for d in client.list().drafts})
+    if len(targets) == 1:
+        return targets[0]
+    raise UsageError(f"name the target (--target); the registry has {len(targets)} targets: {', '.join(targets)}")
+
+
+def _emit(args, data: dict, text: str) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
+
+
+def _pointer_result(args, state, verb: str) -> None:
+    p = render.pointer_dict(state)
+    note = f"{verb}; workers of {p['target_model']} run {p['effective'] or 'no draft'}"
+    if p["pinned"] and verb.startswith(("promoted", "rolled back")):
+        note += f" (pinned to {p['pinned']}: unpin to run the current version)"
+    _emit(args, p, note + "\n\n" + render.pointer_text(p, limit=5))
+
+
+def run(args, client: RegistryClient) -> int:
+    cmd = args.command
+    if cmd == "list":
+        target = args.target or args.name or ""
+        resp = client.list(target)
+        drafts = [render.draft_dict(d) for d in resp.drafts]
+        names = [target] if target else sorted({d["target_model"] for d in drafts})
+        pointers = {t: render.pointer_dict(client.pointer(t)) for t in names}
+        data = {"drafts": drafts, "pointers": pointers, **({"pointer": pointers[target]} if target else {})}
+        _emit(args, data, render.drafts_text(drafts, pointers))
+    elif cmd == "show" and _VERSION_RE.fullmatch(args.name):
+        d = render.draft_dict(client.get(args.name))
+        pointer = render.pointer_dict(client.pointer(d["target_model"]))
+        _emit(args, {**d, "state": render.states(d["version"], pointer)}, render.draft_text(d, pointer))
+    elif cmd == "show":
+        p = render.pointer_dict(client.pointer(_target(args, client, args.name)))
+        _emit(args, p, render.pointer_text(p))
+    elif cmd == "pin":
+        _pointer_result(args, client.pin(args.version, args.target or "", args.reason), f"pinned {args.version}")
+    elif cmd == "promote":
+        state = client.promote(args.version, args.target or "", args.reason, args.expect_current)
+        _pointer_result(args, state, f"promoted {args.version}")
+    elif cmd == "unpin":
+        _pointer_result(args, client.unpin(_target(args, client, args.name), args.reason), "unpinned")
+    elif cmd == "rollback":
+        to = args.to_version or (args.name if args.name and _VERSION_RE.fullmatch(args.name) else "")
+        state = client.rollback(_target(args, client, args.name or to), args.reason, to, args.expect_current)
+        _pointer_result(args, state, f"rolled back to {state.current}")
+    elif cmd == "watch":
+        target = _target(args, client, args.name)
+        try:
+            for a in client.watch(target):
+                data = {
+                    "target_model": a.target_model,
+                    "version": a.version,
+                    "pinned": a.pinned,
+                    "generation": int(a.generation),
+                }
+                pinned = " (pinned)" if a.pinned else ""
+                text = f"{a.target_model}: {a.version or 'no draft'}{pinned} generation {a.generation}"
+                print(json.dumps(data, sort_keys=True) if args.json else text, flush=True)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _fail(args, code: str, message: str, status: int) -> int:
+    if getattr(args, "json", False):
+        print(json.dumps({"error": {"code": code, "message": message}}, indent=2))
+    print(f"tidectl: {code}: {message}", file=sys.stderr)
+    return status
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name (containers without a passwd entry)
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    token = args.token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    client = RegistryClient(args.registry, token=token, actor=f"tidectl:{_user()}", timeout_s=args.timeout)
+    try:
+        return run(args, client)
+    except UsageError as e:
+        return _fail(args, "USAGE", str(e), 2)
+    except grpc.RpcError as e:
+        code = e.code()
+        message = e.details() or code.name
+        if code is grpc.StatusCode.UNAVAILABLE:
+            message = f"registry at {client.address} unavailable: {message}"
+        elif code is grpc.StatusCode.UNAUTHENTICATED and not token:
+            message += f" (pass --token or set {ADMIN_TOKEN_ENV})"
+        return _fail(args, code.name, message, EXIT_CODES.get(code, 1))
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

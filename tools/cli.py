@@ -1,0 +1,93 @@
+"""The `tide` console script; subcommands are added as the project grows (one `add_*_parser`
+function per subcommand, each setting `func`, the handler that returns the exit status)."""
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_up_parser(subparsers) -> None:
+    """`tide up`: the whole stack on loopback (see tools.launcher)."""
+    p = subparsers.add_parser("up", help="start the whole stack locally (no Docker); Ctrl-C stops it",
+                              description="Start Redis, S3 (SeaweedFS), registry, trainer, controller, inference "
+                                          "worker(s) and the gateway on 127.0.0.1, health-gated in order.")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free port) [8000]")
+    p.add_argument("--workers", type=int, default=1, help="inference workers [1]")
+    p.add_argument("--target", default="ref", help="target model: 'ref', a HF directory or a .gguf file [ref]")
+    p.add_argument("--drafter", default="eagle3", choices=("ngram", "none", "eagle3"),
+                   help="drafter the workers start with; eagle3 = the registry's current draft, n-gram until "
+                        "one is registered [eagle3]")
+    p.add_argument("--data-dir", type=Path, default=Path("var"),
+                   help="run logs (run-<time>/), S3 data and trainer outputs [var]")
+    p.add_argument("--no-collection", action="store_true", help="do not collect hidden states for training")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take to start")
+    p.set_defaults(func=_up)
+
+
+def _up(args) -> int:
+    from tools.launcher import StackConfig, up
+
+    if args.workers < 1 or not 0 <= args.port < 65536:
+        print("tide up: --workers must be >= 1 and --port in [0, 65535]", file=sys.stderr)
+        return 2
+    return up(StackConfig(port=args.port, workers=args.workers, target=args.target, drafter=args.drafter,
+                          data_dir=args.data_dir, collection=not args.no_collection,
+                          startup_timeout_s=args.startup_timeout))
+
+
+def _bench(args) -> int:
+    if args.bench == "engine":
+        from benchmarks.engine import run_cli
+
+        return run_cli(args)
+    if args.bench == "policies":
+        from benchmarks.policies import run_cli
+
+        return run_cli(args)
+    if args.bench == "adapt":
+        from benchmarks.adapt import run_cli
+
+        return run_cli(args)
+    raise SystemExit(f"unknown benchmark {args.bench!r}")
+
+
+def add_bench_parser(subparsers) -> None:
+    """`tide bench engine|policies|adapt`: benchmarks that print a short table and write JSON."""
+    bench = subparsers.add_parser("bench", help="benchmarks that print JSON and a short table")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    from benchmarks.adapt import add_arguments as adapt_args
+    from benchmarks.engine import add_arguments as engine_args
+    from benchmarks.policies import add_arguments as policies_args
+
+    engine_args(kinds.add_parser("engine", help="latency table, speculative tokens/s, overheads"))
+    policies_args(kinds.add_parser("policies", help="every γ policy on the real engine over a load trace"))
+    adapt_args(kinds.add_parser("adapt", help="static draft vs the online loop over domain shifts, via the gateway"))
+    bench.set_defaults(func=_bench)
+
+
+def add_draft_parser(subparsers) -> None:
+    """`tide draft bootstrap|eval|finetune` (see tools.draft.draft_cli)."""
+    from tools.draft.draft_cli import add_draft_parser as add
+
+    add(subparsers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tide")
+    subparsers = parser.add_subparsers(dest="command")
+    add_up_parser(subparsers)
+    add_bench_parser(subparsers)
+    add_draft_parser(subparsers)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command in ("bench", "draft"):  # CPU tensor work in this process (see tide.allocator)
+        from tide.allocator import keep_freed_memory
+
+        keep_freed_memory()
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
