@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.probe import grpc_serving, http_ok
 from tide.resources import cpus_left, parse_cpus, started_on
 from tide.servers import LOOPBACK, RedisServer, S3Server, ServerError, die_with_parent_command, free_port
@@ -243,7 +244,9 @@ class Stack:
         names = ["registry", "trainer", "controller"] + [f"inference-{i}" for i in range(self.cfg.workers)]
         return Endpoints(
             redis_url=redis_url, s3_endpoint=s3.endpoint, s3_access_key=s3.access_key, s3_secret_key=s3.secret_key,
-            admin_token=secrets.token_urlsafe(24),
+            # The operator's token when TIDE_ADMIN_TOKEN is set (so tidectl and scripts keep theirs),
+            # else a fresh one, written to <run dir>/admin-token.
+            admin_token=os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24),
             registry=f"{LOOPBACK}:{free_port()}", trainer=f"{LOOPBACK}:{free_port()}",
             controller=f"{LOOPBACK}:{free_port()}",
             workers=tuple(f"{LOOPBACK}:{free_port()}" for _ in range(self.cfg.workers)), gateway_host=LOOPBACK,

@@ -80,3 +80,21 @@ def test_probes_tell_the_truth():
     assert subprocess.run([*probe, closed], timeout=30).returncode == 1
     assert subprocess.run([sys.executable, "-m", "tide.probe"], timeout=30,
                           capture_output=True).returncode == 2
+
+
+def test_the_operators_admin_token_is_kept(monkeypatch, tmp_path):
+    """`TIDE_ADMIN_TOKEN=... tide up`: the services and tidectl get that token, not a generated one."""
+    from types import SimpleNamespace
+
+    from tools.launcher import Stack
+
+    s3 = SimpleNamespace(endpoint="127.0.0.1:1", access_key="a", secret_key="s")
+    stack = Stack(StackConfig(data_dir=tmp_path))
+    monkeypatch.setenv("TIDE_ADMIN_TOKEN", "operator-secret")
+    ep = stack._endpoints("redis://127.0.0.1:1", s3)
+    assert ep.admin_token == "operator-secret"
+    assert all(service_env(name, stack.cfg, ep)["TIDE_ADMIN_TOKEN"] == "operator-secret"
+               for name in ("registry", "trainer", "controller", "inference"))
+    monkeypatch.delenv("TIDE_ADMIN_TOKEN")
+    generated = stack._endpoints("redis://127.0.0.1:1", s3).admin_token
+    assert len(generated) >= 24 and generated != stack._endpoints("redis://127.0.0.1:1", s3).admin_token
