@@ -40,7 +40,9 @@ DRAFTERS = ("eagle3",)
 REQUIRED_FILES = ("config.json", "model.safetensors")
 
 _TARGET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
-_VERSION_RE = re.compile(r"(?P<target>.+)/v(?P<n>[0-9]{4,})")
+# Versions are numbered from 1 with at least 4 digits; 9 digits bound the number (a 5,000-digit
+# "version" must be refused as malformed, not reach int() and fail as an internal error).
+_VERSION_RE = re.compile(r"(?P<target>.+)/v(?P<n>[0-9]{4,9})")
 _FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 

@@ -62,8 +62,33 @@ def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the registry log"
 
 
+# Every string a request carries (names, versions, reasons, file names) is bounded before any code
+# looks at it: names are at most 128 characters (model.check_target) and versions a few more, so
+# 4 KiB only lets free text (reasons) through and refuses megabyte fields before they are logged.
+MAX_STRING_CHARS = 4096
+
+
+def _check_sizes(message, path: str = "") -> None:
+    """InvalidArgument naming the first string field of `message` (nested, repeated, map keys and
+    values) over the bound."""
+    for field, value in message.ListFields():
+        name = f"{path}{field.name}"
+        if not field.is_repeated:
+            items = [value]
+        elif hasattr(value, "items"):  # map<...>: keys and values
+            items = [x for kv in value.items() for x in kv]
+        else:
+            items = list(value)
+        for v in items:
+            if isinstance(v, str) and len(v) > MAX_STRING_CHARS:
+                raise m.InvalidArgument(f"{name} is {len(v)} characters; at most {MAX_STRING_CHARS}")
+            if hasattr(v, "ListFields"):
+                _check_sizes(v, f"{name}.")
+
+
 def _rpc(fn):
-    """Map domain errors to status codes and record metrics, for unary and server-streaming methods."""
+    """Map domain errors to status codes and record metrics, for unary and server-streaming methods;
+    requests with oversized strings are refused first (INVALID_ARGUMENT)."""
     name = fn.__name__
     if inspect.isgeneratorfunction(fn):
 
@@ -71,6 +96,7 @@ def _rpc(fn):
         def stream(self, request, context):
             code = grpc.StatusCode.OK
             try:
+                _check_sizes(request)
                 yield from fn(self, request, context)
             except Exception as e:
                 code, message = _status(e)
@@ -85,6 +111,7 @@ def _rpc(fn):
     def unary(self, request, context):
         start, code = time.perf_counter(), grpc.StatusCode.OK
         try:
+            _check_sizes(request)
             return fn(self, request, context)
         except Exception as e:
             code, message = _status(e)

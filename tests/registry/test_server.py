@@ -239,3 +239,15 @@ def test_list_refuses_malformed_target_names(registry):
     with registry.client() as c, pytest.raises(grpc.RpcError) as info:  # not retried: it cannot get better
         next(c.watch("../etc"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_oversized_names_and_versions_are_invalid_not_internal(registry, client, drafts):
+    """A 5,000-digit version once reached int() and came back INTERNAL with a traceback in the log."""
+    v1 = client.register(TARGET, upload_checkpoint(registry.s3, registry.bucket, drafts(0), TARGET)).version
+    huge = f"{TARGET}/v" + "1" * 5000
+    assert _code(lambda: client.get(huge)) in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+    assert _code(lambda: client.get(f"{TARGET}/v" + "1" * 3000)) == grpc.StatusCode.NOT_FOUND  # below the bound
+    assert _code(lambda: client.promote(huge, TARGET)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _code(lambda: client.promote(v1, TARGET, reason="x" * 100_000)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _code(lambda: client.pointer("t" * 100_000)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.promote(v1, TARGET, reason="a normal reason").current == v1
