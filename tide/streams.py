@@ -29,7 +29,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import redis
 
@@ -439,3 +439,44 @@ class Consumer(Generic[T]):
             self.client.xack(self.stream, self.group, entry_id)
             self.stats.handled += 1
         return len(entries)
+
+
+class ConsumerThread(Generic[T]):
+    """Runs `consumer` in a daemon thread until `stop()`.
+
+    The thread reads the group, hands each entry to `handler`, acks it once the handler returned,
+    and reclaims entries other consumers left pending (`Consumer.poll`), looking for them at least
+    as often as they become claimable (the consumer's `reclaim_every_s` is lowered to its
+    `claim_idle_ms` where that is shorter). `Consumer.run` rides out Redis outages; anything else
+    it raises is logged ("<name> failed") and the run restarts after 1 s, so the reader never dies.
+    `stop()` ends it between entries, waiting up to `join_timeout_s`: unacked entries stay pending,
+    for a restart under the same consumer name or another consumer's reclaim. The thread is named
+    `name` with dashes for spaces; its failures go to `logger` (default: this module's).
+    """
+
+    def __init__(self, consumer: Consumer[T], handler: Callable[[Message[T]], None], *, name: str,
+                 join_timeout_s: float = 5.0, logger: logging.Logger | None = None) -> None:
+        consumer.reclaim_every_s = min(consumer.reclaim_every_s, consumer.claim_idle_ms / 1000)
+        self.consumer, self.handler, self.name, self.join_timeout_s = consumer, handler, name, join_timeout_s
+        self._log = logger or log
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.consumer.run(self.handler, self._stop)
+            except Exception:  # never let the reader die: log, back off, go on
+                self._log.exception("%s failed; restarting in 1 s", self.name)
+                self._stop.wait(1.0)
+
+    def start(self) -> Self:
+        self._thread = threading.Thread(target=self._run, name=self.name.replace(" ", "-"), daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop after the entry in hand; wait up to `timeout_s` (default `join_timeout_s`)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.join_timeout_s if timeout_s is None else timeout_s)

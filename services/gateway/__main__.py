@@ -1,5 +1,9 @@
 """`python -m services.gateway`: the OpenAI-compatible gateway on $TIDE_GATEWAY_HOST:$TIDE_GATEWAY_PORT
-(127.0.0.1:8000), routing to the workers in $TIDE_WORKERS. See settings.py for every variable."""
+(127.0.0.1:8000), routing to the workers in $TIDE_WORKERS. See settings.py for every variable.
+
+Unlike the other services this does not go through `tide.service.run_service`: the gateway is an
+ASGI app, and uvicorn owns its signals (graceful shutdown), its lifetime and its access logs. Exit 2
+on bad configuration (said on stderr before logging is set up), 0 once uvicorn has stopped."""
 
 from __future__ import annotations
 

@@ -22,9 +22,10 @@ from services.trainer.manifest import Manifest
 from services.trainer.runs import TrainingOutcome, TrainingRunner
 from services.trainer.server import outcome_pb, serve
 from services.trainer.settings import TrainerSettings
-from tide import blobs, grpcutil, streams
+from tide import grpcutil, streams
 from tide.grpcutil import GrpcServer
 from tide.proto.tide.v1 import controller_pb2_grpc
+from tide.service import wait_for_storage
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +46,6 @@ def controller_reporter(address: str, token: str | None, attempts: int = 3) -> C
                 time.sleep(2**attempt)
 
     return report
-
-
-def wait_for_storage(settings: TrainerSettings, timeout_s: float = 60.0):
-    """The S3 client once the bucket exists (created if needed); raises after `timeout_s`."""
-    s3, deadline, delay = settings.storage.s3_client(), time.monotonic() + timeout_s, 0.2
-    while True:
-        try:
-            blobs.ensure_bucket(s3, settings.storage.s3_bucket)
-            return s3
-        except Exception as e:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("object storage not ready (%s); retrying", e)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
 
 
 class _WakeAfterIntake:
@@ -100,7 +86,7 @@ class TrainerService:
 
 
 def build(settings: TrainerSettings, *, storage_timeout_s: float = 60.0) -> TrainerService:
-    s3 = wait_for_storage(settings, storage_timeout_s)
+    s3 = wait_for_storage(settings.storage, storage_timeout_s, logger=log)
     manifest = Manifest(s3, settings.storage.s3_bucket, settings.prefix).load()
     ingest = ChunkIngest(s3, manifest)
     registry = DraftRegistry(settings.registry_addr, settings.admin_token, s3, settings.storage.s3_bucket,

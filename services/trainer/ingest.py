@@ -16,7 +16,6 @@ Redis being unreachable is not the chunk's fault: the entry stays pending and is
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 
 import redis
@@ -27,7 +26,7 @@ from services.trainer.manifest import Manifest, ManifestEntry
 from tide import blobs, streams
 from tide.blobs import ChecksumMismatch
 from tide.chunks import ChunkInvalid, decode_chunk
-from tide.streams import ChunkRef, Consumer, Message, Reject
+from tide.streams import ChunkRef, Consumer, ConsumerThread, Message, Reject
 
 log = logging.getLogger(__name__)
 
@@ -85,33 +84,14 @@ class ChunkIngest:
             self.stats.deduplicated += 1
 
 
-class ChunkReader:
-    """Runs the chunk consumer in a thread until `stop()`; unacked entries stay pending on exit."""
+class ChunkReader(ConsumerThread[ChunkRef]):
+    """The chunk consumer in a thread ("chunk-reader") until `stop()` (waits up to 10 s); unacked
+    entries stay pending on exit."""
 
     def __init__(self, client: redis.Redis, names: streams.StreamNames, consumer: str, ingest: ChunkIngest,
                  claim_idle_ms: int = 120_000, block_ms: int = 500, reclaim_every_s: float = 5.0) -> None:
         self.ingest = ingest
-        self.consumer = Consumer(client, names.chunks, streams.TRAINER_GROUP, consumer, ChunkRef,
-                                 dead_letter_stream=names.dead_letter, claim_idle_ms=claim_idle_ms,
-                                 block_ms=block_ms, reclaim_every_s=min(reclaim_every_s, claim_idle_ms / 1000),
-                                 count=4)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.consumer.run(self.ingest.handle, self._stop)
-            except Exception:  # never let intake die: log, back off, go on
-                log.exception("chunk reader failed; restarting in 1 s")
-                self._stop.wait(1.0)
-
-    def start(self) -> ChunkReader:
-        self._thread = threading.Thread(target=self._run, name="chunk-reader", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        super().__init__(Consumer(client, names.chunks, streams.TRAINER_GROUP, consumer, ChunkRef,
+                                  dead_letter_stream=names.dead_letter, claim_idle_ms=claim_idle_ms,
+                                  block_ms=block_ms, reclaim_every_s=reclaim_every_s, count=4),
+                         ingest.handle, name="chunk reader", join_timeout_s=10.0, logger=log)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import grpc
 import pytest
+from support import services
 
 from services.inference.app import InferenceService
 from tide import streams
@@ -58,14 +58,7 @@ def step_records(redis_client, prefix: str) -> list[StepRecord]:
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
+    return services.wait_for(predicate, timeout_s, what, every_s=0.02)
 
 
 def rpc_error(fn) -> grpc.RpcError:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 from safetensors.torch import save
+from support import services
 
 from tide import blobs, streams
 from tide.chunks import ChunkBuilder, encode_chunk
@@ -99,11 +100,4 @@ def metric(svc, name: str, **labels) -> float | None:
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
+    return services.wait_for(predicate, timeout_s, what)
