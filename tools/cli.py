@@ -35,34 +35,20 @@ def _up(args) -> int:
                           startup_timeout_s=args.startup_timeout))
 
 
-def _bench(args) -> int:
-    if args.bench == "engine":
-        from benchmarks.engine import run_cli
-
-        return run_cli(args)
-    if args.bench == "policies":
-        from benchmarks.policies import run_cli
-
-        return run_cli(args)
-    if args.bench == "adapt":
-        from benchmarks.adapt import run_cli
-
-        return run_cli(args)
-    raise SystemExit(f"unknown benchmark {args.bench!r}")
-
-
 def add_bench_parser(subparsers) -> None:
-    """`tide bench engine|policies|adapt`: benchmarks that print a short table and write JSON."""
+    """`tide bench engine|policies|adapt`: benchmarks that print a short table and write JSON (each
+    benchmark module gives its arguments, `add_arguments`, and its handler, `run_cli`)."""
+    from benchmarks import adapt, engine, policies
+
     bench = subparsers.add_parser("bench", help="benchmarks that print JSON and a short table")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    from benchmarks.adapt import add_arguments as adapt_args
-    from benchmarks.engine import add_arguments as engine_args
-    from benchmarks.policies import add_arguments as policies_args
-
-    engine_args(kinds.add_parser("engine", help="latency table, speculative tokens/s, overheads"))
-    policies_args(kinds.add_parser("policies", help="every γ policy on the real engine over a load trace"))
-    adapt_args(kinds.add_parser("adapt", help="static draft vs the online loop over domain shifts, via the gateway"))
-    bench.set_defaults(func=_bench)
+    for name, module, help_text in (
+            ("engine", engine, "latency table, speculative tokens/s, overheads"),
+            ("policies", policies, "every γ policy on the real engine over a load trace"),
+            ("adapt", adapt, "static draft vs the online loop over domain shifts, via the gateway")):
+        p = kinds.add_parser(name, help=help_text)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run_cli)
 
 
 def add_draft_parser(subparsers) -> None:
@@ -72,12 +58,18 @@ def add_draft_parser(subparsers) -> None:
     add(subparsers)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `tide` command line: each subcommand's arguments set `func`, its handler."""
     parser = argparse.ArgumentParser(prog="tide")
     subparsers = parser.add_subparsers(dest="command")
     add_up_parser(subparsers)
     add_bench_parser(subparsers)
     add_draft_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

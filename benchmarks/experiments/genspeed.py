@@ -21,12 +21,11 @@ import torch
 from tide.engine.llama import LlamaModel
 from tide.target import load_tokenizer, resolve_target
 from tools.draft.generation import (
-    SequenceChunks,
+    capturing_engine,
     encode_prompts,
     generate_groups,
     length_sorted_groups,
     load_prompt_files,
-    make_engine,
 )
 
 DATA = "/work/shared/data/"
@@ -70,10 +69,9 @@ def main() -> None:
             groups = list(length_sorted_groups(items, group, int(window)))
         else:
             groups = [items[a:a + group] for a in range(0, len(items), group)]
-        engine = make_engine(model, batch, 512, max_tokens)
-        sink = SequenceChunks(model.cfg.hidden_size, target.model_id)
+        engine, sink = capturing_engine(model, target.model_id, batch, 512, max_tokens)
         meter = Meter(seconds)
-        engine.capture_listeners += [sink, meter]
+        engine.capture_listeners.append(meter)
         for _ in generate_groups(engine, sink, groups, max_tokens, admit=meter.running, cut=meter.time_up):
             pass
         n, dt = meter.tokens, meter.stopped or time.perf_counter() - meter.t0

@@ -15,8 +15,10 @@ from services.trainer.training.loop import lr_at
 from tests.support.bootstrap import TINY_BOOTSTRAP, save_tiny_chat_target, tiny_bootstrap, write_prompt_file
 from tide.chunks import decode_chunk
 from tools.draft import bootstrap as bs
+from tools.draft.bootstrap_state import MANIFEST
+from tools.draft.bootstrap_train import MIN_EVALS, evaluate_held_out
 from tools.draft.draft_eval import evaluate_on_prompts
-from tools.draft.generation import torch_threads
+from tools.draft.generation import generate_groups, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def test_bootstrap_writes_loadable_draft_report_and_plot(booted):
     gen = report["generation"]
     assert gen["prompts_eval"] == cfg.eval_prompts and gen["prompts_train"] > 0
     # chunks are the workers' format; held-out prompts never reach the training set
-    manifest = json.loads((out / bs.MANIFEST).read_text())
+    manifest = json.loads((out / MANIFEST).read_text())
     ids = {}
     for split in ("train", "eval"):
         for name in manifest["chunks"][split]:
@@ -64,21 +66,28 @@ def test_bootstrap_writes_loadable_draft_report_and_plot(booted):
     assert drafter.draft.cfg.draft_vocab_size == cfg.draft_vocab
 
 
-def test_finished_bootstrap_is_not_redone(booted, monkeypatch):
+class Stop(Exception):
+    """A run "killed" between two phases."""
+
+
+def stop(*a, **k):
+    raise Stop
+
+
+def test_finished_bootstrap_is_not_redone(booted):
     cfg, report, _ = booted
-    monkeypatch.setattr(bs, "generate_groups", lambda *a, **k: pytest.fail("regenerated a finished prompt"))
-    monkeypatch.setattr(bs, "train_phase", lambda *a, **k: pytest.fail("retrained a finished draft"))
-    assert bs.bootstrap(cfg)["accept_length"] == report["accept_length"]
+    phases = bs.Phases(generate_groups=lambda *a, **k: pytest.fail("regenerated a finished prompt"),
+                       train=lambda *a, **k: pytest.fail("retrained a finished draft"))
+    assert bs.bootstrap(cfg, phases=phases)["accept_length"] == report["accept_length"]
 
 
-def test_resume_generates_only_missing_prompts(tmp_path, monkeypatch):
+def test_resume_generates_only_missing_prompts(tmp_path):
     save_tiny_chat_target(tmp_path / "target", layers=4, init_std=0.05)
     prompts = write_prompt_file(tmp_path / "p.jsonl", 20)
     cfg = bs.BootstrapConfig(**{**TINY_BOOTSTRAP, "target": str(tmp_path / "target"), "prompts": [str(prompts)],
                                 "out": str(tmp_path / "out"), "batch": 2, "eval_prompts": 4, "max_tokens": 8,
                                 "gen_tokens": 1, "minutes": 5.0})
     seen: list[list[str]] = []
-    real = bs.generate_groups
 
     def recording(engine, sink, groups, *a, **k):
         def spy():
@@ -86,19 +95,12 @@ def test_resume_generates_only_missing_prompts(tmp_path, monkeypatch):
                 seen[-1].extend(key for key, _ in items)
                 yield items
 
-        return real(engine, sink, spy(), *a, **k)
+        return generate_groups(engine, sink, spy(), *a, **k)
 
-    class Stop(Exception):
-        pass
-
-    def stop(*a, **k):
-        raise Stop
-
-    monkeypatch.setattr(bs, "generate_groups", recording)
-    monkeypatch.setattr(bs, "train_phase", stop)  # "killed" once generation is done
+    phases = bs.Phases(generate_groups=recording, train=stop)  # "killed" once generation is done
     seen.append([])
     with pytest.raises(Stop):
-        bs.bootstrap(cfg)  # held-out prompts + one group of 4, then gen_tokens is reached
+        bs.bootstrap(cfg, phases=phases)  # held-out prompts + one group of 4, then gen_tokens is reached
     first = seen[0]
     # the 4 held-out prompts, the first training group, and at most one more group that joined the
     # continuous batch while the first was finishing (before its tokens were counted)
@@ -107,22 +109,22 @@ def test_resume_generates_only_missing_prompts(tmp_path, monkeypatch):
     (tmp_path / "out" / "chunks" / "train" / "boot-stray-0.safetensors").write_bytes(b"x")
     seen.append([])
     with pytest.raises(Stop):
-        bs.bootstrap(bs.BootstrapConfig(**{**cfg.__dict__, "gen_tokens": None}))
+        bs.bootstrap(bs.BootstrapConfig(**{**cfg.__dict__, "gen_tokens": None}), phases=phases)
     assert set(seen[1]).isdisjoint(first) and len(first) + len(seen[1]) == 20
     assert not (tmp_path / "out" / "chunks" / "train" / "boot-stray-0.safetensors").exists()
-    manifest = json.loads((tmp_path / "out" / bs.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
     assert len(manifest["prompts"]) == 20 and manifest["runs"] == 2
     seen.append([])
     with pytest.raises(Stop):
-        bs.bootstrap(cfg)
+        bs.bootstrap(cfg, phases=phases)
     assert seen[2] == []
     with pytest.raises(ValueError, match="other settings"):
-        bs.bootstrap(bs.BootstrapConfig(**{**cfg.__dict__, "max_tokens": 9}))
+        bs.bootstrap(bs.BootstrapConfig(**{**cfg.__dict__, "max_tokens": 9}), phases=phases)
     # a manifest from before aux_norm existed was trained without it: resuming it with it is refused
     manifest["fixed"].pop("aux_norm")
-    (tmp_path / "out" / bs.MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / "out" / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="aux_norm"):
-        bs.bootstrap(bs.BootstrapConfig(**{**cfg.__dict__, "aux_norm": True}))
+        bs.bootstrap(bs.BootstrapConfig(**{**cfg.__dict__, "aux_norm": True}), phases=phases)
 
 
 def test_draft_eval_cli_reports_acceptance_and_top1(booted, tmp_path):
@@ -203,7 +205,7 @@ def test_segments_with_a_fixed_schedule_equal_one_run(booted, tmp_path):
         assert torch.equal(v, seg.state_dict()[k]), k
 
 
-def test_stopped_before_export_exports_the_trained_weights(tmp_path, monkeypatch):
+def test_stopped_before_export_exports_the_trained_weights(tmp_path):
     from safetensors.torch import load_file
 
     save_tiny_chat_target(tmp_path / "target", layers=4, init_std=0.05)
@@ -212,18 +214,9 @@ def test_stopped_before_export_exports_the_trained_weights(tmp_path, monkeypatch
                                 "out": str(tmp_path / "out"), "batch": 4, "eval_prompts": 4, "max_tokens": 8,
                                 "max_epochs": 2, "evals": 2, "warmup_steps": 2, "minutes": 5.0})
 
-    class Stop(Exception):
-        pass
-
-    def stop(*a, **k):
-        raise Stop
-
-    monkeypatch.setattr(bs, "finish", stop)
     with pytest.raises(Stop):
-        bs.bootstrap(cfg)
-    monkeypatch.undo()
-    monkeypatch.setattr(bs, "generate_groups", lambda *a, **k: pytest.fail("regenerated"))
-    report = bs.bootstrap(cfg)
+        bs.bootstrap(cfg, phases=bs.Phases(export=stop))
+    report = bs.bootstrap(cfg, phases=bs.Phases(generate_groups=lambda *a, **k: pytest.fail("regenerated")))
     assert report["runs"] == 2 and report["training"]["steps"] == report["training"]["schedule_steps"]
     state = json.loads((tmp_path / "out" / "train_state" / "train_state.json").read_text())
     trained = load_file(str(tmp_path / "out" / "train_state" / state["weights"]))
@@ -264,13 +257,13 @@ def test_the_schedule_follows_a_machine_whose_pace_changes(tmp_path, monkeypatch
     else:
         assert tr["schedule_steps"] > 1.2 * tr["planned_steps"]
     assert tr["steps"] == tr["schedule_steps"] and not tr["stopped_early"]
-    history = json.loads((tmp_path / "out" / bs.MANIFEST).read_text())["train"]["history"]
+    history = json.loads((tmp_path / "out" / MANIFEST).read_text())["train"]["history"]
     floor = lr_at(TrainConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps), tr["steps"] - 1, tr["steps"])
     assert history[-1]["step"] == tr["steps"] and history[-1]["lr"] == pytest.approx(floor)
     assert report["wall_minutes"] <= cfg.minutes + 0.05
 
 
-def test_slow_evaluations_make_a_coarser_curve_not_a_shorter_training(tmp_path, monkeypatch):
+def test_slow_evaluations_make_a_coarser_curve_not_a_shorter_training(tmp_path):
     """Where one held-out evaluation is slow against the budget (a slow CPU), the curve gets fewer
     points (at least MIN_EVALS) so that evaluating stays near EVAL_SHARE of the training time."""
     save_tiny_chat_target(tmp_path / "target", layers=4, init_std=0.05)
@@ -278,16 +271,13 @@ def test_slow_evaluations_make_a_coarser_curve_not_a_shorter_training(tmp_path, 
     cfg = bs.BootstrapConfig(**{**TINY_BOOTSTRAP, "target": str(tmp_path / "target"), "prompts": [str(prompts)],
                                 "out": str(tmp_path / "out"), "batch": 4, "eval_prompts": 4, "max_tokens": 8,
                                 "max_epochs": 10_000, "evals": 8, "warmup_steps": 2, "minutes": 0.4})
-    real = bs._eval_entry
-
     def slow(*a, **k):  # a slow machine's evaluation: a pace a real run cannot be made to show on demand
         time.sleep(1.5)
-        return real(*a, **k)
+        return evaluate_held_out(*a, **k)
 
-    monkeypatch.setattr(bs, "_eval_entry", slow)
-    report = bs.bootstrap(cfg)
-    assert report["training"]["evaluations"] == bs.MIN_EVALS < cfg.evals
-    assert 1 + 2 <= len(report["curve"]) <= 1 + bs.MIN_EVALS  # the origin, then at most MIN_EVALS points
+    report = bs.bootstrap(cfg, phases=bs.Phases(evaluate=slow))
+    assert report["training"]["evaluations"] == MIN_EVALS < cfg.evals
+    assert 1 + 2 <= len(report["curve"]) <= 1 + MIN_EVALS  # the origin, then at most MIN_EVALS points
     # the schedule ran (to within a step or so: on a 24-s budget a 1.5-s evaluation shifts the last
     # segment's deadline by more than a step of the tiny draft)
     assert report["training"]["steps"] >= 0.95 * report["training"]["schedule_steps"]

@@ -11,8 +11,7 @@ import time
 import pytest
 
 from tests.support.bootstrap import tiny_bootstrap
-from tools.cli import main
-from tools.draft import bootstrap as bs
+from tools.cli import build_parser, main
 from tools.draft import draft_cli
 
 
@@ -35,7 +34,7 @@ def test_draft_commands_are_registered(capsys):
         main(["draft", "bootstrap", "--prompts", "x.jsonl"])  # --minutes and --out are required
 
 
-def test_bootstrap_cli_maps_arguments(tmp_path, monkeypatch, capsys):
+def test_bootstrap_cli_maps_arguments(tmp_path, capsys):
     got = {}
 
     def fake(cfg, started):
@@ -43,11 +42,12 @@ def test_bootstrap_cli_maps_arguments(tmp_path, monkeypatch, capsys):
         return {"draft": str(tmp_path / "draft"), "accept_length": {"3": 2.0}, "top1": [0.5], "wall_minutes": 1.0,
                 "generation": {"output_tokens_train": 10}, "training": {"steps": 3}}
 
-    monkeypatch.setattr(bs, "bootstrap", fake)
     called = time.monotonic()
-    rc = main(["draft", "bootstrap", "--target", "ref", "--prompts", "a.jsonl", "b.jsonl", "--minutes", "12",
-               "--out", str(tmp_path), "--gen-fraction", "0.3", "--max-tokens", "128", "--threads", "2",
-               "--no-progress"])
+    args = build_parser().parse_args(["draft", "bootstrap", "--target", "ref", "--prompts", "a.jsonl", "b.jsonl",
+                                      "--minutes", "12", "--out", str(tmp_path), "--gen-fraction", "0.3",
+                                      "--max-tokens", "128", "--threads", "2", "--no-progress"])
+    assert args.handler is draft_cli.run_bootstrap  # what `tide draft bootstrap` runs
+    rc = draft_cli.run_bootstrap(args, run=fake)
     assert rc == 0
     cfg = got["cfg"]
     assert (cfg.target, cfg.prompts, cfg.minutes, cfg.gen_fraction, cfg.max_tokens, cfg.threads, cfg.progress) == (

@@ -33,7 +33,7 @@ def test_a_cut_ends_every_running_sequence_with_its_greedy_prefix_captured(tmp_p
     from tests.support.bootstrap import save_tiny_chat_target
     from tide.chunks import decode_chunk
     from tide.engine.llama import LlamaModel
-    from tools.draft.generation import SequenceChunks, generate_groups, make_engine
+    from tools.draft.generation import capturing_engine, generate_groups
 
     target = save_tiny_chat_target(tmp_path / "t", layers=4, init_std=0.05)
     model = LlamaModel.load(target, dtype=torch.float32)
@@ -45,9 +45,8 @@ def test_a_cut_ends_every_running_sequence_with_its_greedy_prefix_captured(tmp_p
 
     def run(cut_at_step: int | None) -> tuple[list[str], dict[str, list[int]]]:
         """(keys of the groups yielded, {prompt key: token ids of its rows (prompt + generated)})"""
-        engine = make_engine(model, batch=4, max_prompt_tokens=16, max_tokens=24)
-        sink = SequenceChunks(model.cfg.hidden_size, target.model_id, chunk_tokens=4096)
-        engine.capture_listeners.append(sink)
+        engine, sink = capturing_engine(model, target.model_id, batch=4, max_prompt_tokens=16, max_tokens=24,
+                                        chunk_tokens=4096)
         asked = itertools.count()
         cut = (lambda: next(asked) >= cut_at_step) if cut_at_step is not None else (lambda: False)
         keys, rows = [], {}

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from tide.precision import DTYPE_NAMES
-from tools.draft.bootstrap import BootstrapConfig
+from tools.draft.bootstrap import BootstrapConfig, bootstrap
 
 _DEFAULTS = BootstrapConfig()
 
@@ -132,27 +132,26 @@ def add_draft_parser(subparsers) -> None:
     draft = subparsers.add_parser("draft", help="bootstrap, evaluate or fine-tune an EAGLE-3 draft",
                                   description=__doc__.splitlines()[0])
     kinds = draft.add_subparsers(dest="draft_command", required=True)
-    add_bootstrap_arguments(kinds.add_parser(
-        "bootstrap", help="generate with the target, train a draft from scratch, export it with its eval report"))
-    add_eval_arguments(kinds.add_parser(
-        "eval", help="acceptance length and per-step top-1 of a draft on continuations of the given prompts"))
-    add_finetune_arguments(kinds.add_parser("finetune", help="fine-tune a draft on chunks"))
+    for name, add_arguments, handler, help_text in (
+            ("bootstrap", add_bootstrap_arguments, run_bootstrap,
+             "generate with the target, train a draft from scratch, export it with its eval report"),
+            ("eval", add_eval_arguments, run_eval,
+             "acceptance length and per-step top-1 of a draft on continuations of the given prompts"),
+            ("finetune", add_finetune_arguments, run_finetune, "fine-tune a draft on chunks")):
+        p = kinds.add_parser(name, help=help_text)
+        add_arguments(p)
+        p.set_defaults(handler=handler)
     draft.set_defaults(func=run_cli)
 
 
 def run_cli(args) -> int:
+    """Run the draft command's `handler` (set by its parser); errors it expects are one line on stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.draft_command == "bootstrap":
-            return _bootstrap(args)
-        if args.draft_command == "eval":
-            return _eval(args)
-        if args.draft_command == "finetune":
-            return _finetune(args)
+        return args.handler(args)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"tide draft {args.draft_command}: {e}", file=sys.stderr)
         return 1
-    raise SystemExit(f"unknown draft command {args.draft_command!r}")
 
 
 def process_age_s() -> float:
@@ -167,13 +166,9 @@ def process_age_s() -> float:
         return 0.0
 
 
-def _bootstrap(args) -> int:
-    from tools.draft.bootstrap import bootstrap
-
-    if args.minutes <= 0 or not 0 < args.gen_fraction < 1:
-        print("tide draft bootstrap: --minutes must be > 0 and --gen-fraction in (0, 1)", file=sys.stderr)
-        return 2
-    cfg = BootstrapConfig(
+def bootstrap_config(args) -> BootstrapConfig:
+    """The settings that `tide draft bootstrap`'s arguments ask for."""
+    return BootstrapConfig(
         target=args.target, prompts=list(args.prompts), out=args.out, minutes=args.minutes,
         gen_fraction=args.gen_fraction, gen_tokens=args.gen_tokens, prompt_limit=args.limit,
         eval_prompts=args.eval_prompts, batch=args.batch, max_tokens=args.max_tokens,
@@ -184,7 +179,15 @@ def _bootstrap(args) -> int:
         feature_noise=args.feature_noise, aux_norm=args.aux_norm, autocast=args.autocast, seed=args.seed,
         threads=args.threads,
         progress=not args.no_progress)
-    report = bootstrap(cfg, started=time.monotonic() - process_age_s())
+
+
+def run_bootstrap(args, run=bootstrap) -> int:
+    """`tide draft bootstrap`: `run` (`bootstrap.bootstrap`) on the arguments' settings, its budget
+    counted from this process's start; prints a summary of its report."""
+    if args.minutes <= 0 or not 0 < args.gen_fraction < 1:
+        print("tide draft bootstrap: --minutes must be > 0 and --gen-fraction in (0, 1)", file=sys.stderr)
+        return 2
+    report = run(bootstrap_config(args), started=time.monotonic() - process_age_s())
     out = Path(args.out)
     print(json.dumps({"draft": report["draft"], "report": str(out / "report.json"), "plot": str(out / "report.png"),
                       "accept_length": report["accept_length"], "top1": report["top1"],
@@ -194,7 +197,7 @@ def _bootstrap(args) -> int:
     return 0
 
 
-def _eval(args) -> int:
+def run_eval(args) -> int:
     from tools.draft.draft_eval import evaluate_on_chunks, evaluate_on_prompts
 
     if args.chunks and args.engine_gamma:
@@ -218,7 +221,7 @@ def _eval(args) -> int:
     return 0
 
 
-def _finetune(args) -> int:
+def run_finetune(args) -> int:
     from services.trainer.training.loop import TrainConfig
     from services.trainer.training.run import train_draft
     from tide.eagle3.checkpoint import find_checkpoint_dir

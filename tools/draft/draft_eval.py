@@ -14,15 +14,14 @@ import torch
 from tide.eagle3.checkpoint import find_checkpoint_dir
 from tide.precision import resolve_dtype
 from tools.draft.generation import (
-    SequenceChunks,
+    capturing_engine,
     encode_prompts,
     generate_groups,
     length_sorted_groups,
     load_prompt_files,
-    make_engine,
     progress_bar,
     torch_threads,
-    write_blob,
+    write_chunks,
 )
 
 
@@ -65,9 +64,8 @@ def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens,
     if engine_gamma > 0:
         max_len = min(max_prompt_tokens + max_tokens + engine_gamma + 2, model.cfg.max_position_embeddings)
         drafter = Eagle3Drafter.from_checkpoint(draft_dir, model, draft_dir.name, batch, max_len)
-    engine = make_engine(model, batch, max_prompt_tokens, max_tokens, drafter, engine_gamma)
-    sink = SequenceChunks(model.cfg.hidden_size, tfiles.model_id, 2048, workload="eval")
-    engine.capture_listeners.append(sink)
+    engine, sink = capturing_engine(model, tfiles.model_id, batch, max_prompt_tokens, max_tokens, drafter=drafter,
+                                    gamma=engine_gamma, workload="eval")
     tmp = None
     if chunks_dir is None:
         tmp = tempfile.mkdtemp(prefix="tide-draft-eval-")
@@ -80,8 +78,7 @@ def _evaluate_on_prompts(draft, prompt_files, target, gammas, limit, max_tokens,
         groups = length_sorted_groups(items, 2 * batch)
         for res in generate_groups(engine, sink, groups, max_tokens, speculative=engine_gamma > 0,
                                    on_done=bar.update):
-            for cid, blob in res.chunks:
-                write_blob(chunks_dir, f"{cid}.safetensors", blob)
+            write_chunks(chunks_dir, res.chunks)
             out_tokens += sum(res.output_tokens)
             steps += res.verify_steps
             accepted += res.accepted_tokens

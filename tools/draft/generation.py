@@ -169,6 +169,12 @@ def generate_groups(engine, sink: SequenceChunks, groups: Iterable[list[tuple[st
                 verify_steps=sum(s.verify_steps for s in seqs), accepted_tokens=sum(s.accepted_tokens for s in seqs))
 
 
+def write_chunks(directory: Path, chunks: Iterable[tuple[str, bytes]]) -> list[str]:
+    """Each (chunk id, blob) of `GroupResult.chunks` as `<id>.safetensors` in `directory` (`write_blob`);
+    returns the file names, in order."""
+    return [write_blob(Path(directory), f"{cid}.safetensors", blob).name for cid, blob in chunks]
+
+
 def write_blob(directory: Path, name: str, data: bytes) -> Path:
     """Atomic write (temp file + rename): a crash never leaves a half-written chunk under `name`."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -222,3 +228,14 @@ def make_engine(model, batch: int, max_prompt_tokens: int, max_tokens: int, draf
     max_len = min(max_prompt_tokens + max_tokens + 1, model.cfg.max_position_embeddings)
     cfg = EngineConfig(max_batch=batch, max_seq_len=max_len, max_gamma=max(gamma, 1), worker_id="bootstrap")
     return LLMEngine(model, cfg, drafter=drafter, policy=FixedGamma(gamma))
+
+
+def capturing_engine(model, target_model: str, batch: int, max_prompt_tokens: int, max_tokens: int, *,
+                     drafter=None, gamma: int = 0, chunk_tokens: int = 2048,
+                     workload: str = "bootstrap") -> tuple:
+    """`make_engine`'s engine with a `SequenceChunks` sink listening to its committed rows, as an
+    inference worker captures them: (engine, sink), what `generate_groups` takes."""
+    engine = make_engine(model, batch, max_prompt_tokens, max_tokens, drafter, gamma)
+    sink = SequenceChunks(model.cfg.hidden_size, target_model, chunk_tokens, workload=workload)
+    engine.capture_listeners.append(sink)
+    return engine, sink
