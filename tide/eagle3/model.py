@@ -167,11 +167,6 @@ class Eagle3Draft(nn.Module):
         ids[draft + self.d2t] = draft
         return ids
 
-    def save_checkpoint(self, path, extra: dict | None = None) -> None:
-        from tide.eagle3.checkpoint import save_checkpoint
-
-        save_checkpoint(self, path, extra)
-
 
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """`attend` for a whole sequence in one call with no cache: causal self-attention (GQA)."""
