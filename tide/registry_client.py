@@ -216,9 +216,7 @@ class RegistryClient:
         self, version: str, target_model: str = "", reason: str = "", expected_current: str | None = None
     ) -> registry_pb2.PointerState:
         req = registry_pb2.PromoteRequest(target_model=target_model, version=version, reason=reason)
-        if expected_current is not None:
-            req.expected_current = expected_current
-        return self.stub.Promote(req, timeout=self.timeout_s)
+        return self._move_pointer(self.stub.Promote, req, expected_current)
 
     def pin(self, version: str, target_model: str = "", reason: str = "") -> registry_pb2.PointerState:
         req = registry_pb2.PinRequest(target_model=target_model, version=version, reason=reason)
@@ -233,9 +231,14 @@ class RegistryClient:
         self, target_model: str, reason: str = "", to_version: str = "", expected_current: str | None = None
     ) -> registry_pb2.PointerState:
         req = registry_pb2.RollbackRequest(target_model=target_model, reason=reason, to_version=to_version)
+        return self._move_pointer(self.stub.Rollback, req, expected_current)
+
+    def _move_pointer(self, rpc, req, expected_current: str | None) -> registry_pb2.PointerState:
+        """`rpc(req)`, a pointer move that the registry refuses (FAILED_PRECONDITION) unless the
+        current version is `expected_current` (None: whatever it is)."""
         if expected_current is not None:
             req.expected_current = expected_current
-        return self.stub.Rollback(req, timeout=self.timeout_s)
+        return rpc(req, timeout=self.timeout_s)
 
     # watch
     _FATAL = (

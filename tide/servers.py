@@ -172,17 +172,22 @@ class _ManagedProcess:
     """Common start/stop/readiness plumbing; subclasses give the command line and a probe."""
 
     name = "server"
-    port: int  # the client-facing port, checked to be ours before probing
-    _fixed_port: bool  # the caller chose `port`: never replace it on retry
+    executable = "server"  # what the binary is called (in the error about a bad `binary`)
 
     def __init__(
         self,
+        port: int | None,
         *,
+        binary: str | Path | None,
         workdir: str | Path | None,
         startup_timeout_s: float,
         die_with_parent: bool,
         stop_timeout_s: float = 10.0,
     ):
+        # the binary first: a missing one leaves no work dir behind
+        self.binary = _checked(binary, self.executable) if binary else self._find_binary()
+        self._fixed_port = port is not None  # the caller chose `port`: never replace it on retry
+        self.port = port or free_port()  # the client-facing port, checked to be ours before probing
         self._own_workdir = workdir is None
         # absolute: the server runs with this as its cwd, so a relative path in its flags would not resolve
         self.workdir = (Path(tempfile.mkdtemp(prefix=f"tide-{self.name}-")) if workdir is None
@@ -196,6 +201,10 @@ class _ManagedProcess:
         self._proc: subprocess.Popen | None = None
 
     # -- subclass hooks
+    def _find_binary(self) -> Path:
+        """The installed binary (BinaryNotFound where there is none)."""
+        raise NotImplementedError
+
     def _command(self) -> list[str]:
         raise NotImplementedError
 
@@ -309,6 +318,7 @@ class RedisServer(_ManagedProcess):
     """
 
     name = "redis"
+    executable = "redis-server"
 
     def __init__(
         self,
@@ -321,16 +331,12 @@ class RedisServer(_ManagedProcess):
         stop_timeout_s: float = 10.0,
         die_with_parent: bool = True,
     ):
-        super().__init__(
-            workdir=workdir,
-            startup_timeout_s=startup_timeout_s,
-            stop_timeout_s=stop_timeout_s,
-            die_with_parent=die_with_parent,
-        )
-        self.binary = _checked(binary, "redis-server") if binary else find_redis_server()
-        self._fixed_port = port is not None
-        self.port = port or free_port()
+        super().__init__(port, binary=binary, workdir=workdir, startup_timeout_s=startup_timeout_s,
+                         stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
         self.password = password
+
+    def _find_binary(self) -> Path:
+        return find_redis_server()
 
     def _choose_ports(self) -> None:
         if not self._fixed_port:
@@ -386,6 +392,7 @@ class S3Server(_ManagedProcess):
     """
 
     name = "s3"
+    executable = "weed"
     PROBE_BUCKET = "tide-readiness-probe"
     # weed mini's components and their ports; each gets a free port so several servers (parallel
     # test sessions, the launcher) coexist. gRPC ports are explicit too (weed's default is +10000).
@@ -413,19 +420,15 @@ class S3Server(_ManagedProcess):
         stop_timeout_s: float = 5.0,
         die_with_parent: bool = True,
     ):
-        super().__init__(
-            workdir=workdir,
-            startup_timeout_s=startup_timeout_s,
-            stop_timeout_s=stop_timeout_s,
-            die_with_parent=die_with_parent,
-        )
-        self.binary = _checked(binary, "weed") if binary else find_weed()
-        self._fixed_port = port is not None
+        super().__init__(port, binary=binary, workdir=workdir, startup_timeout_s=startup_timeout_s,
+                         stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
         self.access_key = access_key or "tide" + secrets.token_hex(6)
         self.secret_key = secret_key or secrets.token_hex(16)
-        self.port = port or free_port()
         self._ports: dict[str, int] = {}
         self._choose_ports(keep_s3=True)
+
+    def _find_binary(self) -> Path:
+        return find_weed()
 
     def _choose_ports(self, keep_s3: bool = False) -> None:
         if not (keep_s3 or self._fixed_port):

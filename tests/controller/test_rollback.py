@@ -178,12 +178,21 @@ def test_a_manual_promotion_is_noticed_from_the_serving_version():
     assert [c[:2] for c in reg.calls] == [("m", "v1")] and "serving version changed from v1" in reg.calls[0][2]
 
 
+def regressed(registry, error: Exception | None = None) -> Fleet:
+    """v1 served well for 100 verifications, v2 promoted, then 30 verifications of v2 (past the
+    window of 20) accepting nothing, with `registry` raising `error` (if any) meanwhile."""
+    f = Fleet(registry, window=20)
+    f.steps(100, accepted=2, version="v1")
+    f.promote()
+    if error is not None:
+        registry.error = error
+    f.steps(30, accepted=0, version="v2")
+    return f
+
+
 def test_no_rollback_when_the_registry_moved_on_or_is_pinned():
     for reg in (FakeRegistry(current="v3"), FakeRegistry(current="v2", pinned="v2")):
-        f = Fleet(reg, window=20)
-        f.steps(100, accepted=2, version="v1")
-        f.promote()
-        f.steps(30, accepted=0, version="v2")
+        f = regressed(reg)
         assert reg.calls == [] and f.guard.watching("m") is None and f.guard.last("m") is None
 
 
@@ -198,38 +207,23 @@ class PromotedMeanwhile(FakeRegistry):
 
 def test_a_promotion_racing_the_rollback_wins():
     reg = PromotedMeanwhile()
-    f = Fleet(reg, window=20)
-    f.steps(100, accepted=2, version="v1")
-    f.promote()
-    f.steps(30, accepted=0, version="v2")
+    f = regressed(reg)
     assert reg.calls == [] and reg.current == "v3"  # v3 was not undone
     assert f.guard.last("m") is None and f.guard.counts() == ({}, {"m": 1})
 
 
 def test_registry_errors_retry_or_give_up():
     reg = FakeRegistry()
-    f = Fleet(reg, window=20)
-    f.steps(100, accepted=2, version="v1")
-    f.promote()
-    reg.error = RegistryUnavailable("down")
-    f.steps(30, accepted=0, version="v2")
+    f = regressed(reg, RegistryUnavailable("down"))
     assert reg.calls == [] and f.guard.watching("m") is not None and f.guard.counts() == ({}, {"m": 1})
     reg.error = None
     f.steps(1, accepted=0, version="v2")  # the next evaluation retries
     assert [c[:2] for c in reg.calls] == [("m", "v1")]
 
-    refused = FakeRegistry()
-    f = Fleet(refused, window=20)
-    f.steps(100, accepted=2, version="v1")
-    f.promote()
-    refused.error = RollbackRefused("FAILED_PRECONDITION: no previous draft")
-    f.steps(30, accepted=0, version="v2")
+    f = regressed(FakeRegistry(), RollbackRefused("FAILED_PRECONDITION: no previous draft"))
     assert f.guard.watching("m") is None and f.guard.counts() == ({}, {"m": 1})  # not retried forever
 
 
 def test_disabled_without_a_registry():
-    f = Fleet(None, window=20)
-    f.steps(100, accepted=2, version="v1")
-    f.promote()
-    f.steps(30, accepted=0, version="v2")
+    f = regressed(None)
     assert not f.guard.enabled and f.guard.watching("m") is None and f.guard.last("m") is None

@@ -113,14 +113,9 @@ def tiny_eagle3_drafter(model, seed: int = 0, draft_vocab: int = 40, max_batch: 
     """A random (useless) EAGLE-3 drafter that fits `model` (an engine LlamaModel)."""
     from tide.eagle3.testing import make_draft
     from tide.engine.drafters.eagle3 import Eagle3Drafter
+    from tide.engine.profiling import target_config
 
-    cfg = model.cfg
-    target = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-              "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-              "max_position_embeddings": cfg.max_position_embeddings}
-    draft, _ = make_draft(dtype="float32", seed=seed, target=target, draft_vocab_size=draft_vocab)
+    draft, _ = make_draft(dtype="float32", seed=seed, target=target_config(model.cfg), draft_vocab_size=draft_vocab)
     draft = draft.to(model.dtype)
     draft.set_embedding(model.embed)
     return Eagle3Drafter(draft, f"random-{seed}", max_batch, max_len)

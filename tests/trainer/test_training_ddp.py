@@ -40,12 +40,17 @@ def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _chunk_dir(blobs: list[bytes], path: Path) -> Path:
+    """`path`, a new directory holding the chunk blobs as files."""
+    path.mkdir()
+    for i, blob in enumerate(blobs):
+        (path / f"{i:03d}").write_bytes(blob)
+    return path
+
+
 @pytest.mark.slow
 def test_ddp_ranks_stay_in_sync(copy_target, copy_chunks, tmp_path):
-    data = tmp_path / "chunks"
-    data.mkdir()
-    for i, blob in enumerate(copy_chunks):
-        (data / f"{i:03d}").write_bytes(blob)
+    data = _chunk_dir(copy_chunks, tmp_path / "chunks")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -58,10 +63,7 @@ def test_ddp_ranks_stay_in_sync(copy_target, copy_chunks, tmp_path):
 
 @pytest.mark.slow
 def test_cli_trains_and_exports(copy_target, copy_chunks, tmp_path):
-    data = tmp_path / "chunks"
-    data.mkdir()
-    for i, blob in enumerate(copy_chunks):
-        (data / f"{i:03d}").write_bytes(blob)
+    data = _chunk_dir(copy_chunks, tmp_path / "chunks")
     out = tmp_path / "draft"
     proc = _run([sys.executable, "-m", "services.trainer.training", "--target", str(copy_target.path),
                  "--data", str(data), "--out", str(out), "--steps", "3", "--batch-rows", "2", "--max-len", "64",

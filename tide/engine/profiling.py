@@ -124,15 +124,20 @@ def profile_prefill(model: LlamaModel, reps: int) -> float:
     return round(interleaved_min_ms([fwd], reps)[0] / PREFILL_CHUNK, 4)
 
 
+def target_config(cfg) -> dict:
+    """An engine model's config (`LlamaModel.cfg`) as the HF config.json fields that
+    `Eagle3Config.for_target` reads: a draft shaped for that model."""
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+            "max_position_embeddings": cfg.max_position_embeddings}
+
+
 def random_draft(model: LlamaModel, draft_vocab: int = 8192) -> Eagle3Draft:
     """A random EAGLE-3 draft of the production shape: right for latency, useless for acceptance."""
-    cfg = model.cfg
-    target = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-              "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-              "max_position_embeddings": cfg.max_position_embeddings}
-    draft = Eagle3Draft(Eagle3Config.for_target(target, draft_vocab_size=draft_vocab)).to(model.dtype)
+    draft = Eagle3Draft(Eagle3Config.for_target(target_config(model.cfg), draft_vocab_size=draft_vocab))
+    draft = draft.to(model.dtype)
     draft.set_embedding(model.embed)
     return draft
 
