@@ -72,6 +72,7 @@ from benchmarks.adapt_stack import (
     start_draft,
     worker_status,
 )
+from benchmarks.report import standalone_main, write_json
 from tide.policies.registry import POLICY_NAMES
 from tide.prompts import Prompt, load_prompts
 from tide.resources import run_and_wait_s, started_on
@@ -415,14 +416,9 @@ def run_cli(args) -> int:
     if args.plots and set(MODES) <= set(res):
         res["plots"] = plot(res, args.plots)
     print_table(res)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1))
-        print(f"wrote {args.json}")
+    write_json(res, args.json)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tide bench adapt", description=__doc__)
-    add_arguments(parser)
-    return run_cli(parser.parse_args(argv))
+    return standalone_main("tide bench adapt", __doc__, add_arguments, run_cli, argv)

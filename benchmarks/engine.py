@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report import write_json
 from services.inference.exporter import ChunkExporter
 from tide.engine.drafters import NgramDrafter
 from tide.engine.drafters.eagle3 import Eagle3Drafter
@@ -243,7 +243,5 @@ def run_cli(args) -> int:
             raise SystemExit(f"tide bench engine: --draft: {e}") from None
     res = run(args)
     print_table(res)
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=2))
-        print(f"wrote {args.json}")
+    write_json(res, args.json, indent=2)
     return 0

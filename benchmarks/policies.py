@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report import standalone_main, write_json
 from tide.engine.drafters import NgramDrafter
 from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.engine.engine import EngineConfig, LLMEngine
@@ -565,13 +566,9 @@ def run_cli(args) -> int:
     if args.plots:
         res["plots"] = plots(res, args.plots)
     print_table(res)
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
-        print(f"wrote {args.json}")
+    write_json(res, args.json)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tide bench policies", description=__doc__)
-    add_arguments(parser)
-    return run_cli(parser.parse_args(argv))
+    return standalone_main("tide bench policies", __doc__, add_arguments, run_cli, argv)

@@ -70,6 +70,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from benchmarks.report import standalone_main, write_json
 from tide.prompts import Prompt, load_prompts
 
 PERCENTILES = (50, 90, 99)
@@ -557,18 +558,12 @@ def run_cli(args) -> int:
 
         res["plots"] = plot(res, args.plots)
     print_table(res)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1))
-        print(f"wrote {args.json}")
+    write_json(res, args.json)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tide bench serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run_cli(parser.parse_args(argv))
+    return standalone_main("tide bench serve", __doc__, add_arguments, run_cli, argv)
 
 
 if __name__ == "__main__":

@@ -36,16 +36,18 @@ def _up(args) -> int:
 
 
 def add_bench_parser(subparsers) -> None:
-    """`tide bench engine|policies|adapt`: benchmarks that print a short table and write JSON (each
+    """`tide bench engine|policies|adapt|serve`: benchmarks that print a short table and write JSON (each
     benchmark module gives its arguments, `add_arguments`, and its handler, `run_cli`)."""
-    from benchmarks import adapt, engine, policies
+    from benchmarks import adapt, engine, policies, serve
 
     bench = subparsers.add_parser("bench", help="benchmarks that print JSON and a short table")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for name, module, help_text in (
             ("engine", engine, "latency table, speculative tokens/s, overheads"),
             ("policies", policies, "every γ policy on the real engine over a load trace"),
-            ("adapt", adapt, "static draft vs the online loop over domain shifts, via the gateway")):
+            ("adapt", adapt, "static draft vs the online loop over domain shifts, via the gateway"),
+            ("serve", serve, "TTFT, ITL, throughput of any OpenAI-compatible endpoint over a concurrency "
+                             "sweep or request rates")):
         p = kinds.add_parser(name, help=help_text)
         module.add_arguments(p)
         p.set_defaults(func=module.run_cli)
