@@ -4,9 +4,9 @@ Wiring: settings from the environment -> S3 client (waits for storage, creates t
 store -> watch hub (pointer polling) -> gRPC server (health, reflection, admin auth) + Prometheus
 metrics. JSON log lines on stderr. SIGTERM/SIGINT: report NOT_SERVING, end watch streams (workers
 reconnect with backoff), let in-flight calls finish within a grace period, exit 0.
-The process's life is `tide.service.run_service`, with two differences kept from before: a bad
-setting ends the process with a traceback (exit 1), and the signal handlers go in only once the
-service is up (a signal during start-up, e.g. while storage is awaited, ends the process at once).
+The process's life is `tide.service.run_service` (a bad setting: exit 2, like every service), with
+one difference: the signal handlers go in only once the service is up (a signal during start-up,
+e.g. while storage is awaited, ends the process at once).
 """
 
 from __future__ import annotations
@@ -60,8 +60,7 @@ def _metrics_address(settings: RegistrySettings) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = RegistrySettings.from_env()  # outside run_service's guard, as before: a bad value raises
-    return run_service(log.name, lambda: settings, build,
+    return run_service(log.name, RegistrySettings.from_env, build,
                        without_admin_token="every admin call (register, promote, pin, ...) will be refused",
                        metrics_address=_metrics_address, signals_during_build=False)
 

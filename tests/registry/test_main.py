@@ -79,3 +79,12 @@ def test_service_process(s3_server, s3_bucket):
     assert serving["address"] == f"127.0.0.1:{port}" and serving["bucket"] == s3_bucket
     assert logs[-1]["msg"] == "stopped"
     assert TOKEN not in json.dumps(logs)
+
+
+def test_a_bad_setting_exits_2_with_a_log_line_naming_it():
+    """Like every other service: exit 2 and one JSON line, not a traceback and exit 1."""
+    env = {**os.environ, "TIDE_REGISTRY_METRICS_PORT": "not-a-port"}
+    proc = subprocess.run([sys.executable, "-m", "services.registry"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "TIDE_REGISTRY_METRICS_PORT" in proc.stderr
