@@ -26,10 +26,10 @@ import time
 import uuid
 
 from services.inference.app import build, load_target
-from services.inference.control import Decision
 from services.inference.requests import ErrorEvent, FinalEvent, GenerationRequest
 from services.inference.settings import InferenceSettings
 from tide.blobs import StorageSettings
+from tide.decisions import Decision
 from tide.servers import local_data_plane
 
 TOPICS = ["the sea", "a mountain", "bread", "rain", "a library", "trains", "the moon", "coffee", "winter", "a city",

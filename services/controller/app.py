@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.controller.collection import CollectionConfig, CollectionControl, Signal
-from services.controller.decisions import Decision, DecisionIssuer, StaticDecision
+from services.controller.decisions import DecisionIssuer, StaticDecision
 from services.controller.fleet import Fleet, WorkerClient
 from services.controller.outcomes import OutcomeLog, TrainingOutcome
 from services.controller.registry import GrpcRegistry
@@ -28,6 +28,7 @@ from services.controller.stats import FleetStats
 from services.controller.telemetry import TelemetryReader
 from services.controller.workers import GrpcWorkerClient
 from tide import streams
+from tide.decisions import Decision
 from tide.grpcutil import GrpcServer
 
 log = logging.getLogger(__name__)

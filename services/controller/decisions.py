@@ -10,6 +10,7 @@ For now the controller pushes one *static* decision, configured as JSON (`TIDE_C
 
 Every key is optional; null / absent leaves that part of a worker's configuration unchanged (as
 tide.v1.Decision has it). `speculation: true` = one bucket [1, inf) on; false = off at every batch.
+The decision types themselves (and their protobuf forms) are the library's, `tide.decisions`.
 `StaticDecision.decision_id` is deterministic (`static-<hash of content and target>`).
 
 What the controller pushes is the static content plus its own `collection_enabled` (collection.py),
@@ -29,11 +30,11 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from tide.decisions import Decision, PolicySpec, SpeculationBucket, SpeculationSchedule
 from tide.policies.registry import POLICY_NAMES
 
 DRAFTERS = ("ngram", "none", "eagle3")
@@ -41,41 +42,11 @@ DEFAULT_DECISION_JSON = '{"speculation": true, "gamma_policy": {"name": "static"
 
 
 @dataclass(frozen=True)
-class Bucket:
-    """Speculation on/off for running-batch sizes [min_batch, max_batch]; max_batch 0 = unbounded."""
-
-    min_batch: int
-    max_batch: int
-    enabled: bool
-
-
-@dataclass(frozen=True)
-class Policy:
-    name: str
-    params: Mapping[str, float] = field(default_factory=dict)
-    table_json: str = ""
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One decision for one target (mirrors tide.v1.Decision; None = leave unchanged)."""
-
-    decision_id: str
-    target_model: str
-    speculation: tuple[Bucket, ...] | None
-    policy: Policy | None
-    collection_enabled: bool | None
-    drafter: str | None
-    reason: str
-    issued_unix_s: float
-
-
-@dataclass(frozen=True)
 class StaticDecision:
     """The configured decision, validated; `for_target` makes the Decision pushed for a target."""
 
-    speculation: tuple[Bucket, ...] | None = (Bucket(1, 0, True),)
-    policy: Policy | None = Policy("static", MappingProxyType({"gamma": 3.0}))
+    speculation: tuple[SpeculationBucket, ...] | None = (SpeculationBucket(1, 0, True),)  # sorted, valid
+    policy: PolicySpec | None = PolicySpec("static", MappingProxyType({"gamma": 3.0}))
     collection_enabled: bool | None = None
     drafter: str | None = None
     reason: str = "static decision (TIDE_CONTROLLER_DECISION)"
@@ -116,8 +87,14 @@ class StaticDecision:
         return "static-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def for_target(self, target_model: str, now: float | None = None) -> Decision:
-        return Decision(self.decision_id(target_model), target_model, self.speculation, self.policy,
-                        self.collection_enabled, self.drafter, self.reason, time.time() if now is None else now)
+        return self.decision(self.decision_id(target_model), target_model, self.collection_enabled, self.reason, now)
+
+    def decision(self, decision_id: str, target_model: str, collection_enabled: bool | None, reason: str,
+                 now: float | None = None) -> Decision:
+        """This content as the Decision `decision_id`, with the given collection flag and reason."""
+        schedule = None if self.speculation is None else SpeculationSchedule(self.speculation)
+        return Decision(decision_id, target_model, schedule, self.policy, collection_enabled, self.drafter, reason,
+                        time.time() if now is None else now)
 
 
 class DecisionIssuer:
@@ -146,18 +123,18 @@ class DecisionIssuer:
             digest = hashlib.sha256(target_model.encode()).hexdigest()[:8]
             s = self.static
             state = "left to the workers" if collection_enabled is None else ("on" if collection_enabled else "off")
-            d = Decision(f"ctl-{self.nonce}-{digest}-{seq}", target_model, s.speculation, s.policy,
-                         collection_enabled, s.drafter, f"{s.reason}; collection {state}: {why}",
-                         time.time() if now is None else now)
+            d = s.decision(f"ctl-{self.nonce}-{digest}-{seq}", target_model, collection_enabled,
+                           f"{s.reason}; collection {state}: {why}", now)
             self._current[target_model] = d
             return d, True
 
 
-def _buckets(value: Any) -> tuple[Bucket, ...] | None:
+def _buckets(value: Any) -> tuple[SpeculationBucket, ...] | None:
+    """The buckets, sorted; ranges and overlaps are checked by `SpeculationSchedule`."""
     if value is None:
         return None
     if isinstance(value, bool):
-        return (Bucket(1, 0, value),)
+        return (SpeculationBucket(1, 0, value),)
     if not isinstance(value, list):
         raise ValueError("speculation must be true, false, null or a list of buckets")
     out = []
@@ -167,17 +144,11 @@ def _buckets(value: Any) -> tuple[Bucket, ...] | None:
         lo, hi = b.get("min_batch", 1), b.get("max_batch", 0)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (lo, hi)):
             raise ValueError(f"bucket {b!r}: min_batch and max_batch must be integers >= 0")
-        if hi and hi < lo:
-            raise ValueError(f"bucket {b!r}: max_batch < min_batch")
-        out.append(Bucket(lo, hi, b["enabled"]))
-    ordered = sorted(out, key=lambda b: b.min_batch)
-    for a, b in zip(ordered, ordered[1:], strict=False):
-        if a.max_batch == 0 or b.min_batch <= a.max_batch:
-            raise ValueError(f"buckets starting at {a.min_batch} and {b.min_batch} overlap")
-    return tuple(ordered)
+        out.append(SpeculationBucket(lo, hi, b["enabled"]))
+    return SpeculationSchedule(tuple(sorted(out, key=lambda b: b.min_batch))).buckets  # DecisionError: a ValueError
 
 
-def _policy(value: Any) -> Policy | None:
+def _policy(value: Any) -> PolicySpec | None:
     if value is None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -193,7 +164,7 @@ def _policy(value: Any) -> Policy | None:
     table = value.get("table_json") or ""
     if not isinstance(table, str):  # an object is accepted and stored as its JSON text
         table = json.dumps(table, sort_keys=True)
-    return Policy(value["name"], MappingProxyType({str(k): float(v) for k, v in params.items()}), table)
+    return PolicySpec(value["name"], MappingProxyType({str(k): float(v) for k, v in params.items()}), table)
 
 
 @dataclass

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.controller.decisions import Decision, DecisionLog
+from services.controller.decisions import DecisionLog
+from tide.decisions import Decision
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import grpc
 from services.controller.outcomes import TrainingOutcome
 from services.controller.rollback import RollbackGuard
 from services.controller.stats import DraftStats
-from services.controller.workers import decision_pb
+from tide.decisions import decision_pb, policy_pb, schedule_pb
 from tide.grpcutil import GrpcServer
 from tide.proto.tide.v1 import controller_pb2, controller_pb2_grpc, trainer_pb2
 
@@ -70,11 +70,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         out = controller_pb2.TargetState(target_model=target, draft_version=c.stats.serving_version(target),
                                          drafts=[draft_stats_pb(s) for s in c.stats.drafts(target)])
         d = c.decision_for(target)
-        pb = decision_pb(d)
         if d.speculation is not None:
-            out.speculation.CopyFrom(pb.speculation)
+            out.speculation.CopyFrom(schedule_pb(d.speculation))
         if d.policy is not None:
-            out.gamma_policy.CopyFrom(pb.gamma_policy)
+            out.gamma_policy.CopyFrom(policy_pb(d.policy))
         col = c.collection.state(target)
         if col is not None:
             reason = col.reason if col.enabled is not None else f"undecided, left to the workers: {col.reason}"

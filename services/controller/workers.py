@@ -10,9 +10,9 @@ import threading
 
 import grpc
 
-from services.controller.decisions import Decision
 from services.controller.fleet import PushResult, WorkerSnapshot, WorkerUnreachable
 from tide import grpcutil
+from tide.decisions import Decision, decision_pb
 from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
 
 ACTOR = "controller"
@@ -21,25 +21,6 @@ _OUTCOMES = {
     inference_pb2.ApplyDecisionResponse.OUTCOME_ALREADY_APPLIED: "already_applied",
     inference_pb2.ApplyDecisionResponse.OUTCOME_REJECTED: "rejected",
 }
-
-
-def decision_pb(d: Decision) -> inference_pb2.Decision:
-    """The protobuf form of a controller decision."""
-    out = inference_pb2.Decision(decision_id=d.decision_id, target_model=d.target_model, reason=d.reason,
-                                 issued_unix_s=d.issued_unix_s)
-    if d.speculation is not None:
-        out.speculation.SetInParent()
-        out.speculation.buckets.extend(
-            inference_pb2.SpeculationBucket(min_batch=b.min_batch, max_batch=b.max_batch, enabled=b.enabled)
-            for b in d.speculation)
-    if d.policy is not None:
-        out.gamma_policy.CopyFrom(inference_pb2.GammaPolicy(name=d.policy.name, params=dict(d.policy.params),
-                                                            table_json=d.policy.table_json))
-    if d.collection_enabled is not None:
-        out.collection_enabled = d.collection_enabled
-    if d.drafter is not None:
-        out.drafter = d.drafter
-    return out
 
 
 class GrpcWorkerClient:

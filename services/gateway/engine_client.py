@@ -24,6 +24,7 @@ import grpc
 
 from services.gateway.worker_pool import Worker, WorkerInfo, WorkerPool
 from tide.proto.tide.v1 import common_pb2, inference_pb2
+from tide.speculation import SpeculationStats, stats_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,6 @@ class GenerationRequest:
 class TokenDelta:
     token_ids: tuple[int, ...]
     text: str
-
-
-@dataclass(frozen=True)
-class SpeculationStats:
-    accept_length: float = 0.0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    verify_steps: int = 0
-    plain_steps: int = 0
-    draft_version: str = ""
-    drafter: str = ""
 
 
 @dataclass(frozen=True)
@@ -176,21 +166,11 @@ def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
 
 
 def from_final(final: inference_pb2.GenerateFinal, worker: str) -> GenerationFinal:
-    sp = final.speculation
-    stats = SpeculationStats(
-        sp.accept_length,
-        sp.draft_tokens,
-        sp.accepted_tokens,
-        sp.verify_steps,
-        sp.plain_steps,
-        sp.draft_version,
-        sp.drafter,
-    )
     return GenerationFinal(
         _FINISH[final.finish_reason],
         final.prompt_tokens,
         final.completion_tokens,
-        stats,
+        stats_from_pb(final.speculation),
         final.time_to_first_token_ms,
         final.total_ms,
         worker,

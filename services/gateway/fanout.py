@@ -6,14 +6,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from services.gateway.engine_client import (
-    EngineClient,
-    GenerationFinal,
-    GenerationRequest,
-    SpeculationStats,
-    TokenDelta,
-)
-from services.gateway.protocol import SpeculationInfo
+from services.gateway.engine_client import EngineClient, GenerationFinal, GenerationRequest, TokenDelta
+from tide.speculation import SpeculationStats
 
 Event = TokenDelta | GenerationFinal
 
@@ -55,8 +49,9 @@ async def merged(engine: EngineClient, requests: list[GenerationRequest]) -> Asy
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def aggregate_speculation(stats: list[SpeculationStats]) -> SpeculationInfo:
-    """Totals over the choices; accept_length is the verify-step-weighted mean."""
+def aggregate_speculation(stats: list[SpeculationStats]) -> SpeculationStats:
+    """Totals over the choices; accept_length is the verify-step-weighted mean; draft versions and
+    drafters are the distinct non-empty ones, sorted and comma-joined."""
     steps = sum(s.verify_steps for s in stats)
     if steps:
         accept_length = sum(s.accept_length * s.verify_steps for s in stats) / steps
@@ -65,7 +60,7 @@ def aggregate_speculation(stats: list[SpeculationStats]) -> SpeculationInfo:
         accept_length = sum(spec) / len(spec) if spec else 0.0
     versions = sorted({s.draft_version for s in stats if s.draft_version})
     drafters = sorted({s.drafter for s in stats if s.drafter})
-    return SpeculationInfo(
+    return SpeculationStats(
         accept_length=accept_length,
         draft_tokens=sum(s.draft_tokens for s in stats),
         accepted_tokens=sum(s.accepted_tokens for s in stats),

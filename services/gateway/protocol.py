@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_serializer, model_validator
 
 from services.gateway.errors import OpenAIError, unsupported_parameter
+from tide.speculation import SpeculationStats
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 TIDE_EXTENSIONS = ("speculative", "workload", "top_k", "ignore_eos", "stop_token_ids")
@@ -224,16 +225,27 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
-class SpeculationInfo(BaseModel):
-    """TIDE's per-response field: what speculative decoding did (totals over all choices)."""
+class SpeculationInfo(RootModel[SpeculationStats]):
+    """TIDE's per-response field: what speculative decoding did (totals over all choices), the fields
+    of `tide.speculation.SpeculationStats`. A response field of this type takes the stats as they are."""
 
-    accept_length: float = 0.0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    verify_steps: int = 0
-    plain_steps: int = 0
-    draft_version: str = ""
-    drafter: str = ""
+
+class _Choice(BaseModel):
+    """What every choice starts with; a choice type adds its content, then OpenAI's `logprobs`
+    (always null here) and `finish_reason`."""
+
+    index: int
+
+
+class _Response(BaseModel):
+    """What every completion object starts with (in OpenAI's order); a response type narrows
+    `object` and `choices`, then adds its own fields and TIDE's `speculation`."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[_Choice]
 
 
 class ResponseMessage(BaseModel):
@@ -242,18 +254,14 @@ class ResponseMessage(BaseModel):
     refusal: str | None = None
 
 
-class ChatCompletionChoice(BaseModel):
-    index: int
+class ChatCompletionChoice(_Choice):
     message: ResponseMessage
     logprobs: None = None
     finish_reason: str | None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
@@ -269,36 +277,28 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
+class ChatCompletionStreamChoice(_Choice):
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
+class ChatCompletionStreamResponse(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatCompletionStreamChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
     speculation: SpeculationInfo | None = None
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice):
     text: str
     logprobs: None = None
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from services.gateway.fanout import aggregate_speculation, merged
 from services.gateway.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -23,10 +22,8 @@ from services.gateway.protocol import (
     ChatCompletionStreamResponse,
     DeltaMessage,
     ResponseMessage,
-    SpeculationInfo,
-    UsageInfo,
 )
-from services.gateway.serving_engine import OpenAIServing, sse
+from services.gateway.serving_engine import OpenAIServing
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -47,70 +44,20 @@ class OpenAIServingChat(OpenAIServing):
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         max_tokens = self.check_length(len(prompt), requested, "messages", param)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        requests = self.fan_out(response_id, request, [prompt], [max_tokens])
-        if request.stream:
-            events = merged(self.engine, requests)
-            first = await self.prime(events)
-            self.first_token(arrival)
-            return self._stream(request, response_id, created, len(prompt), first, events)
-        states = await self.collect(requests)
-        finals = [s.final for s in states]
-        usage = self.usage(len(prompt), finals)
-        speculation = aggregate_speculation([f.speculation for f in finals])
-        self.record(response_id, usage, speculation, finals)
-        choices = [
-            ChatCompletionChoice(index=i, message=ResponseMessage(content=s.text), finish_reason=s.final.finish_reason)
-            for i, s in enumerate(states)
-        ]
-        return ChatCompletionResponse(
-            id=response_id,
-            created=created,
-            model=self.models.name,
-            choices=choices,
-            usage=usage,
-            speculation=speculation,
-        )
-
-    def _stream(
-        self, request: ChatCompletionRequest, response_id: str, created: int, prompt_tokens: int, first, events
-    ) -> AsyncIterator[str]:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-
-        def chunk(
-            choices: list[ChatCompletionStreamChoice],
-            usage: UsageInfo | None = None,
-            speculation: SpeculationInfo | None = None,
-        ) -> str:
-            body = ChatCompletionStreamResponse(
-                id=response_id,
-                created=created,
-                model=self.models.name,
-                choices=choices,
-                usage=usage,
-                speculation=speculation,
-            ).model_dump()
-            if not include_usage:
-                body.pop("usage")
-            if speculation is None:
-                body.pop("speculation")
-            return sse(body)
-
-        roles = tuple(
-            chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-            for i in range(request.n)
-        )
-        return self.relay(
+        return await self.respond(
+            request,
+            ChatCompletionResponse,
             response_id,
-            first,
-            events,
-            request.n,
-            prompt_tokens,
-            include_usage,
-            chunk,
+            self.fan_out(response_id, request, [prompt], [max_tokens]),
+            len(prompt),
+            arrival,
+            choice=lambda i, s: ChatCompletionChoice(
+                index=i, message=ResponseMessage(content=s.text), finish_reason=s.final.finish_reason
+            ),
             delta_choice=lambda i, text: ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=text)),
             finish_choice=lambda i, reason: ChatCompletionStreamChoice(
                 index=i, delta=DeltaMessage(), finish_reason=reason
             ),
-            prelude=roles,
+            role_choice=lambda i: ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")),
+            chunk_cls=ChatCompletionStreamResponse,
         )

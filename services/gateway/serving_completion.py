@@ -13,15 +13,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from services.gateway.errors import invalid_request
-from services.gateway.fanout import aggregate_speculation, merged
-from services.gateway.protocol import (
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    SpeculationInfo,
-    UsageInfo,
-)
-from services.gateway.serving_engine import OpenAIServing, sse
+from services.gateway.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from services.gateway.serving_engine import OpenAIServing
 
 MAX_PROMPTS = 64
 
@@ -50,69 +43,15 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_common(request)
         prompts = await self._tokenize(request)
         max_tokens = [self.check_length(len(p), request.max_tokens, "prompt", "max_tokens") for p in prompts]
-        prompt_tokens = sum(len(p) for p in prompts)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        requests = self.fan_out(response_id, request, prompts, max_tokens)
-        if request.stream:
-            events = merged(self.engine, requests)
-            first = await self.prime(events)
-            self.first_token(arrival)
-            return self._stream(request, response_id, created, prompt_tokens, len(requests), first, events)
-        states = await self.collect(requests)
-        finals = [s.final for s in states]
-        usage = self.usage(prompt_tokens, finals)
-        speculation = aggregate_speculation([f.speculation for f in finals])
-        self.record(response_id, usage, speculation, finals)
-        choices = [
-            CompletionChoice(index=i, text=s.text, finish_reason=s.final.finish_reason) for i, s in enumerate(states)
-        ]
-        return CompletionResponse(
-            id=response_id,
-            created=created,
-            model=self.models.name,
-            choices=choices,
-            usage=usage,
-            speculation=speculation,
-        )
-
-    def _stream(
-        self,
-        request: CompletionRequest,
-        response_id: str,
-        created: int,
-        prompt_tokens: int,
-        n_choices: int,
-        first,
-        events,
-    ) -> AsyncIterator[str]:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-
-        def chunk(
-            choices: list[CompletionChoice], usage: UsageInfo | None = None, speculation: SpeculationInfo | None = None
-        ) -> str:
-            body = CompletionResponse(
-                id=response_id,
-                created=created,
-                model=self.models.name,
-                choices=choices,
-                usage=usage,
-                speculation=speculation,
-            ).model_dump()
-            if not include_usage:
-                body.pop("usage")
-            if speculation is None:
-                body.pop("speculation")
-            return sse(body)
-
-        return self.relay(
+        return await self.respond(
+            request,
+            CompletionResponse,
             response_id,
-            first,
-            events,
-            n_choices,
-            prompt_tokens,
-            include_usage,
-            chunk,
+            self.fan_out(response_id, request, prompts, max_tokens),
+            sum(len(p) for p in prompts),
+            arrival,
+            choice=lambda i, s: CompletionChoice(index=i, text=s.text, finish_reason=s.final.finish_reason),
             delta_choice=lambda i, text: CompletionChoice(index=i, text=text),
             finish_choice=lambda i, reason: CompletionChoice(index=i, text="", finish_reason=reason),
         )

@@ -1,5 +1,5 @@
 """What /v1/chat/completions and /v1/completions share: request checks, sampling options, the `n`
-fan-out, merging the choices' streams, SSE framing and error mapping.
+fan-out, merging the choices' streams, the response or SSE stream built from them, and error mapping.
 
 `n` (times the number of prompts, for completions) fans out to one worker request per choice,
 with ids `<response id>-<choice index>`; with a `seed`, choice i samples with seed + i (mod 2^64),
@@ -38,6 +38,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import SpeculationInfo, UsageInfo
 from services.gateway.serving_models import OpenAIServingModels
 from services.gateway.tokenizer import TargetTokenizer
+from tide.speculation import SpeculationStats
 
 log = logging.getLogger(__name__)
 _U64 = 2**64
@@ -170,6 +171,81 @@ class OpenAIServing:
                 )
         return out
 
+    # ---- the answer ---------------------------------------------------------------------------
+
+    async def respond(
+        self,
+        request,
+        response_cls: type,
+        response_id: str,
+        requests: list[GenerationRequest],
+        prompt_tokens: int,
+        arrival: float,
+        *,
+        choice: Callable[[int, ChoiceState], Any],
+        delta_choice: Callable[[int, str], Any],
+        finish_choice: Callable[[int, str], Any],
+        role_choice: Callable[[int], Any] | None = None,
+        chunk_cls: type | None = None,
+    ):
+        """Run `requests` (one per choice) and answer with a `response_cls` whose choices are
+        `choice(index, state)`, or (stream=True) an iterator of SSE lines of `chunk_cls` chunks
+        (default: `response_cls`; see `relay`) whose first event has already arrived: errors before
+        any output raise `OpenAIError` here, not inside the stream."""
+        created = int(time.time())
+        if request.stream:
+            events = merged(self.engine, requests)
+            first = await self.prime(events)
+            self.first_token(arrival)
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+            def chunk(
+                choices: list, usage: UsageInfo | None = None, speculation: SpeculationStats | None = None
+            ) -> str:
+                cls = chunk_cls or response_cls
+                body = self.response(cls, response_id, created, choices, usage, speculation).model_dump()
+                if not include_usage:
+                    body.pop("usage")
+                if speculation is None:
+                    body.pop("speculation")
+                return sse(body)
+
+            return self.relay(
+                response_id,
+                first,
+                events,
+                len(requests),
+                prompt_tokens,
+                include_usage,
+                chunk,
+                delta_choice,
+                finish_choice,
+                role_choice,
+            )
+        states = await self.collect(requests)
+        usage, speculation = self.totals(response_id, prompt_tokens, [s.final for s in states])
+        choices = [choice(i, s) for i, s in enumerate(states)]
+        return self.response(response_cls, response_id, created, choices, usage, speculation)
+
+    def response(
+        self,
+        response_cls: type,
+        response_id: str,
+        created: int,
+        choices: list,
+        usage: UsageInfo | None,
+        speculation: SpeculationStats | None,
+    ):
+        """One response (or stream chunk) object; the stats become its `speculation` field here."""
+        return response_cls(
+            id=response_id,
+            created=created,
+            model=self.models.name,
+            choices=choices,
+            usage=usage,
+            speculation=None if speculation is None else SpeculationInfo(speculation),
+        )
+
     async def prime(self, events: AsyncIterator[tuple[int, Event]]) -> tuple[int, Event]:
         """The first event, so that failures before any output (no worker, invalid request) become
         a proper HTTP status instead of an error inside a 200 stream."""
@@ -198,14 +274,20 @@ class OpenAIServing:
 
     # ---- accounting ---------------------------------------------------------------------------
 
-    def usage(self, prompt_tokens: int, finals: list[GenerationFinal]) -> UsageInfo:
+    def totals(
+        self, response_id: str, prompt_tokens: int, finals: list[GenerationFinal]
+    ) -> tuple[UsageInfo, SpeculationStats]:
+        """Usage and speculation over a finished response's choices; counted and logged (`record`)."""
         completion = sum(f.completion_tokens for f in finals)
-        return UsageInfo(
+        usage = UsageInfo(
             prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
         )
+        speculation = aggregate_speculation([f.speculation for f in finals])
+        self.record(response_id, usage, speculation, finals)
+        return usage, speculation
 
     def record(
-        self, response_id: str, usage: UsageInfo, speculation: SpeculationInfo, finals: list[GenerationFinal]
+        self, response_id: str, usage: UsageInfo, speculation: SpeculationStats, finals: list[GenerationFinal]
     ) -> None:
         """Count a finished response in the metrics and log one line about it."""
         log.info(
@@ -241,15 +323,17 @@ class OpenAIServing:
         chunk: Callable[..., str],
         delta_choice: Callable[[int, str], Any],
         finish_choice: Callable[[int, str], Any],
-        prelude: tuple[str, ...] = (),
+        role_choice: Callable[[int], Any] | None = None,
     ) -> AsyncIterator[str]:
-        """The SSE lines of a stream: `prelude`, text deltas, one finish chunk per choice, the usage
-        chunk when asked, [DONE]; or an error event (and no [DONE]) if anything fails.
-        `chunk(choices, usage=None, speculation=None)` renders one chunk of the endpoint's type."""
+        """The SSE lines of a stream: a `role_choice` chunk per choice (when given), text deltas, one
+        finish chunk per choice, the usage chunk when asked, [DONE]; or an error event (and no
+        [DONE]) if anything fails. `chunk(choices, usage=None, speculation=None)` renders one chunk
+        of the endpoint's type."""
         finals: dict[int, GenerationFinal] = {}
         try:
-            for line in prelude:
-                yield line
+            if role_choice is not None:
+                for i in range(n_choices):
+                    yield chunk([role_choice(i)])
             pending = [first]
             while len(finals) < n_choices:
                 index, event = pending.pop() if pending else await anext(events)
@@ -261,9 +345,7 @@ class OpenAIServing:
                 if len(finals) < n_choices:
                     yield chunk([finish_choice(index, event.finish_reason)])
                     continue
-                usage = self.usage(prompt_tokens, list(finals.values()))
-                speculation = aggregate_speculation([f.speculation for f in finals.values()])
-                self.record(response_id, usage, speculation, list(finals.values()))
+                usage, speculation = self.totals(response_id, prompt_tokens, list(finals.values()))
                 if include_usage:
                     yield chunk([finish_choice(index, event.finish_reason)])
                     yield chunk([], usage=usage, speculation=speculation)

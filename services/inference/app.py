@@ -17,7 +17,7 @@ from pathlib import Path
 import urllib3
 from minio import Minio
 
-from services.inference.control import PolicySpec, make_drafter
+from services.inference.control import make_drafter
 from services.inference.drafts import DRAFTER_NAME, DraftWatcher
 from services.inference.exporter import ChunkExporter
 from services.inference.server import serve
@@ -25,6 +25,7 @@ from services.inference.settings import InferenceSettings
 from services.inference.telemetry import TelemetryPublisher
 from services.inference.worker import Worker
 from tide import blobs, streams
+from tide.decisions import PolicySpec
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.profiling import (
     PROFILE_POLICIES,
@@ -137,7 +138,8 @@ def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: 
     model_id = model_id or settings.target
     config = EngineConfig(max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
                           max_tokens_per_step=settings.max_tokens_per_step, max_gamma=settings.max_gamma,
-                          seed=settings.seed, worker_id=settings.worker_id, target_model=model_id)
+                          forced_gamma=settings.forced_gamma, seed=settings.seed, worker_id=settings.worker_id,
+                          target_model=model_id)
     engine = LLMEngine(model, config, tokenizer=tokenizer)
     names = streams.StreamNames(settings.storage.stream_prefix)
     rclient = settings.storage.redis_client(socket_connect_timeout=1.0, socket_timeout=2.0)
@@ -165,7 +167,7 @@ def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: 
                           registry_addr=settings.registry_addr)
     worker = Worker(engine, policy=policy_spec(settings.policy, params), drafter=settings.drafter,
                     tokenizer=tokenizer, exporter=exporter, collection=settings.collection,
-                    max_queue=settings.max_queue, forced_gamma=settings.forced_gamma, profile=profile,
+                    max_queue=settings.max_queue, profile=profile,
                     drafter_factory=functools.partial(make_drafter, eagle3=drafts.drafter),
                     device=str(model.device))
     drafts.attach(functools.partial(worker.offer_drafter, DRAFTER_NAME))

@@ -1,7 +1,9 @@
-"""Control-plane domain: decisions, the speculation schedule, policy and drafter construction.
+"""How this worker applies control-plane decisions: policy and drafter construction, the scheduled
+policy, outcomes and the worker's status.
 
-No gRPC here: `server.py` translates `tide.v1.Decision` into `Decision` and back. Decisions are
-applied by the worker between engine steps (see `worker.Worker.apply_decision`).
+The decision types (`Decision`, `SpeculationSchedule`, `PolicySpec`) and their protobuf forms are
+the library's (`tide.decisions`). Decisions are applied by the worker between engine steps (see
+`worker.Worker.apply_decision`).
 """
 
 from __future__ import annotations
@@ -10,75 +12,15 @@ import enum
 import json
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from tide.decisions import DecisionError, PolicySpec, SpeculationSchedule
 from tide.engine.drafters import Drafter, NgramDrafter
 from tide.policies import DraftAware, Estimate, GammaPolicy, Introspectable, StepContext, StepFeedback
 from tide.policies.profile import LatencyProfile
 from tide.policies.registry import POLICY_NAMES, make_policy
-
-
-class DecisionError(ValueError):
-    """A decision (or a part of it) cannot be applied; the message says why (sent to the controller)."""
-
-
-@dataclass(frozen=True)
-class SpeculationBucket:
-    """Speculation on/off for running-batch sizes in [min_batch, max_batch]; max_batch 0 = unbounded."""
-
-    min_batch: int
-    max_batch: int
-    enabled: bool
-
-    def covers(self, batch: int) -> bool:
-        return batch >= self.min_batch and (self.max_batch == 0 or batch <= self.max_batch)
-
-
-@dataclass(frozen=True)
-class SpeculationSchedule:
-    """Batch-size buckets; batch sizes no bucket covers run without speculation. Buckets may not overlap."""
-
-    buckets: tuple[SpeculationBucket, ...] = (SpeculationBucket(1, 0, True),)
-
-    def __post_init__(self) -> None:
-        for b in self.buckets:
-            if b.min_batch < 0 or b.max_batch < 0:
-                raise DecisionError(f"bucket [{b.min_batch}, {b.max_batch}]: batch sizes must be >= 0")
-            if b.max_batch and b.max_batch < b.min_batch:
-                raise DecisionError(f"bucket [{b.min_batch}, {b.max_batch}]: max_batch < min_batch")
-        ordered = sorted(self.buckets, key=lambda b: b.min_batch)
-        for lo, hi in zip(ordered, ordered[1:], strict=False):
-            if lo.max_batch == 0 or hi.min_batch <= lo.max_batch:
-                raise DecisionError(f"buckets [{lo.min_batch}, {lo.max_batch or 'inf'}] and "
-                                    f"[{hi.min_batch}, {hi.max_batch or 'inf'}] overlap")
-
-    def enabled(self, batch: int) -> bool:
-        return any(b.enabled and b.covers(batch) for b in self.buckets)
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """A γ policy by name: scalar `params` and structured `table_json` (see `build_policy`)."""
-
-    name: str
-    params: Mapping[str, float] = field(default_factory=dict)
-    table_json: str = ""
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One control-plane decision; None / absent sections leave that part unchanged."""
-
-    decision_id: str
-    target_model: str = ""
-    speculation: SpeculationSchedule | None = None
-    policy: PolicySpec | None = None
-    collection_enabled: bool | None = None
-    drafter: str | None = None
-    reason: str = ""
-    issued_unix_s: float = 0.0
 
 
 class Outcome(enum.Enum):
@@ -166,23 +108,17 @@ def build_policy(spec: PolicySpec, profile: LatencyProfile | None = None) -> Gam
 
 class ScheduledPolicy:
     """The γ policy the engine runs: `inner` where the schedule enables speculation for the current
-    running-batch size, γ = 0 elsewhere. Requests in `forced` (speculative=true) get at least
-    `forced_gamma` everywhere. `inner` observes only the steps it decided."""
+    running-batch size, γ = 0 elsewhere. `inner` observes only the steps it decided. (A request's
+    own `speculative` flag overrides both in the engine: `tide.engine.engine.LLMEngine`.)"""
 
-    def __init__(self, inner: GammaPolicy, schedule: SpeculationSchedule, forced: set[str],
-                 forced_gamma: int) -> None:
-        self.inner, self.schedule, self.forced, self.forced_gamma = inner, schedule, forced, forced_gamma
+    def __init__(self, inner: GammaPolicy, schedule: SpeculationSchedule) -> None:
+        self.inner, self.schedule = inner, schedule
         self.name = inner.name
         self._decided = False
 
     def decide(self, ctx: StepContext) -> list[int]:
         self._decided = self.schedule.enabled(ctx.batch_size)
-        gammas = list(self.inner.decide(ctx)) if self._decided else [0] * len(ctx.requests)
-        if self.forced:
-            for i, r in enumerate(ctx.requests):
-                if r.request_id in self.forced and gammas[i] <= 0:
-                    gammas[i] = min(self.forced_gamma, ctx.max_gamma)
-        return gammas
+        return list(self.inner.decide(ctx)) if self._decided else [0] * len(ctx.requests)
 
     def observe(self, feedback: StepFeedback) -> None:
         if self._decided:

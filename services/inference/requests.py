@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from tide.engine.sequence import FinishReason, SamplingParams, Sequence
+from tide.speculation import SpeculationStats
 
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 16
@@ -104,20 +105,6 @@ def prepare(req: GenerationRequest, tokenizer, vocab_size: int, max_seq_len: int
                             top_p=float(req.top_p), top_k=req.top_k, seed=req.seed, stop=stop,
                             stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
     return prompt, params
-
-
-@dataclass(frozen=True)
-class SpeculationStats:
-    """Totals over one request. verify_steps = decode steps that drafted (γ > 0), plain_steps = the
-    others; accept_length = tokens emitted per verify step, bonus included (0 when none)."""
-
-    accept_length: float = 0.0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    verify_steps: int = 0
-    plain_steps: int = 0
-    draft_version: str = ""
-    drafter: str = "none"
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,7 @@ import queue
 
 import grpc
 
-from services.inference.control import (
-    Decision,
-    DecisionError,
-    Outcome,
-    PolicySpec,
-    SpeculationBucket,
-    SpeculationSchedule,
-    WorkerStatus,
-)
+from services.inference.control import Outcome, WorkerStatus
 from services.inference.requests import (
     ErrorEvent,
     ErrorKind,
@@ -34,9 +26,11 @@ from services.inference.requests import (
     TokenEvent,
 )
 from services.inference.worker import Worker
+from tide.decisions import DecisionError, decision_from_pb, policy_pb, schedule_pb
 from tide.engine.sequence import FinishReason
 from tide.grpcutil import GrpcServer
 from tide.proto.tide.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tide.speculation import stats_pb
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +82,10 @@ def generation_request(r: inference_pb2.GenerateRequest) -> GenerationRequest:
 
 
 def final_pb(e: FinalEvent) -> inference_pb2.GenerateFinal:
-    sp = e.speculation
     out = inference_pb2.GenerateFinal(
         finish_reason=_FINISH.get(e.finish_reason, inference_pb2.FINISH_REASON_UNSPECIFIED),
         prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
-        speculation=inference_pb2.SpeculationStats(
-            accept_length=sp.accept_length, draft_tokens=sp.draft_tokens, accepted_tokens=sp.accepted_tokens,
-            verify_steps=sp.verify_steps, plain_steps=sp.plain_steps, draft_version=sp.draft_version,
-            drafter=sp.drafter),
+        speculation=stats_pb(e.speculation),
         time_to_first_token_ms=e.time_to_first_token_ms, total_ms=e.total_ms)
     if e.stop_string is not None:
         out.stop_string = e.stop_string
@@ -104,34 +94,14 @@ def final_pb(e: FinalEvent) -> inference_pb2.GenerateFinal:
     return out
 
 
-def schedule_pb(s: SpeculationSchedule) -> inference_pb2.SpeculationSchedule:
-    return inference_pb2.SpeculationSchedule(buckets=[
-        inference_pb2.SpeculationBucket(min_batch=b.min_batch, max_batch=b.max_batch, enabled=b.enabled)
-        for b in s.buckets])
-
-
 def status_pb(s: WorkerStatus) -> inference_pb2.WorkerStatus:
     return inference_pb2.WorkerStatus(
         worker_id=s.worker_id, model_id=s.model_id, engine=s.engine, device=s.device,
         running_requests=s.running_requests, waiting_requests=s.waiting_requests, max_batch_size=s.max_batch_size,
         load=s.load, kv_cache_usage=s.kv_cache_usage, draft_version=s.draft_version, drafter=s.drafter,
-        gamma_policy=inference_pb2.GammaPolicy(name=s.policy.name, params=dict(s.policy.params),
-                                               table_json=s.policy.table_json),
+        gamma_policy=policy_pb(s.policy),
         speculation=schedule_pb(s.speculation), collection_enabled=s.collection_enabled,
         last_decision_id=s.last_decision_id, uptime_s=s.uptime_s)
-
-
-def decision(d: inference_pb2.Decision) -> Decision:
-    """Domain decision; raises DecisionError for an invalid schedule."""
-    return Decision(
-        decision_id=d.decision_id, target_model=d.target_model,
-        speculation=SpeculationSchedule(tuple(SpeculationBucket(b.min_batch, b.max_batch, b.enabled)
-                                              for b in d.speculation.buckets)) if d.HasField("speculation") else None,
-        policy=PolicySpec(d.gamma_policy.name, dict(d.gamma_policy.params), d.gamma_policy.table_json)
-        if d.HasField("gamma_policy") else None,
-        collection_enabled=d.collection_enabled if d.HasField("collection_enabled") else None,
-        drafter=d.drafter if d.HasField("drafter") else None,
-        reason=d.reason, issued_unix_s=d.issued_unix_s)
 
 
 # ------------------------------------------------------------------------------------ servicer
@@ -188,7 +158,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     def ApplyDecision(self, request, context):
         try:
-            d = decision(request)
+            d = decision_from_pb(request)
         except DecisionError as e:
             return inference_pb2.ApplyDecisionResponse(
                 outcome=_OUTCOME[Outcome.REJECTED], detail=str(e), status=status_pb(self.worker.status()))

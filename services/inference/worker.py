@@ -18,15 +18,11 @@ from collections.abc import Callable
 
 from services.inference import metrics
 from services.inference.control import (
-    Decision,
-    DecisionError,
     DecisionResult,
     DrafterFactory,
     Outcome,
-    PolicySpec,
     ScheduledPolicy,
     SeenIds,
-    SpeculationSchedule,
     WorkerStatus,
     build_policy,
     make_drafter,
@@ -40,6 +36,7 @@ from services.inference.requests import (
     TokenEvent,
     prepare,
 )
+from tide.decisions import Decision, DecisionError, PolicySpec, SpeculationSchedule
 from tide.engine.drafters import Drafter
 from tide.engine.engine import LLMEngine, RequestOutput
 from tide.engine.sequence import FinishReason
@@ -55,16 +52,18 @@ ESTIMATES_EVERY_S = 1.0  # the policy's estimates are exported this often: scrap
 class Worker:
     """`exporter` (optional) has `add(rows, prompt_lens)`, `set_draft_version(v)` and `flush_soon()`;
     while collection is on its capture hook is the engine's only capture listener, while off the
-    engine has none. `max_queue` = requests accepted beyond `max_batch` before OVERLOADED."""
+    engine has none. `max_queue` = requests accepted beyond `max_batch` before OVERLOADED. A
+    request's `speculative` flag rides on its engine sequence (the engine applies it, with
+    `EngineConfig.forced_gamma`); the decision's schedule and policy decide for the others."""
 
     def __init__(self, engine: LLMEngine, *, policy: PolicySpec, drafter: str = "ngram", tokenizer=None,
-                 exporter=None, collection: bool = False, max_queue: int = 64, forced_gamma: int = 3,
+                 exporter=None, collection: bool = False, max_queue: int = 64,
                  profile: LatencyProfile | None = None, drafter_factory: DrafterFactory = make_drafter,
                  device: str = "cpu") -> None:
         self.engine = engine
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.exporter = exporter
-        self.max_queue, self.forced_gamma, self.profile = max_queue, forced_gamma, profile
+        self.max_queue, self.profile = max_queue, profile
         self.drafter_factory, self.device = drafter_factory, device
         self.started_s = time.monotonic()
         self._estimates_at = 0.0  # monotonic s of the last estimates export (ESTIMATES_EVERY_S)
@@ -73,7 +72,6 @@ class Worker:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._forced: set[str] = set()
         self._prompt_lens: dict[str, int] = {}
         self._seen = SeenIds()
         self._last_decision = ""
@@ -81,7 +79,7 @@ class Worker:
         self._schedule = SpeculationSchedule()
         self._policy_spec = policy
         self._drafter_name = drafter
-        engine.set_policy(ScheduledPolicy(build_policy(policy, profile), self._schedule, self._forced, forced_gamma))
+        engine.set_policy(ScheduledPolicy(build_policy(policy, profile), self._schedule))
         engine.swap_drafter(drafter_factory(drafter))
         engine.step_listeners.append(self._on_step)
         if collection:
@@ -252,8 +250,8 @@ class Worker:
         if h.done:  # cancelled before it reached the engine
             return
         try:
-            h.seq = self.engine.add_request(h.request_id, h.prompt_ids, h.params,
-                                            speculative=h.speculative is not False, workload=h.workload)
+            h.seq = self.engine.add_request(h.request_id, h.prompt_ids, h.params, speculative=h.speculative,
+                                            workload=h.workload)
         except ValueError as e:
             self._end(h, ErrorEvent(ErrorKind.INVALID_ARGUMENT, str(e)), "invalid")
             return
@@ -261,8 +259,6 @@ class Worker:
         h.drafter = d.algorithm.value if d is not None else "none"
         h.draft_version = d.version if d is not None else ""
         self._prompt_lens[h.request_id] = len(h.prompt_ids)
-        if h.speculative:
-            self._forced.add(h.request_id)
 
     def _cancel(self, h: RequestHandle) -> None:
         if h.done:
@@ -291,7 +287,6 @@ class Worker:
         h.done = True
         h.events.put(event)
         metrics.REQUESTS.labels(outcome).inc()
-        self._forced.discard(h.request_id)
         self._prompt_lens.pop(h.request_id, None)
         with self._lock:
             if self._live.get(h.request_id) is h:
@@ -357,7 +352,7 @@ class Worker:
         self._schedule = schedule
         if d.policy is not None:
             self._policy_spec = d.policy
-        self.engine.set_policy(ScheduledPolicy(inner, schedule, self._forced, self.forced_gamma))
+        self.engine.set_policy(ScheduledPolicy(inner, schedule))
         if d.drafter is not None and d.drafter != self._drafter_name:
             self._swap(drafter)
             self._drafter_name = d.drafter

@@ -33,6 +33,7 @@ class EngineConfig:
     max_seq_len: int = 2048  # prompt + output tokens per sequence
     max_tokens_per_step: int = 512  # prefill budget per step (decode rows count against it)
     max_gamma: int = 8  # hard cap on draft tokens per request per step
+    forced_gamma: int = 3  # γ of a speculative=True request in a step its policy gives it 0
     prefill_chunk: int = 256  # prompts are prefilled in chunks cut at multiples of this
     seed: int = 0  # RNG for sampled requests without their own seed
     worker_id: str = "local"
@@ -115,9 +116,11 @@ class LLMEngine:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        speculative: bool = True,
+        speculative: bool | None = None,
         workload: str = "",
     ) -> Sequence:
+        """Queue a request. `speculative`: None = the γ policy decides; True = it drafts every step
+        (at least `config.forced_gamma` where the policy says 0); False = it never drafts."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         if max(prompt_ids) >= self.model.cfg.vocab_size or min(prompt_ids) < 0:
@@ -279,8 +282,11 @@ class LLMEngine:
         decided = self.policy.decide(StepContext(batch_size=len(seqs), requests=views, step=self._step, max_gamma=cap))
         gammas = []
         for seq, g in zip(seqs, decided, strict=True):
-            if not seq.speculative:
+            # The request's own flag overrides the policy, both ways (the only place it is applied).
+            if seq.speculative is False:
                 g = 0
+            elif seq.speculative and g <= 0:
+                g = self.config.forced_gamma
             # Never draft past max_tokens or the context: at most remaining - 1 drafts + 1 bonus.
             remaining = min(seq.params.max_tokens - seq.num_output, self.config.max_seq_len - len(seq.token_ids))
             gammas.append(max(0, min(int(g), cap, remaining - 1)))
@@ -347,7 +353,7 @@ class LLMEngine:
     # ---- convenience -------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 speculative: bool = True) -> list[Sequence]:
+                 speculative: bool | None = None) -> list[Sequence]:
         """Run prompts to completion (offline use: tests, benchmarks, bootstrap)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         base = f"gen-{self._step}-"

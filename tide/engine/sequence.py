@@ -64,7 +64,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt: int
     params: SamplingParams
-    speculative: bool = True
+    speculative: bool | None = None  # None = the γ policy decides; True = always drafts; False = never
     workload: str = ""
     arrival_s: float = 0.0
     status: SequenceStatus = SequenceStatus.WAITING

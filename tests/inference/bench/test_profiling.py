@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from services.inference.control import DecisionError, PolicySpec, build_policy
+from services.inference.control import build_policy
+from tide.decisions import DecisionError, PolicySpec
 from tide.engine import profiling
 from tide.engine.drafters import NgramDrafter
 from tide.engine.drafters.eagle3 import Eagle3Drafter

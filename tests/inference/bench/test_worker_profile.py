@@ -8,8 +8,9 @@ import pytest
 from inference.service.svc import ADMIN_TOKEN, storage, stub
 
 from services.inference.app import build, start_profile
-from services.inference.control import Decision, Outcome, PolicySpec
+from services.inference.control import Outcome
 from services.inference.settings import InferenceSettings
+from tide.decisions import Decision, PolicySpec
 from tide.engine.profiling import LiveProfile
 from tide.policies.profile import synthetic_profile
 from tide.proto.tide.v1 import inference_pb2

@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inference.service.svc import ADMIN_TOKEN, request, rpc_error, run_stream, step_records, stub, wait_for
 from prometheus_client import REGISTRY
 
-from services.inference.control import DecisionError, SpeculationBucket, SpeculationSchedule
 from services.inference.worker import ESTIMATES_EVERY_S
+from tide.decisions import DecisionError, SpeculationBucket, SpeculationSchedule
 from tide.grpcutil import channel
 from tide.policies.profile import synthetic_profile
 from tide.proto.tide.v1 import inference_pb2
