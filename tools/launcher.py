@@ -6,13 +6,17 @@ configured only by environment variables. `service_env` is the one place that sa
 each service gets; docker-compose.yml sets the same ones (tests/compose checks it). A service counts
 as started when its gRPC health check says SERVING (the gateway: `GET /ready` answers 200, i.e. a
 worker can serve). Logs go to `<data dir>/run-<time>/<service>.log`, with `stack.json` (addresses,
-pids) and `admin-token` beside them; S3 data persists in `<data dir>/s3`.
+pids, each part's state and restarts) and `admin-token` beside them. S3 data persists in
+`<data dir>/s3`, Redis's in `<data dir>/redis` (append-only file, fsynced every second), so chunk
+references, consumer groups and dead letters survive a Redis crash and a restart of the stack.
 
-If a service fails to start, those already started are stopped and its log tail is shown. Ctrl-C
-(SIGINT) or SIGTERM stops everything in reverse order (SIGTERM, SIGKILL after a grace period); a
-service dying while the stack runs brings it down too (exit 1). Children get PR_SET_PDEATHSIG, so
-even a killed launcher leaves nothing behind. Health is checked with tide.probe, the same checks the
-docker-compose healthchecks run.
+If a service fails to start, those already started are stopped and its log tail is shown. Once the
+stack is up, a process that dies (a service, Redis or S3) is restarted on the same address with
+exponential backoff while the rest keeps serving (tools.supervisor). Ctrl-C (SIGINT) or SIGTERM
+stops everything in dependency order: gateway, workers (drained, exporters flushed), controller,
+trainer, registry, then S3 and Redis (SIGTERM, SIGKILL after a grace period). Children get
+PR_SET_PDEATHSIG, so even a killed launcher leaves nothing behind. Health is checked with
+tide.probe, the same checks the docker-compose healthchecks run.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.probe import grpc_serving, http_ok
 from tide.resources import cpus_left, parse_cpus, started_on
 from tide.servers import LOOPBACK, RedisServer, S3Server, ServerError, die_with_parent_command, free_port
+from tools.supervisor import Supervisor, Unit
 
 SERVICES = ("registry", "trainer", "controller", "inference", "gateway")  # start order
 # Services of one phase are spawned together, then each is awaited. The gateway's /ready already
@@ -163,6 +168,9 @@ class ServiceProcess:
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def wait_ready(self, timeout_s: float, stop: threading.Event) -> None:
         deadline = time.monotonic() + timeout_s
         while not self.probe():
@@ -204,6 +212,7 @@ class Stack:
         self.processes: list[ServiceProcess] = []
         self.endpoints: Endpoints | None = None
         self.service_cpus = cfg.service_cpus()  # None: no CPUs kept for the workers alone
+        self.supervisor = Supervisor(self.say)
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -216,7 +225,7 @@ class Stack:
                      f"the other services start on CPUs {sorted(self.service_cpus)}")
         try:
             with started_on(self.service_cpus):
-                redis = RedisServer(workdir=self.run_dir / "redis").start()
+                redis = RedisServer(workdir=Path(self.cfg.data_dir) / "redis", appendonly=True).start()
                 self.servers.append(redis)
                 s3 = S3Server(workdir=Path(self.cfg.data_dir) / "s3").start()
                 self.servers.append(s3)
@@ -237,8 +246,34 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+        for server in self.servers:
+            self.supervisor.add(Unit(server.name, lambda s=server: s.running, lambda: None,
+                                     lambda s=server: self._restart_server(s), lambda s=server: s.running,
+                                     lambda s=server: s.pid))
+        for p in self.processes:
+            self.supervisor.add(Unit(p.name, p.alive, lambda p=p: p.proc.returncode, lambda p=p: self._restart(p),
+                                     p.probe, lambda p=p: p.proc.pid))
         self._write_state()
         return ep
+
+    def _restart_server(self, server) -> None:
+        with started_on(self.service_cpus):
+            server.restart()
+
+    def _restart(self, p: ServiceProcess) -> None:
+        with started_on(self._cpus_for(p.name.split("-")[0])):
+            p.start()
+
+    def _cpus_for(self, name: str) -> frozenset[int] | None:
+        """Where service `name` starts: workers, and a trainer given CPUs of its own, pin themselves
+        (tide.resources.pin_process); the rest start on the CPUs the workers leave."""
+        own = name == "inference" or (name == "trainer" and self.cfg.setting(name, "TIDE_TRAINER_CPUS"))
+        return None if own else self.service_cpus
+
+    def supervise(self) -> None:
+        """Restart what died (tools.supervisor); stack.json follows every change of state."""
+        if self.supervisor.tick():
+            self._write_state()
 
     def _endpoints(self, redis_url: str, s3) -> Endpoints:  # s3: tide.servers.S3Endpoint
         names = ["registry", "trainer", "controller"] + [f"inference-{i}" for i in range(self.cfg.workers)]
@@ -265,9 +300,7 @@ class Stack:
         p = ServiceProcess(label, service_command(name), service_env(name, self.cfg, ep, index),
                            self.run_dir / f"{label}.log", address, probe)
         self.processes.append(p)
-        # workers, and a trainer given CPUs of its own, pin themselves (tide.resources.pin_process)
-        own = name == "inference" or (name == "trainer" and self.cfg.setting(name, "TIDE_TRAINER_CPUS"))
-        with started_on(None if own else self.service_cpus):
+        with started_on(self._cpus_for(name)):
             p.start()
         self.say(f"{label} starting (pid {p.proc.pid})")
         return p
@@ -277,11 +310,9 @@ class Stack:
         state = {"endpoints": {k: v for k, v in asdict(ep).items() if "secret" not in k and k != "admin_token"},
                  "pids": {p.name: p.proc.pid for p in self.processes} | {
                      s.name: s.pid for s in self.servers}, "run_dir": str(self.run_dir),
+                 "services": self.supervisor.snapshot(), "degraded": self.supervisor.degraded,
                  "service_cpus": sorted(self.service_cpus) if self.service_cpus else None}
         (self.run_dir / "stack.json").write_text(json.dumps(state, indent=2))
-
-    def dead(self) -> ServiceProcess | None:
-        return next((p for p in self.processes if p.proc.poll() is not None), None)
 
     def stop(self) -> None:
         """Stop services in reverse start order, then S3 and Redis (idempotent)."""
@@ -293,7 +324,7 @@ class Stack:
 
 
 def up(cfg: StackConfig, out=sys.stdout) -> int:
-    """Run the stack until SIGINT/SIGTERM (0) or until a service dies (1); 1 if it cannot start."""
+    """Run the stack until SIGINT/SIGTERM (0), restarting what dies; 1 if it cannot start."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack, t0 = Stack(cfg, stop, out), time.monotonic()
@@ -305,11 +336,8 @@ def up(cfg: StackConfig, out=sys.stdout) -> int:
                   f"  OpenAI API base URL: {base}/v1\n"
                   f"  admin: TIDE_REGISTRY_ADDR={ep.registry} TIDE_ADMIN_TOKEN=$(cat {stack.run_dir}/admin-token) "
                   f"tidectl drafts list\n  Ctrl-C stops everything")
-        while not stop.wait(1.0):
-            if (p := stack.dead()) is not None:
-                stack.say(f"{p.name} exited with status {p.proc.returncode}; stopping the stack. Log tail:\n"
-                          f"{p.log_tail()}")
-                return 1
+        while not stop.wait(0.5):
+            stack.supervise()
         stack.say("stopping")
         return 0
     except (StackError, ServerError) as e:

@@ -201,3 +201,52 @@ def test_readme_command_serves_the_reference_model(tmp_path):
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
+
+
+@pytest.mark.timeout(600)
+def test_killed_parts_are_restarted_and_serving_goes_on(chat_target, tmp_path):
+    """kill -9 of the trainer, Redis and a worker: each is restarted on its address, the stack
+    keeps running (it used to stop everything when one process exited), requests keep succeeding
+    (a worker's crash fails at most what was in flight), stack.json names states and restarts."""
+    port, data = free_port(), tmp_path / "var"
+    up = Up("--target", str(chat_target), "--port", str(port), "--data-dir", str(data))
+    try:
+        base = up.wait_for_line(r"stack ready in ([\d.]+) s: (\S+)", 420).group(2)
+        (run_dir,) = data.glob("run-*")
+        state = lambda: json.loads((run_dir / "stack.json").read_text())  # noqa: E731
+        body = {"model": "x", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+
+        def ok(client) -> bool:
+            try:
+                return client.post("/v1/completions", json=body).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        with httpx.Client(base_url=base, timeout=60) as client:
+            body["model"] = client.get("/v1/models").json()["data"][0]["id"]
+            assert ok(client)
+            for name in ("trainer", "redis", "inference-0"):
+                pid = state()["pids"][name]
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+                results = []
+                while time.monotonic() - killed < 60:
+                    results.append(ok(client))
+                    s = state()["services"][name]
+                    if s["state"] == "ready" and s["restarts"] == 1 and results[-1]:
+                        break
+                    time.sleep(0.3)
+                assert state()["services"][name] == {"state": "ready", "restarts": 1, "last_exit": None
+                                                     if name == "redis" else -9, "pid": state()["pids"][name]}, up.text
+                assert state()["pids"][name] != pid and alive(state()["pids"][name])
+                if name == "inference-0":  # requests fail until the worker is back: within 30 s
+                    assert time.monotonic() - killed < 30 + 5 and results[-1], up.text
+                else:  # off the serving path: nothing fails
+                    assert all(results), (name, results)
+                assert f"{name} restarted (pid" in up.text
+            assert up.proc.poll() is None and state()["degraded"] == []
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(90) == 0, up.text
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
