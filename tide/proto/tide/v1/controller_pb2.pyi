@@ -90,7 +90,7 @@ class RollbackState(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., watching_version: _Optional[str] = ..., previous_version: _Optional[str] = ..., verify_steps: _Optional[int] = ..., window: _Optional[int] = ..., last: _Optional[_Union[RollbackRecord, _Mapping]] = ...) -> None: ...
 
 class TargetState(_message.Message):
-    __slots__ = ("target_model", "draft_version", "drafts", "collection", "speculation", "gamma_policy", "last_training", "rollback")
+    __slots__ = ("target_model", "draft_version", "drafts", "collection", "speculation", "gamma_policy", "last_training", "rollback", "draft_refusals")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class TargetState(_message.Message):
     GAMMA_POLICY_FIELD_NUMBER: _ClassVar[int]
     LAST_TRAINING_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_version: str
     drafts: _containers.RepeatedCompositeFieldContainer[DraftStats]
@@ -107,7 +108,30 @@ class TargetState(_message.Message):
     gamma_policy: _inference_pb2.GammaPolicy
     last_training: _trainer_pb2.TrainingOutcome
     rollback: RollbackState
-    def __init__(self, target_model: _Optional[str] = ..., draft_version: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftStats, _Mapping]]] = ..., collection: _Optional[_Union[CollectionState, _Mapping]] = ..., speculation: _Optional[_Union[_inference_pb2.SpeculationSchedule, _Mapping]] = ..., gamma_policy: _Optional[_Union[_inference_pb2.GammaPolicy, _Mapping]] = ..., last_training: _Optional[_Union[_trainer_pb2.TrainingOutcome, _Mapping]] = ..., rollback: _Optional[_Union[RollbackState, _Mapping]] = ...) -> None: ...
+    draft_refusals: _containers.RepeatedCompositeFieldContainer[DraftRefusalRecord]
+    def __init__(self, target_model: _Optional[str] = ..., draft_version: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftStats, _Mapping]]] = ..., collection: _Optional[_Union[CollectionState, _Mapping]] = ..., speculation: _Optional[_Union[_inference_pb2.SpeculationSchedule, _Mapping]] = ..., gamma_policy: _Optional[_Union[_inference_pb2.GammaPolicy, _Mapping]] = ..., last_training: _Optional[_Union[_trainer_pb2.TrainingOutcome, _Mapping]] = ..., rollback: _Optional[_Union[RollbackState, _Mapping]] = ..., draft_refusals: _Optional[_Iterable[_Union[DraftRefusalRecord, _Mapping]]] = ...) -> None: ...
+
+class DraftRefusalRecord(_message.Message):
+    __slots__ = ("worker_id", "version", "reason", "detail", "refused_unix_s", "outcome", "to_version", "note", "time_unix_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    version: str
+    reason: str
+    detail: str
+    refused_unix_s: float
+    outcome: str
+    to_version: str
+    note: str
+    time_unix_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., refused_unix_s: _Optional[float] = ..., outcome: _Optional[str] = ..., to_version: _Optional[str] = ..., note: _Optional[str] = ..., time_unix_s: _Optional[float] = ...) -> None: ...
 
 class DecisionRecord(_message.Message):
     __slots__ = ("decision", "applied_to", "failed")
