@@ -22,7 +22,7 @@ import io
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,10 @@ from typing import Any
 import urllib3
 from minio import Minio
 from minio.error import S3Error
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from tide.settings import NOT_FROM_ENV, TideSettings
 
 SHA256_META = "sha256"  # stored as x-amz-meta-sha256
 _SHA256_HEADER = "x-amz-meta-sha256"
@@ -61,39 +65,35 @@ class BlobInfo:
 # ---------------------------------------------------------------------------------- settings
 
 
-@dataclass(frozen=True)
-class StorageSettings:
+class StorageSettings(TideSettings):
     """Where Redis and S3 are. Built once from the environment; pass it explicitly, never mutate.
 
-    `TIDE_S3_ENDPOINT` is "host:port" or "http(s)://host:port" (https means TLS);
-    `TIDE_S3_ACCESS_KEY` / `TIDE_S3_SECRET_KEY` the credentials; `TIDE_S3_BUCKET` the bucket
-    for TIDE's objects; `TIDE_REDIS_URL` a redis:// URL; `TIDE_STREAM_PREFIX` the stream-name
-    prefix (see `tide.streams.StreamNames`).
+    `TIDE_S3_ENDPOINT` is "host:port" or "http(s)://host:port" (https means TLS); the stream-name
+    prefix is explained in `tide.streams.StreamNames`.
     """
 
-    s3_endpoint: str = "127.0.0.1:9000"
-    s3_access_key: str = ""
-    s3_secret_key: str = field(default="", repr=False)
-    s3_bucket: str = "tide"
-    s3_secure: bool = False
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    stream_prefix: str = "tide"
+    model_config = SettingsConfigDict(env_prefix="TIDE_")
 
+    s3_endpoint: str = Field("127.0.0.1:9000", description='S3 endpoint, "host:port" or "http(s)://host:port" '
+                             "(https: TLS)")
+    s3_access_key: str = Field("", description="S3 access key")
+    s3_secret_key: str = Field("", repr=False, description="S3 secret key")
+    s3_bucket: str = Field("tide", description="the bucket of TIDE's objects")
+    s3_secure: bool = Field(False, json_schema_extra=NOT_FROM_ENV, description="TLS (an https:// endpoint)")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis, a redis:// URL")
+    stream_prefix: str = Field("tide", description="prefix of the Redis stream names")
+
+    @model_validator(mode="before")
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> StorageSettings:
-        env = os.environ if env is None else env
-        endpoint = env.get("TIDE_S3_ENDPOINT", cls.s3_endpoint)
-        secure = endpoint.startswith("https://")
-        endpoint = endpoint.removeprefix("https://").removeprefix("http://").rstrip("/")
-        return cls(
-            s3_endpoint=endpoint,
-            s3_access_key=env.get("TIDE_S3_ACCESS_KEY", ""),
-            s3_secret_key=env.get("TIDE_S3_SECRET_KEY", ""),
-            s3_bucket=env.get("TIDE_S3_BUCKET", cls.s3_bucket),
-            s3_secure=secure,
-            redis_url=env.get("TIDE_REDIS_URL", cls.redis_url),
-            stream_prefix=env.get("TIDE_STREAM_PREFIX", cls.stream_prefix),
-        )
+    def _split_scheme(cls, data: Any) -> Any:
+        """An endpoint with a scheme sets `s3_secure` (https) and loses the scheme and a trailing "/"."""
+        endpoint = data.get("s3_endpoint") if isinstance(data, dict) else None
+        if isinstance(endpoint, str):
+            bare = endpoint.removeprefix("https://").removeprefix("http://").rstrip("/")
+            data = {**data, "s3_endpoint": bare}
+            if bare != endpoint.rstrip("/"):
+                data["s3_secure"] = endpoint.startswith("https://")
+        return data
 
     def s3_client(self) -> Minio:
         return Minio(

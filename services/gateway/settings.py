@@ -1,19 +1,7 @@
 """Gateway settings: one frozen object, built once from `TIDE_*` environment variables.
 
-| variable                    | default             | meaning                                                   |
-|-----------------------------|---------------------|-----------------------------------------------------------|
-| TIDE_GATEWAY_HOST           | 127.0.0.1           | HTTP bind address (compose passes 0.0.0.0 explicitly)     |
-| TIDE_GATEWAY_PORT           | 8000                | HTTP port                                                 |
-| TIDE_WORKERS                | 127.0.0.1:50051     | comma list of inference workers, host:port                |
-| TIDE_API_KEYS               | (none)              | comma list of accepted API keys; empty = no auth          |
-| TIDE_TARGET                 | ref                 | target for the tokenizer / chat template (see tide.target)|
-| TIDE_SERVED_MODEL_NAME      | the target's id     | model name clients send and /v1/models lists              |
-| TIDE_MAX_MODEL_LEN          | see below           | prompt + completion token limit enforced by the gateway   |
-| TIDE_GATEWAY_MAX_N          | 16                  | largest `n` (choices per request)                         |
-| TIDE_GATEWAY_POLL_S         | 1.0                 | worker GetStatus polling period                           |
-| TIDE_GATEWAY_STATUS_TIMEOUT_S | 5.0               | GetStatus deadline (a busy CPU worker answers slowly)     |
-| TIDE_GATEWAY_MAX_BODY_BYTES | 16777216            | largest accepted request body                             |
-| TIDE_LOG_LEVEL              | INFO                | log level of the JSON logs                                |
+Every variable (all optional), its type, default and meaning is a field of `GatewaySettings`; the
+table in docs/configuration.md is generated from it (tools/gen_config_docs.py).
 
 TIDE_MAX_MODEL_LEN defaults to TIDE_MAX_SEQ_LEN (the workers' per-sequence limit, so one variable in
 a deployment configures both) and else to the target's max_position_embeddings. Requests without
@@ -24,79 +12,55 @@ error; an explicit max_tokens beyond a worker's window gets the worker's context
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import SettingsConfigDict
+
+from tide.settings import (
+    TARGET_ENV,
+    AddressList,
+    Count,
+    LogLevel,
+    NameSet,
+    Port,
+    Seconds,
+    TideSettings,
+    check,
+    log_level_field,
+    shown_default,
+)
 
 DEFAULT_WORKER = "127.0.0.1:50051"
 
 
-def _split(value: str | None) -> tuple[str, ...]:
-    return tuple(part.strip() for part in (value or "").split(",") if part.strip())
-
-
-def _check_address(address: str) -> str:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"worker address must be host:port, got {address!r}")
-    return address
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
+class GatewaySettings(TideSettings):
     """Everything the gateway is configured with; passed explicitly, never mutated."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: tuple[str, ...] = (DEFAULT_WORKER,)
-    api_keys: frozenset[str] = field(default_factory=frozenset)
-    target: str = "ref"
-    served_model_name: str | None = None  # None = the target's model id
-    max_model_len: int | None = None  # None = the target's max_position_embeddings
-    max_n: int = 16
-    poll_interval_s: float = 1.0
-    status_timeout_s: float = 5.0
-    max_body_bytes: int = 16 * 1024 * 1024
-    log_level: str = "INFO"
+    model_config = SettingsConfigDict(env_prefix="TIDE_GATEWAY_")
 
-    def __post_init__(self) -> None:
-        if not self.workers:
-            raise ValueError("at least one worker address is needed (TIDE_WORKERS)")
-        for address in self.workers:
-            _check_address(address)
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_n < 1:
-            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
-        if self.poll_interval_s <= 0 or self.status_timeout_s <= 0:
-            raise ValueError("poll_interval_s and status_timeout_s must be > 0")
+    host: str = Field("127.0.0.1", description="HTTP bind address (compose passes 0.0.0.0 explicitly)")
+    port: Port = Field(8000, description="HTTP port")
+    workers: Annotated[AddressList, check(bool, "non-empty")] = Field(
+        (DEFAULT_WORKER,), validation_alias="TIDE_WORKERS", description="inference workers")
+    api_keys: NameSet = Field(frozenset(), validation_alias="TIDE_API_KEYS",
+                              description="accepted API keys; empty = no auth")
+    target: str = Field("ref", validation_alias=TARGET_ENV,
+                        description="target for the tokenizer / chat template (see tide.target)")
+    served_model_name: str | None = Field(None, validation_alias="TIDE_SERVED_MODEL_NAME",
+                                          json_schema_extra=shown_default("the target's id"),
+                                          description="model name clients send and /v1/models lists")
+    max_model_len: Annotated[int | None, check(lambda v: v is None or v >= 2, ">= 2")] = Field(
+        None, validation_alias=AliasChoices("TIDE_MAX_MODEL_LEN", "TIDE_MAX_SEQ_LEN"),
+        json_schema_extra=shown_default("the target's max_position_embeddings"),
+        description="prompt + completion token limit enforced by the gateway")
+    max_n: Count = Field(16, description="largest `n` (choices per request)")
+    poll_interval_s: Seconds = Field(1.0, validation_alias="TIDE_GATEWAY_POLL_S",
+                                     description="worker GetStatus polling period")
+    status_timeout_s: Seconds = Field(5.0, description="GetStatus deadline (a busy CPU worker answers slowly)")
+    max_body_bytes: int = Field(16 * 1024 * 1024, description="largest accepted request body")
+    log_level: LogLevel = log_level_field()
 
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_keys)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> GatewaySettings:
-        """Build the settings from the environment (or `env`); raises ValueError on bad values."""
-        env = os.environ if env is None else env
-
-        def get(name: str, default: str) -> str:
-            return env.get(name) or default
-
-        max_len = env.get("TIDE_MAX_MODEL_LEN") or env.get("TIDE_MAX_SEQ_LEN")
-        return cls(
-            host=get("TIDE_GATEWAY_HOST", "127.0.0.1"),
-            port=int(get("TIDE_GATEWAY_PORT", "8000")),
-            workers=_split(get("TIDE_WORKERS", DEFAULT_WORKER)),
-            api_keys=frozenset(_split(env.get("TIDE_API_KEYS"))),
-            target=get("TIDE_TARGET", "ref"),
-            served_model_name=env.get("TIDE_SERVED_MODEL_NAME") or None,
-            max_model_len=int(max_len) if max_len else None,
-            max_n=int(get("TIDE_GATEWAY_MAX_N", "16")),
-            poll_interval_s=float(get("TIDE_GATEWAY_POLL_S", "1.0")),
-            status_timeout_s=float(get("TIDE_GATEWAY_STATUS_TIMEOUT_S", "5.0")),
-            max_body_bytes=int(get("TIDE_GATEWAY_MAX_BODY_BYTES", str(16 * 1024 * 1024))),
-            log_level=get("TIDE_LOG_LEVEL", "INFO").upper(),
-        )

@@ -1,53 +1,50 @@
 """Registry settings: built once from the environment (`TIDE_*`), frozen, passed explicitly.
 
-TIDE_REGISTRY_LISTEN      host:port to serve gRPC on (default 127.0.0.1:50055; compose: 0.0.0.0:50055)
-TIDE_ADMIN_TOKEN          bearer token admin calls must carry (unset: every admin call is refused)
-TIDE_REGISTRY_ROOT        key prefix of the registry's objects in the bucket (default "registry")
-TIDE_REGISTRY_POLL_S      pointer poll interval for watch streams, seconds (default 0.25)
-TIDE_REGISTRY_METRICS_PORT  Prometheus /metrics port on the listen host (default 9405; 0 = off)
-TIDE_REGISTRY_MAX_WORKERS concurrent RPCs, each open watch stream holds one (default 64)
-TIDE_REGISTRY_WORK_DIR    where checkpoints are downloaded for validation (default: system temp)
-TIDE_LOG_LEVEL            log level (default INFO)
-TIDE_S3_* / TIDE_S3_BUCKET  object storage, see `tide.blobs.StorageSettings`
+Every variable (all optional), its type, default and meaning is a field of `RegistrySettings`; the
+table in docs/configuration.md is generated from it (tools/gen_config_docs.py). Besides its own
+`TIDE_REGISTRY_*` variables the registry reads TIDE_ADMIN_TOKEN, TIDE_LOG_LEVEL and the object
+storage variables (`tide.blobs.StorageSettings`: TIDE_S3_*).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import AfterValidator, Field
+from pydantic_settings import SettingsConfigDict
 
 from tide.blobs import StorageSettings
 from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.registry_client import DEFAULT_REGISTRY_ADDR, DEFAULT_ROOT
+from tide.settings import (
+    Doc,
+    LogLevel,
+    Port,
+    Seconds,
+    Secret,
+    TideSettings,
+    at_least,
+    log_level_field,
+    shown_default,
+)
+
+Root = Annotated[str, AfterValidator(lambda v: v.strip("/") or DEFAULT_ROOT), Doc("S3 key prefix")]
 
 
-@dataclass(frozen=True)
-class RegistrySettings:
-    listen: str = DEFAULT_REGISTRY_ADDR
-    admin_token: str | None = field(default=None, repr=False)
-    storage: StorageSettings = field(default_factory=StorageSettings)
-    root: str = DEFAULT_ROOT
-    poll_s: float = 0.25
-    metrics_port: int = 9405
-    max_workers: int = 64
-    work_dir: str | None = None
-    log_level: str = "INFO"
+class RegistrySettings(TideSettings):
+    """Everything the draft registry is configured with."""
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> RegistrySettings:
-        env = os.environ if env is None else env
-        settings = cls(
-            listen=env.get("TIDE_REGISTRY_LISTEN", cls.listen),
-            admin_token=env.get(ADMIN_TOKEN_ENV) or None,
-            storage=StorageSettings.from_env(env),
-            root=env.get("TIDE_REGISTRY_ROOT", cls.root).strip("/") or cls.root,
-            poll_s=float(env.get("TIDE_REGISTRY_POLL_S", cls.poll_s)),
-            metrics_port=int(env.get("TIDE_REGISTRY_METRICS_PORT", cls.metrics_port)),
-            max_workers=int(env.get("TIDE_REGISTRY_MAX_WORKERS", cls.max_workers)),
-            work_dir=env.get("TIDE_REGISTRY_WORK_DIR") or None,
-            log_level=env.get("TIDE_LOG_LEVEL", cls.log_level).upper(),
-        )
-        if settings.poll_s <= 0 or settings.max_workers < 2:
-            raise ValueError("TIDE_REGISTRY_POLL_S must be > 0 and TIDE_REGISTRY_MAX_WORKERS >= 2")
-        return settings
+    model_config = SettingsConfigDict(env_prefix="TIDE_REGISTRY_")
+
+    listen: str = Field(DEFAULT_REGISTRY_ADDR, description="host:port to serve gRPC on (compose: 0.0.0.0:50055)")
+    admin_token: Secret = Field(None, validation_alias=ADMIN_TOKEN_ENV,
+                                description="bearer token admin calls must carry (unset: every admin call is refused)")
+    storage: StorageSettings = Field(default_factory=StorageSettings, description="S3 (drafts, pointers)")
+    root: Root = Field(DEFAULT_ROOT, description="key prefix of the registry's objects in the bucket")
+    poll_s: Seconds = Field(0.25, description="pointer poll interval for watch streams, seconds")
+    metrics_port: Port = Field(9405, description="Prometheus /metrics port on the listen host; 0 = off")
+    max_workers: Annotated[int, at_least(2)] = Field(64, description="concurrent RPCs; each open watch stream "
+                                                     "holds one")
+    work_dir: str | None = Field(None, json_schema_extra=shown_default("the system temp directory"),
+                                 description="where checkpoints are downloaded for validation")
+    log_level: LogLevel = log_level_field()

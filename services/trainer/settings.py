@@ -1,210 +1,121 @@
 """Trainer-service settings: one frozen object built once from the environment, passed explicitly.
 
-Environment variables (all optional; defaults in brackets):
-
-    TIDE_TRAINER_LISTEN          gRPC "host:port" (compose: 0.0.0.0:50054)                 [127.0.0.1:50054]
-    TIDE_TRAINER_METRICS_PORT    Prometheus HTTP port on the listen host; 0 = off         [9404]
-    TIDE_TARGET                  target whose drafts this trainer trains ("ref", a HF dir, a .gguf) [ref]
-    TIDE_TRAINER_DEVICE          auto | cpu | cuda | cuda:N (auto: CUDA when present)      [auto]
-    TIDE_TRAINER_CONSUMER        consumer name in the chunk stream's group                [hostname]
-    TIDE_TRAINER_CLAIM_IDLE_MS   take over chunk entries pending this long (> one chunk's handling) [120000]
-    TIDE_TRAINER_PREFIX          S3 key prefix of the manifest and run records            [trainer]
-    TIDE_TRAINER_WORK_DIR        local directory for run outputs                          [<tmp>/tide-trainer]
-    TIDE_TRAINER_MIN_TOKENS      buffered tokens a run needs unless forced                [16384]
-    TIDE_TRAINER_AUTO_TRAIN      1: start a run by itself once MIN_TOKENS are buffered; 0: only TriggerTraining [1]
-    TIDE_TRAINER_AUTO_CHECK_S    how often the automatic trigger looks (also right after each intake) [5]
-    TIDE_TRAINER_STEPS           optimizer steps per run; 0 = TIDE_TRAINER_EPOCHS passes    [0]
-    TIDE_TRAINER_EPOCHS          passes over the data when steps is 0                     [1]
-    TIDE_TRAINER_BATCH_ROWS      packed rows per batch                                    [8]
-    TIDE_TRAINER_LR              peak learning rate (AdamW, warm-up then cosine)           [3e-4]
-    TIDE_TRAINER_WARMUP_STEPS    learning-rate warm-up steps                              [20]
-    TIDE_TRAINER_MAX_LEN         tokens per packed row                                    [512]
-    TIDE_TRAINER_DRAFT_VOCAB     draft vocabulary of from-scratch drafts                  [8192]
-    TIDE_TRAINER_EVAL_FRACTION   share of the chunks held out for evaluation              [0.1]
-    TIDE_TRAINER_REPLAY          chunks of earlier runs mixed into each run, as a multiple of the new
-                                 chunks' tokens (rehearsal: fine-tuning on the newest domain alone
-                                 forgets the others); 0 = off                              [1]
-    TIDE_TRAINER_REPLAY_RECENT   share (0-1) of the replayed tokens taken from the newest earlier
-                                 chunks, the rest sampled over the whole history            [0]
-    TIDE_TRAINER_MAX_EPOCHS      with TIDE_TRAINER_STEPS: at most this many passes over a run's
-                                 data (a step budget on a few chunks memorises them); 0 = no cap [0]
-    TIDE_TRAINER_EVAL_GAMMA      γ (1-5) at which candidate and base are compared: the served accept
-                                 length (tokens per verification along the engine's walk)  [3]
-    TIDE_TRAINER_PROMOTE_MARGIN  promote when candidate - base >= this (tokens/step; no base: vs 1.0) [0.02]
-    TIDE_TRAINER_AUTO_PROMOTE    1: promote a candidate that beats the margin; 0: register only
-                                 (promote by hand: `tidectl drafts promote VERSION`)          [1]
-    TIDE_TRAINER_SEED            training seed                                            [0]
-    TIDE_TRAINER_CPUS            CPUs the trainer may use, e.g. "1", "2-3", "0,2-3" (affinity, and torch
-                                 threads = their count); empty = all                      [all]
-    TIDE_TRAINER_NICE            nice increment (0-19) applied at start. Where the trainer shares a
-                                 machine with inference workers (`tide up` on one small machine) use a
-                                 high value (tide up sets 10) so training never slows serving [0]
-    TIDE_REGISTRY_ADDR           draft registry host:port: base drafts, registration, promotion [127.0.0.1:50055]
-    TIDE_CONTROLLER_ADDR         controller host:port to report outcomes to; empty = none [none]
-    TIDE_ADMIN_TOKEN             bearer token for TriggerTraining, the registry and the controller
-    TIDE_S3_* / TIDE_REDIS_URL / TIDE_STREAM_PREFIX   see tide.blobs.StorageSettings
-    TIDE_LOG_LEVEL               log level of the JSON logs                               [INFO]
+Every variable (all optional), its type, default and meaning is a field of `TrainerSettings`; the
+table in docs/configuration.md is generated from it (tools/gen_config_docs.py). Besides its own
+`TIDE_TRAINER_*` variables the trainer reads TIDE_TARGET, TIDE_REGISTRY_ADDR, TIDE_CONTROLLER_ADDR,
+TIDE_ADMIN_TOKEN, TIDE_LOG_LEVEL and the storage variables (`tide.blobs.StorageSettings`:
+TIDE_S3_*, TIDE_REDIS_URL, TIDE_STREAM_PREFIX).
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator, Field
+from pydantic_settings import SettingsConfigDict
 
 from tide.blobs import StorageSettings
 from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.registry_client import DEFAULT_REGISTRY_ADDR, REGISTRY_ADDR_ENV
-from tide.resources import parse_cpus
+from tide.settings import (
+    TARGET_ENV,
+    Address,
+    Count,
+    CpuSet,
+    CpuSetMixin,
+    Doc,
+    Flag,
+    ListenAddress,
+    ListenHostMixin,
+    LogLevel,
+    NonNegative,
+    OptionalAddress,
+    Port,
+    Secret,
+    TideSettings,
+    above,
+    at_least,
+    check,
+    finite_at_least,
+    log_level_field,
+    shown_default,
+    within,
+)
 
 DEFAULT_LISTEN = "127.0.0.1:50054"
 TRAINER_ADDR_ENV = "TIDE_TRAINER_ADDR"  # how clients (tidectl, tests) reach the trainer
 
-
-def _address(value: str, allow_zero: bool = False) -> str:
-    """`value` if it is host:port (port 0 = any free port, only where `allow_zero`)."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not (0 if allow_zero else 1) <= int(port) < 65536:
-        raise ValueError(f"expected host:port, got {value!r}")
-    return value
-
-
-def _flag(value: str) -> bool:
-    v = value.lower()
-    if v not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise ValueError("expected 1 or 0")
-    return v in ("1", "true", "yes", "on")
+Device = Annotated[str, check(lambda v: v in ("auto", "cpu", "cuda") or v.startswith("cuda:"),
+                              "auto, cpu, cuda or cuda:N")]
+Prefix = Annotated[str, AfterValidator(lambda v: v.strip("/")), check(bool, "non-empty"),
+                   Doc("S3 key prefix")]
+PositiveFinite = Annotated[float, check(lambda v: 0 < v < float("inf"), "finite and > 0")]
+Share = Annotated[float, within(0, 1)]
+Extent = Annotated[float, finite_at_least(0)]
 
 
-@dataclass(frozen=True)
-class TrainerSettings:
-    listen: str = DEFAULT_LISTEN
-    metrics_port: int = 9404
-    target: str = "ref"
-    device: str = "auto"
-    consumer: str = field(default_factory=socket.gethostname)
-    claim_idle_ms: int = 120_000
-    prefix: str = "trainer"
-    work_dir: str = field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "tide-trainer"))
-    min_tokens: int = 16_384
-    auto_train: bool = True
-    auto_check_s: float = 5.0
-    steps: int = 0
-    epochs: float = 1.0
-    batch_rows: int = 8
-    lr: float = 3e-4
-    warmup_steps: int = 20
-    max_len: int = 512
-    draft_vocab: int = 8192
-    eval_fraction: float = 0.1
-    replay: float = 1.0
-    replay_recent: float = 0.0
-    max_epochs: float = 0.0
-    eval_gamma: int = 3
-    promote_margin: float = 0.02
-    auto_promote: bool = True
-    seed: int = 0
-    cpus: str = ""
-    nice: int = 0
-    registry_addr: str = DEFAULT_REGISTRY_ADDR
-    controller_addr: str = ""
-    admin_token: str | None = field(default=None, repr=False)
-    storage: StorageSettings = field(default_factory=StorageSettings)
-    log_level: str = "INFO"
+class TrainerSettings(ListenHostMixin, CpuSetMixin, TideSettings):
+    """Everything the trainer service is configured with."""
 
-    def __post_init__(self) -> None:
-        _address(self.listen, allow_zero=True)
-        _address(self.registry_addr)
-        if self.controller_addr:
-            _address(self.controller_addr)
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"TIDE_TRAINER_DEVICE must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("batch_rows", "max_len", "draft_vocab", "claim_idle_ms", "eval_gamma"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "min_tokens", "metrics_port", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 1 <= self.eval_gamma <= 5:  # the training library evaluates γ = 1..5
-            raise ValueError(f"eval_gamma must be in 1..5, got {self.eval_gamma}")
-        if not (0 <= self.promote_margin < float("inf")):
-            raise ValueError(f"promote_margin must be a finite number >= 0, got {self.promote_margin}")
-        if not (0 < self.lr < float("inf")) or not (0 < self.auto_check_s < float("inf")):
-            raise ValueError("lr and auto_check_s must be finite and > 0")
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"nice must be in 0..19 (an increment; lowering priority needs no privilege), "
-                             f"got {self.nice}")
-        parse_cpus(self.cpus)
-        if self.replay < 0:
-            raise ValueError(f"TIDE_TRAINER_REPLAY must be >= 0, got {self.replay}")
-        if not 0 <= self.replay_recent <= 1:
-            raise ValueError(f"TIDE_TRAINER_REPLAY_RECENT must be in [0, 1], got {self.replay_recent}")
-        if not 0 <= self.max_epochs < float("inf"):
-            raise ValueError(f"TIDE_TRAINER_MAX_EPOCHS must be a finite number >= 0, got {self.max_epochs}")
-        if not 0 < self.eval_fraction < 1 or self.epochs <= 0:
-            raise ValueError("eval fraction must be in (0, 1) and epochs > 0")
-        if not self.prefix.strip("/") or not self.consumer:
-            raise ValueError("the S3 prefix and the consumer name must not be empty")
+    model_config = SettingsConfigDict(env_prefix="TIDE_TRAINER_", str_strip_whitespace=True)
 
-    @property
-    def cpu_set(self) -> frozenset[int]:
-        """CPUs of TIDE_TRAINER_CPUS (empty: all)."""
-        return parse_cpus(self.cpus)
-
-    @property
-    def listen_host(self) -> str:
-        return self.listen.rsplit(":", 1)[0]
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> TrainerSettings:
-        """Build from the environment (or `env`); raises ValueError naming the bad variable."""
-        env = os.environ if env is None else env
-        d = cls()
-
-        def get(key: str, name: str, conv=str):
-            raw = env.get(key)
-            if raw is None or raw.strip() == "":
-                return getattr(d, name)
-            try:
-                return conv(raw.strip())
-            except ValueError as e:
-                raise ValueError(f"{key}={raw!r}: {e}") from None
-
-        return cls(
-            listen=get("TIDE_TRAINER_LISTEN", "listen"),
-            metrics_port=get("TIDE_TRAINER_METRICS_PORT", "metrics_port", int),
-            target=get("TIDE_TARGET", "target"),
-            device=get("TIDE_TRAINER_DEVICE", "device"),
-            consumer=get("TIDE_TRAINER_CONSUMER", "consumer"),
-            claim_idle_ms=get("TIDE_TRAINER_CLAIM_IDLE_MS", "claim_idle_ms", int),
-            prefix=get("TIDE_TRAINER_PREFIX", "prefix").strip("/"),
-            work_dir=get("TIDE_TRAINER_WORK_DIR", "work_dir"),
-            min_tokens=get("TIDE_TRAINER_MIN_TOKENS", "min_tokens", int),
-            auto_train=get("TIDE_TRAINER_AUTO_TRAIN", "auto_train", _flag),
-            auto_check_s=get("TIDE_TRAINER_AUTO_CHECK_S", "auto_check_s", float),
-            steps=get("TIDE_TRAINER_STEPS", "steps", int),
-            epochs=get("TIDE_TRAINER_EPOCHS", "epochs", float),
-            batch_rows=get("TIDE_TRAINER_BATCH_ROWS", "batch_rows", int),
-            lr=get("TIDE_TRAINER_LR", "lr", float),
-            warmup_steps=get("TIDE_TRAINER_WARMUP_STEPS", "warmup_steps", int),
-            max_len=get("TIDE_TRAINER_MAX_LEN", "max_len", int),
-            draft_vocab=get("TIDE_TRAINER_DRAFT_VOCAB", "draft_vocab", int),
-            eval_fraction=get("TIDE_TRAINER_EVAL_FRACTION", "eval_fraction", float),
-            replay=get("TIDE_TRAINER_REPLAY", "replay", float),
-            replay_recent=get("TIDE_TRAINER_REPLAY_RECENT", "replay_recent", float),
-            max_epochs=get("TIDE_TRAINER_MAX_EPOCHS", "max_epochs", float),
-            eval_gamma=get("TIDE_TRAINER_EVAL_GAMMA", "eval_gamma", int),
-            promote_margin=get("TIDE_TRAINER_PROMOTE_MARGIN", "promote_margin", float),
-            auto_promote=get("TIDE_TRAINER_AUTO_PROMOTE", "auto_promote", _flag),
-            seed=get("TIDE_TRAINER_SEED", "seed", int),
-            cpus=get("TIDE_TRAINER_CPUS", "cpus"),
-            nice=get("TIDE_TRAINER_NICE", "nice", int),
-            registry_addr=get(REGISTRY_ADDR_ENV, "registry_addr"),
-            controller_addr=get("TIDE_CONTROLLER_ADDR", "controller_addr"),
-            admin_token=env.get(ADMIN_TOKEN_ENV) or None,
-            storage=StorageSettings.from_env(env),
-            log_level=get("TIDE_LOG_LEVEL", "log_level").upper(),
-        )
+    listen: ListenAddress = Field(DEFAULT_LISTEN, description="gRPC host:port (compose: 0.0.0.0:50054)")
+    metrics_port: Port = Field(9404, description="Prometheus HTTP port on the listen host; 0 = off")
+    target: str = Field("ref", validation_alias=TARGET_ENV, description='target whose drafts this trainer trains '
+                        '("ref", a HF directory, a .gguf file)')
+    device: Device = Field("auto", description="device of the training runs (auto: CUDA when present)")
+    consumer: Annotated[str, check(bool, "non-empty")] = Field(
+        default_factory=socket.gethostname, json_schema_extra=shown_default("hostname"),
+        description="consumer name in the chunk stream's group")
+    claim_idle_ms: Count = Field(120_000, description="take over chunk entries pending this long (ms; more than "
+                                 "one chunk's handling)")
+    prefix: Prefix = Field("trainer", description="S3 key prefix of the manifest and run records")
+    work_dir: str = Field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "tide-trainer"),
+                          json_schema_extra=shown_default("`<tmp>/tide-trainer`"),
+                          description="local directory for run outputs")
+    min_tokens: NonNegative = Field(16_384, description="buffered tokens a run needs unless forced")
+    auto_train: Flag = Field(True, description="1: start a run by itself once TIDE_TRAINER_MIN_TOKENS are "
+                             "buffered; 0: only TriggerTraining")
+    auto_check_s: PositiveFinite = Field(5.0, description="how often the automatic trigger looks, seconds (also "
+                                         "right after each intake)")
+    steps: NonNegative = Field(0, description="optimizer steps per run; 0 = TIDE_TRAINER_EPOCHS passes")
+    epochs: Annotated[float, above(0)] = Field(1.0, description="passes over the data when steps is 0")
+    batch_rows: Count = Field(8, description="packed rows per batch")
+    lr: PositiveFinite = Field(3e-4, description="peak learning rate (AdamW, warm-up then cosine)")
+    warmup_steps: NonNegative = Field(20, description="learning-rate warm-up steps")
+    max_len: Count = Field(512, description="tokens per packed row")
+    draft_vocab: Count = Field(8192, description="draft vocabulary of from-scratch drafts")
+    eval_fraction: Annotated[float, check(lambda v: 0 < v < 1, "in (0, 1)")] = Field(
+        0.1, description="share of the chunks held out for evaluation")
+    replay: Annotated[float, at_least(0)] = Field(
+        1.0, description="chunks of earlier runs mixed into each run, as a multiple of the new chunks' tokens "
+        "(rehearsal: fine-tuning on the newest domain alone forgets the others); 0 = off")
+    replay_recent: Share = Field(0.0, description="share of the replayed tokens taken from the newest earlier "
+                                 "chunks, the rest sampled over the whole history")
+    max_epochs: Extent = Field(0.0, description="with TIDE_TRAINER_STEPS: at most this many passes over a run's "
+                               "data (a step budget on a few chunks memorises them); 0 = no cap")
+    # the training library evaluates γ = 1..5
+    eval_gamma: Annotated[int, within(1, 5)] = Field(3, description="γ (1-5) at which candidate and base are "
+                                                     "compared: the served accept length (tokens per verification "
+                                                     "along the engine's walk)")
+    promote_margin: Extent = Field(0.02, description="promote when candidate - base >= this (tokens per step; no "
+                                   "base: against 1.0)")
+    auto_promote: Flag = Field(True, description="1: promote a candidate that beats the margin; 0: register only "
+                               "(promote by hand: `tidectl drafts promote VERSION`)")
+    seed: int = Field(0, description="training seed")
+    cpus: CpuSet = Field("", description="CPUs the trainer may use (affinity, and torch threads = their count)")
+    nice: Annotated[int, within(0, 19)] = Field(
+        0, description="nice increment (0-19: an increment; lowering priority needs no privilege) applied at start. "
+        "Where the trainer shares a machine with inference workers (`tide up` on one small machine) use a high "
+        "value (tide up sets 10) so training never slows serving")
+    registry_addr: Address = Field(DEFAULT_REGISTRY_ADDR, validation_alias=REGISTRY_ADDR_ENV,
+                                   description="draft registry host:port: base drafts, registration, promotion")
+    controller_addr: OptionalAddress = Field("", validation_alias="TIDE_CONTROLLER_ADDR",
+                                             description="controller host:port to report outcomes to; empty = none")
+    admin_token: Secret = Field(None, validation_alias=ADMIN_TOKEN_ENV,
+                                description="bearer token for TriggerTraining, the registry and the controller")
+    storage: StorageSettings = Field(default_factory=StorageSettings, description="S3 (chunks, drafts) and Redis")
+    log_level: LogLevel = log_level_field()
