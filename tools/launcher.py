@@ -97,6 +97,7 @@ class Endpoints:
     gateway_port: int
     metrics: dict[str, int] = field(default_factory=dict)  # service (inference-<i>) -> Prometheus port
     work_dir: str = "var/trainer"
+    stack_state: str = ""  # the supervisor's stack.json (the gateway's /v1/status reads it)
 
 
 def service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int = 0) -> dict[str, str]:
@@ -133,7 +134,10 @@ def _service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int) -> dict
                 "TIDE_REGISTRY_ADDR": ep.registry}
     if name == "gateway":
         return {"TIDE_GATEWAY_HOST": ep.gateway_host, "TIDE_GATEWAY_PORT": str(ep.gateway_port),
-                "TIDE_WORKERS": ",".join(ep.workers), "TIDE_TARGET": cfg.target}
+                "TIDE_WORKERS": ",".join(ep.workers), "TIDE_TARGET": cfg.target,
+                # /v1/status: the other services' health, and the supervisor's process table
+                "TIDE_REGISTRY_ADDR": ep.registry, "TIDE_CONTROLLER_ADDR": ep.controller,
+                "TIDE_TRAINER_ADDR": ep.trainer, "TIDE_STACK_STATE": ep.stack_state}
     raise ValueError(f"unknown service {name!r}; known: {', '.join(SERVICES)}")
 
 
@@ -286,7 +290,8 @@ class Stack:
             controller=f"{LOOPBACK}:{free_port()}",
             workers=tuple(f"{LOOPBACK}:{free_port()}" for _ in range(self.cfg.workers)), gateway_host=LOOPBACK,
             gateway_port=self.cfg.port or free_port(), metrics={n: free_port() for n in names},
-            work_dir=str(Path(self.cfg.data_dir).resolve() / "trainer"))
+            work_dir=str(Path(self.cfg.data_dir).resolve() / "trainer"),
+            stack_state=str((self.run_dir / "stack.json").resolve()))
 
     def _spawn(self, name: str, ep: Endpoints, index: int) -> ServiceProcess:
         label = f"{name}-{index}" if name == "inference" else name

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +26,7 @@ from services.gateway.serving_chat import OpenAIServingChat
 from services.gateway.serving_completion import OpenAIServingCompletion
 from services.gateway.serving_models import OpenAIServingModels
 from services.gateway.settings import GatewaySettings
+from services.gateway.status import StatusSources
 from services.gateway.tokenizer import TargetTokenizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class GatewayState:
     chat: OpenAIServingChat
     completion: OpenAIServingCompletion
     metrics: GatewayMetrics
+    status: StatusSources
 
 
 def create_app(
@@ -60,6 +63,10 @@ def create_app(
         chat=OpenAIServingChat(engine_client, models, tokenizer, settings.max_n, metrics),
         completion=OpenAIServingCompletion(engine_client, models, tokenizer, settings.max_n, metrics),
         metrics=metrics,
+        status=StatusSources(
+            services={"registry": settings.registry_addr, "trainer": settings.trainer_addr,
+                      "controller": settings.controller_addr},
+            stack_state=Path(settings.stack_state) if settings.stack_state else None),
     )
 
     @asynccontextmanager

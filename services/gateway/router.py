@@ -29,6 +29,7 @@ from services.gateway.errors import (
     service_unavailable,
 )
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.status import stack_status, supervisor_view
 
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger(__name__)
@@ -151,12 +152,23 @@ async def health() -> Response:
 
 @router.get("/ready")
 async def ready(request: Request) -> Response:
-    """Readiness: 200 once at least one worker answered its last status poll, else 503."""
+    """Readiness: 200 once at least one worker answered its last status poll, else 503. Under
+    `tide up`, `degraded` names the processes not ready (being restarted), serving or not."""
     state = gateway(request)
     if not state.engine.is_ready():
         raise service_unavailable("No healthy inference worker is available.")
     workers = [asdict(w) for w in state.engine.workers()]
-    return JSONResponse({"status": "ready", "model": state.models.name, "workers": workers})
+    down = sorted(n for n, s in supervisor_view(state.status.stack_state).items() if s.get("state") != "ready")
+    return JSONResponse({"status": "degraded" if down else "ready", "model": state.models.name, "workers": workers,
+                         "degraded": down})
+
+
+@router.get("/v1/status")
+async def status(request: Request) -> Response:
+    """Every part of the stack: health, supervisor state and restarts (services.gateway.status).
+    200 whether or not the stack is degraded: the document says which parts are not ready."""
+    state = gateway(request)
+    return JSONResponse(await stack_status(state.status, state.engine))
 
 
 @router.get("/metrics")

@@ -23,6 +23,7 @@ from tide.settings import (
     Count,
     LogLevel,
     NameSet,
+    OptionalAddress,
     Port,
     Seconds,
     TideSettings,
@@ -59,6 +60,16 @@ class GatewaySettings(TideSettings):
                                      description="worker GetStatus polling period")
     status_timeout_s: Seconds = Field(5.0, description="GetStatus deadline (a busy CPU worker answers slowly)")
     max_body_bytes: int = Field(16 * 1024 * 1024, description="largest accepted request body")
+    # /v1/status: where the other services are (empty: not shown) and tide up's process table
+    registry_addr: OptionalAddress = Field("", validation_alias="TIDE_REGISTRY_ADDR",
+                                           description="registry gRPC address, health-checked by /v1/status")
+    controller_addr: OptionalAddress = Field("", validation_alias="TIDE_CONTROLLER_ADDR",
+                                             description="controller gRPC address, health-checked by /v1/status")
+    trainer_addr: OptionalAddress = Field("", validation_alias="TIDE_TRAINER_ADDR",
+                                          description="trainer gRPC address, health-checked by /v1/status")
+    stack_state: str = Field("", validation_alias="TIDE_STACK_STATE",
+                             description="tide up's stack.json: each process's state and restarts for /v1/status "
+                                         "(empty: not supervised by tide up)")
     log_level: LogLevel = log_level_field()
 
     @property

@@ -22,7 +22,8 @@ from tools.launcher import DECISION, Endpoints, StackConfig, service_command, se
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 # Variables the launcher sets that compose may leave out, and why.
-OMITTED = {"inference": {"TIDE_WORKER_ID": "containers have unique hostnames: the default hostname-pid is unique"}}
+OMITTED = {"inference": {"TIDE_WORKER_ID": "containers have unique hostnames: the default hostname-pid is unique"},
+           "gateway": {"TIDE_STACK_STATE": "Docker supervises the containers: no tide up process table"}}
 EP = Endpoints(redis_url="r", s3_endpoint="s", s3_access_key="a", s3_secret_key="k", admin_token="t",
                registry="h:1", trainer="h:2", controller="h:3", workers=("h:4",), gateway_host="h", gateway_port=5)
 

@@ -245,6 +245,12 @@ def test_killed_parts_are_restarted_and_serving_goes_on(chat_target, tmp_path):
                     assert all(results), (name, results)
                 assert f"{name} restarted (pid" in up.text
             assert up.proc.poll() is None and state()["degraded"] == []
+            doc = client.get("/v1/status").json()  # the gateway's view of the same table
+            assert set(doc["services"]) == {"redis", "s3", "registry", "trainer", "controller", "inference-0",
+                                            "gateway"}, doc
+            assert {n: s["restarts"] for n, s in doc["services"].items() if s["restarts"]} == {
+                "trainer": 1, "redis": 1, "inference-0": 1}, doc
+            assert doc["status"] == "ok" and all(s["healthy"] for s in doc["services"].values()), doc
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(90) == 0, up.text
     finally:

@@ -1,0 +1,49 @@
+"""GET /v1/status and /ready on a real gateway with a real worker: the other services' gRPC health
+asked live, tide up's process table (its stack.json) merged in, "degraded" naming what is not ready."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from gateway.harness import free_port, serve_gateway
+
+from tide.grpcutil import GrpcServer
+
+
+def test_status_names_every_part_and_what_is_degraded(tokenizer, worker, tmp_path):
+    stack_json = tmp_path / "stack.json"
+    table = {"redis": {"state": "ready", "restarts": 1, "last_exit": None, "pid": 11},
+             "trainer": {"state": "restarting", "restarts": 2, "last_exit": -9, "pid": 12},
+             "inference-0": {"state": "ready", "restarts": 0, "last_exit": None, "pid": 13}}
+    stack_json.write_text(json.dumps({"services": table}))
+    nothing_there = f"127.0.0.1:{free_port()}"
+    with GrpcServer() as registry, serve_gateway(tokenizer, (worker.address,), registry_addr=registry.target,
+                                                 trainer_addr=nothing_there, stack_state=str(stack_json)) as url:
+        doc = httpx.get(f"{url}/v1/status", timeout=30).json()
+        services = doc["services"]
+        assert services["registry"] == {"address": registry.target, "healthy": True, "state": "ready",
+                                        "restarts": None}
+        assert services["trainer"]["healthy"] is False and services["trainer"]["state"] == "restarting"
+        assert services["trainer"]["restarts"] == 2 and services["trainer"]["last_exit"] == -9
+        assert services["redis"]["restarts"] == 1 and services["redis"]["state"] == "ready"
+        assert services["inference-0"]["address"] == worker.address and services["inference-0"]["healthy"]
+        assert "controller" not in services  # not configured: not shown
+        assert doc["status"] == "degraded" and doc["degraded"] == ["trainer"] and doc["serving"] is True
+        ready = httpx.get(f"{url}/ready").json()  # serving, and says what is being restarted
+        assert ready["status"] == "degraded" and ready["degraded"] == ["trainer"]
+
+        table["trainer"].update(state="ready", restarts=3)
+        stack_json.write_text(json.dumps({"services": table}))
+        registry.set_serving("", False)
+        doc = httpx.get(f"{url}/v1/status", timeout=30).json()
+        assert doc["degraded"] == ["registry", "trainer"]  # trainer: its address does not answer
+        assert doc["services"]["registry"]["state"] == "unreachable"
+        assert "secret" not in json.dumps(doc).lower() and "token" not in json.dumps(doc).lower()
+
+
+def test_status_without_tide_up_is_the_gateways_own_view(client):
+    doc = client.get("/v1/status").json()
+    assert doc["supervised"] is False and doc["status"] == "ok" and doc["degraded"] == []
+    assert [name for name in doc["services"]] == ["inference-0"]
+    assert client.get("/ready").json()["status"] == "ready"
