@@ -176,5 +176,5 @@ def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: 
     exporter.start()
     worker.start()
     server = serve(worker, settings.listen, settings.admin_token,
-                   max_workers=settings.max_batch + settings.max_queue + 8)
+                   max_workers=settings.max_batch + settings.max_queue + 8, drafts=drafts)
     return InferenceService(settings, worker, server, telemetry, exporter, drafts)

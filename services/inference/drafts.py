@@ -13,7 +13,9 @@ offer it to the worker, which swaps it in between engine steps.
   backoff; a draft that cannot serve (checksum mismatch, missing file, DraftIncompatible, a
   corrupt or unloadable checkpoint) is *refused*: the drafter in service stays, the refusal is
   logged, counted (`tide_inference_draft_refusals{reason}`) and remembered (`refusals`), and that
-  version is never tried again by this process.
+  version is never tried again by this process. The worker's GetStatus reports the refusals with
+  the version in service and the one the registry wants (`report`), so that the controller can
+  move the registry's pointer back to what the worker serves (services/controller/refusals.py).
 
 The drafter named "eagle3" on a worker is whatever `drafter()` returns: the latest loaded draft,
 or the fallback until one is. A newly loaded draft is offered to the worker through the `install`
@@ -63,6 +65,18 @@ class Refusal:
     reason: str
     detail: str
     at_unix_s: float
+
+
+@dataclass(frozen=True)
+class DraftsReport:
+    """What the worker's status says of the registry's drafts (GetStatus): the version in service
+    as "eagle3" ("" = the fallback), the effective version as last heard from the registry ("" =
+    none, or not heard yet) and the refusals, oldest first. The controller compares them with the
+    registry's pointer."""
+
+    version: str
+    wanted: str
+    refusals: tuple[Refusal, ...]
 
 
 class _Refused(Exception):
@@ -146,6 +160,12 @@ class DraftWatcher:
     def refusals(self) -> list[Refusal]:
         with self._lock:
             return list(self._refused.values())
+
+    def report(self) -> DraftsReport:
+        """One consistent snapshot of `version`, `wanted_version` and `refusals` (for GetStatus)."""
+        with self._lock:
+            wanted = "" if self._wanted is None else self._wanted.version
+            return DraftsReport(self._current_version or "", wanted, tuple(self._refused.values()))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

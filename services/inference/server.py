@@ -6,7 +6,8 @@ prompt + max_tokens over the context), ALREADY_EXISTS (request id in use), RESOU
 the tide.v1.ErrorCode name (e.g. ERROR_CODE_CONTEXT_LENGTH_EXCEEDED) for the gateway's mapping.
 Once accepted, a Generate stream carries chunks and ends with one `final` or one `error`. A client
 that goes away cancels its request in the engine. ApplyDecision is an admin method: tide.grpcutil
-enforces the bearer token declared in the proto.
+enforces the bearer token declared in the proto. A worker's status also says which registry draft it
+serves, which one the registry wants, and the versions it refused (drafts.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import queue
 import grpc
 
 from services.inference.control import Outcome, WorkerStatus
+from services.inference.drafts import DraftsReport, DraftWatcher, Refusal
 from services.inference.requests import (
     ErrorEvent,
     ErrorKind,
@@ -94,24 +96,39 @@ def final_pb(e: FinalEvent) -> inference_pb2.GenerateFinal:
     return out
 
 
-def status_pb(s: WorkerStatus) -> inference_pb2.WorkerStatus:
-    return inference_pb2.WorkerStatus(
+def refusal_pb(r: Refusal) -> inference_pb2.DraftRefusal:
+    return inference_pb2.DraftRefusal(version=r.version, reason=r.reason, detail=r.detail, time_unix_s=r.at_unix_s)
+
+
+def status_pb(s: WorkerStatus, drafts: DraftsReport | None = None) -> inference_pb2.WorkerStatus:
+    """The worker's status; with `drafts`, also what it serves of the registry and what it refused."""
+    out = inference_pb2.WorkerStatus(
         worker_id=s.worker_id, model_id=s.model_id, engine=s.engine, device=s.device,
         running_requests=s.running_requests, waiting_requests=s.waiting_requests, max_batch_size=s.max_batch_size,
         load=s.load, kv_cache_usage=s.kv_cache_usage, draft_version=s.draft_version, drafter=s.drafter,
         gamma_policy=policy_pb(s.policy),
         speculation=schedule_pb(s.speculation), collection_enabled=s.collection_enabled,
         last_decision_id=s.last_decision_id, uptime_s=s.uptime_s)
+    if drafts is not None:
+        out.registry_draft_version, out.wanted_draft_version = drafts.version, drafts.wanted
+        out.draft_refusals.extend(refusal_pb(r) for r in drafts.refusals)
+    return out
 
 
 # ------------------------------------------------------------------------------------ servicer
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    """`poll_s`: how often a waiting stream checks that its client is still there (seconds)."""
+    """`poll_s`: how often a waiting stream checks that its client is still there (seconds).
+    `drafts`: the worker's registry drafts (their version and refusals go into its status)."""
 
-    def __init__(self, worker: Worker, poll_s: float = 0.5, decision_timeout_s: float = 30.0) -> None:
+    def __init__(self, worker: Worker, poll_s: float = 0.5, decision_timeout_s: float = 30.0,
+                 drafts: DraftWatcher | None = None) -> None:
         self.worker, self.poll_s, self.decision_timeout_s = worker, poll_s, decision_timeout_s
+        self.drafts = drafts
+
+    def _status(self, status: WorkerStatus) -> inference_pb2.WorkerStatus:
+        return status_pb(status, self.drafts.report() if self.drafts is not None else None)
 
     def Generate(self, request, context):
         try:
@@ -154,27 +171,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return inference_pb2.CancelResponse(found=self.worker.cancel(request.request_id))
 
     def GetStatus(self, request, context):
-        return status_pb(self.worker.status())
+        return self._status(self.worker.status())
 
     def ApplyDecision(self, request, context):
         try:
             d = decision_from_pb(request)
         except DecisionError as e:
             return inference_pb2.ApplyDecisionResponse(
-                outcome=_OUTCOME[Outcome.REJECTED], detail=str(e), status=status_pb(self.worker.status()))
+                outcome=_OUTCOME[Outcome.REJECTED], detail=str(e), status=self._status(self.worker.status()))
         try:
             result = self.worker.apply_decision(d, timeout_s=self.decision_timeout_s)
         except TimeoutError:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker did not reach a step boundary in time; retry")
         return inference_pb2.ApplyDecisionResponse(outcome=_OUTCOME[result.outcome], detail=result.detail,
-                                                   status=status_pb(result.status))
+                                                   status=self._status(result.status))
 
 
-def serve(worker: Worker, address: str, admin_token: str | None, max_workers: int = 64) -> GrpcServer:
+def serve(worker: Worker, address: str, admin_token: str | None, max_workers: int = 64,
+          drafts: DraftWatcher | None = None) -> GrpcServer:
     """Start the gRPC server (health SERVING from here on: call once the model is loaded)."""
     server = GrpcServer(address, admin_token=admin_token, max_workers=max_workers)
-    server.add_service(inference_pb2_grpc.add_InferenceServiceServicer_to_server, InferenceServicer(worker),
-                       SERVICE_NAME)
+    server.add_service(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
+                       InferenceServicer(worker, drafts=drafts), SERVICE_NAME)
     server.start()
     log.info("inference service listening on %s", server.target)
     return server
