@@ -20,6 +20,7 @@ from services.controller.collection import CollectionConfig, CollectionControl, 
 from services.controller.decisions import DecisionIssuer, StaticDecision
 from services.controller.fleet import Fleet, WorkerClient
 from services.controller.outcomes import OutcomeLog, TrainingOutcome
+from services.controller.refusals import ROLLED_BACK, RefusalResolver
 from services.controller.registry import GrpcRegistry
 from services.controller.rollback import RollbackGuard
 from services.controller.server import serve
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Controller:
     """The controller's state, without transport: statistics, workers, decisions, outcomes, the
-    collection control (collection.py) and the rollback guard (rollback.py)."""
+    collection control (collection.py), the rollback guard (rollback.py) and what is done about the
+    workers' refusals of the registry's draft (refusals.py)."""
 
     static: StaticDecision
     stats: FleetStats
@@ -46,6 +48,7 @@ class Controller:
     client: WorkerClient | None = None
     collection: CollectionControl = field(default_factory=CollectionControl)
     rollback: RollbackGuard = field(default_factory=lambda: RollbackGuard(None))
+    refusals: RefusalResolver = field(default_factory=lambda: RefusalResolver(None))
     clock: Callable[[], float] = time.time
 
     def __post_init__(self) -> None:
@@ -65,8 +68,11 @@ class Controller:
         return sorted(known)
 
     def evaluate(self) -> bool:
-        """One evaluation of every target (each reconcile round): rollback watches, then collection.
-        True when a target got a new decision."""
+        """One evaluation of every target (each reconcile round): the workers' draft refusals (as read in
+        the last round), rollback watches, then collection. True when a target got a new decision."""
+        for r in self.refusals.evaluate(self.fleet.workers(), self.clock()):  # may call the registry
+            if r.outcome == ROLLED_BACK:
+                self.rollback.refused(r.target_model, r.version, f"workers refused it: {r.note}")
         changed = False
         for target in self.targets():
             now = self.clock()
@@ -158,17 +164,21 @@ def build(settings: ControllerSettings, *, worker_client: WorkerClient | None = 
     """Build and start everything (the gRPC server last: SERVING means the loops run)."""
     client = worker_client or GrpcWorkerClient(settings.admin_token, settings.rpc_timeout_s)
     registry = None
-    if settings.auto_rollback and settings.registry_addr:
+    if settings.registry_addr:  # refusals are acted on whenever there is a registry; auto-rollback if enabled
         registry = GrpcRegistry(settings.registry_addr, settings.admin_token, settings.rpc_timeout_s)
-    elif settings.auto_rollback:
-        log.warning("TIDE_REGISTRY_ADDR is not set: automatic rollback of drafts that accept worse is disabled")
+    else:
+        log.warning("TIDE_REGISTRY_ADDR is not set: drafts that workers refuse stay effective in the registry%s",
+                    ", and automatic rollback of drafts that accept worse is disabled" if settings.auto_rollback
+                    else "")
     collection = CollectionControl(CollectionConfig(
         settings.collection_mode, settings.shift_epsilon, settings.cold_accept, settings.min_observations,
         settings.no_gain_runs, settings.gain_margin, settings.tokens_needed))
     stats = FleetStats(settings.ema_short, settings.ema_long, settings.load_window_s)
     controller = Controller(settings.decision, stats, client=client, collection=collection,
-                            rollback=RollbackGuard(registry, settings.rollback_window, settings.rollback_margin,
-                                                   settings.rollback_z))
+                            rollback=RollbackGuard(registry if settings.auto_rollback else None,
+                                                   settings.rollback_window, settings.rollback_margin,
+                                                   settings.rollback_z),
+                            refusals=RefusalResolver(registry))
     for address in settings.workers:
         controller.fleet.add(address, configured=True)
     rclient = settings.storage.redis_client(socket_connect_timeout=2.0, socket_timeout=5.0)
@@ -176,7 +186,8 @@ def build(settings: ControllerSettings, *, worker_client: WorkerClient | None = 
                              controller.stats, claim_idle_ms=settings.claim_idle_ms).start()
     reconciler = Reconciler(controller.fleet, settings.reconcile_s, controller.evaluate).start()
     server = serve(controller, reconciler.wake, settings.listen, settings.admin_token)
-    log.info("controller serving on %s (workers configured: %s; decision: %s; collection: %s; rollback: %s)",
-             server.target, ", ".join(settings.workers) or "none", settings.decision.to_dict(),
-             settings.collection_mode, f"via {settings.registry_addr}" if registry else "off")
+    log.info("controller serving on %s (workers configured: %s; decision: %s; collection: %s; rollback: %s; "
+             "refused drafts: %s)", server.target, ", ".join(settings.workers) or "none", settings.decision.to_dict(),
+             settings.collection_mode, f"via {settings.registry_addr}" if controller.rollback.enabled else "off",
+             f"rolled back via {settings.registry_addr}" if registry else "left in the registry")
     return ControllerService(settings, controller, reader, reconciler, server, registry)

@@ -9,6 +9,8 @@ decision (APPLIED, or ALREADY_APPLIED: it had it) or refuses it (REJECTED, recor
 for that worker process). Both are remembered per worker *incarnation*: when a worker restarts
 (its uptime goes down or its worker id changes) or comes back after being unreachable, the
 memory is cleared, so it gets the decision again. An unreachable worker is retried every round.
+The status also says which registry draft the worker serves and which versions it refused: kept on
+the worker's record for the controller's refusal check (refusals.py).
 """
 
 from __future__ import annotations
@@ -31,11 +33,26 @@ class WorkerUnreachable(Exception):
 
 
 @dataclass(frozen=True)
+class DraftRefusal:
+    """A registry draft version a worker will not run (it kept serving the one it had)."""
+
+    version: str
+    reason: str  # "checksum" | "missing" | "incompatible" | "load_failed"
+    detail: str
+    time_unix_s: float
+
+
+@dataclass(frozen=True)
 class WorkerSnapshot:
     worker_id: str
     model_id: str
     last_decision_id: str
     uptime_s: float
+    # the registry's drafts on the worker: the version it serves as "eagle3" ("" = none), the target's
+    # effective version as it last heard it ("" = none or not heard), the versions it refused
+    registry_draft_version: str = ""
+    wanted_draft_version: str = ""
+    draft_refusals: tuple[DraftRefusal, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,6 +78,9 @@ class WorkerRecord:
     reachable: bool = False
     uptime_s: float = -1.0
     settled: str = ""  # decision id this incarnation acknowledged or refused (not pushed again)
+    registry_draft_version: str = ""  # as in WorkerSnapshot, from the last status read
+    wanted_draft_version: str = ""
+    draft_refusals: tuple[DraftRefusal, ...] = ()
 
 
 @dataclass
@@ -128,6 +148,8 @@ class Fleet:
                 w.settled = ""
             w.reachable, w.uptime_s, w.last_seen_unix_s = True, st.uptime_s, time.time()
             w.worker_id, w.target_model, w.last_decision_id = st.worker_id, st.model_id, st.last_decision_id
+            w.registry_draft_version, w.wanted_draft_version = st.registry_draft_version, st.wanted_draft_version
+            w.draft_refusals = st.draft_refusals
             decision = self.decision_for(st.model_id)
             if decision is None:
                 return

@@ -74,6 +74,19 @@ class ControllerCollector:
             failures.add_metric([target], n)
         yield rollbacks
         yield failures
+        refusals = CounterMetricFamily("tide_controller_draft_refusals",
+                                       "Workers' refusals of the registry's effective draft the controller acted on, "
+                                       "by what it did (rolled_back, pinned, nothing_to_roll_back_to, "
+                                       "registry_refused)", labels=["target", "reason", "outcome"])
+        for (target, reason, outcome), n in sorted(c.refusals.counts().items()):
+            refusals.add_metric([target, reason, outcome], n)
+        yield refusals
+        refusal_failures = CounterMetricFamily("tide_controller_draft_refusal_failures",
+                                               "Registry calls about a refused draft that failed (retried)",
+                                               labels=["target"])
+        for target, n in sorted(c.refusals.failures().items()):
+            refusal_failures.add_metric([target], n)
+        yield refusal_failures
 
 
 def register(service) -> ControllerCollector:

@@ -147,6 +147,15 @@ class RollbackGuard:
                 return
             self._start(target, Watch(version, previous, self._latest(target, version), now, trigger))
 
+    def refused(self, target: str, version: str, why: str) -> None:
+        """The registry's pointer left `version` because workers refused it (refusals.py): a watch of it
+        ends (it would wait for observations that never come), and it is not watched again."""
+        with self._lock:
+            self._rolled_back.setdefault(target, set()).add(version)
+            w = self._watch.get(target)
+            if w is not None and w.version == version:
+                self._end(target, why)
+
     def evaluate(self, target: str, serving: str, drafts: Mapping[str, DraftStats],
                  now: float) -> RollbackRecord | None:
         """Follow the target's statistics; returns the rollback made now, if any."""

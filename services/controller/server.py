@@ -1,8 +1,9 @@
 """gRPC ControllerService: translates tide.v1 protobuf <-> the controller's domain.
 
-GetState is open (per target: statistics, the decision's parts, collection state, rollback watch and
-the last rollback); ReportTrainingOutcome and RegisterWorker are admin methods (declared in the
-proto, enforced by tide.grpcutil with the bearer token). RegisterWorker adds the worker to the
+GetState is open (per target: statistics, the decision's parts, collection state, rollback watch, the
+last rollback and what was done about workers' refusals of the registry's draft); ReportTrainingOutcome
+and RegisterWorker are admin methods (declared in the proto, enforced by tide.grpcutil with the bearer
+token). RegisterWorker adds the worker to the
 fleet, wakes the reconcile loop (which pushes the decision), and returns the current decision for
 the worker's target so a (re)started worker can catch up at once. Invalid requests end with
 INVALID_ARGUMENT.
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import grpc
 
 from services.controller.outcomes import TrainingOutcome
+from services.controller.refusals import RefusalRecord
 from services.controller.rollback import RollbackGuard
 from services.controller.stats import DraftStats
 from tide.decisions import decision_pb, policy_pb, schedule_pb
@@ -61,6 +63,12 @@ def rollback_state_pb(guard: RollbackGuard, target: str) -> controller_pb2.Rollb
     return out
 
 
+def refusal_record_pb(r: RefusalRecord) -> controller_pb2.DraftRefusalRecord:
+    return controller_pb2.DraftRefusalRecord(
+        worker_id=r.worker_id, version=r.version, reason=r.reason, detail=r.detail, refused_unix_s=r.refused_unix_s,
+        outcome=r.outcome, to_version=r.to_version, note=r.note, time_unix_s=r.time_unix_s)
+
+
 class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def __init__(self, controller, wake: Callable[[], None]) -> None:  # controller: app.Controller
         self.controller, self.wake = controller, wake
@@ -81,6 +89,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
                 enabled=bool(col.enabled), reason=reason, tokens_collected=col.tokens_collected,
                 tokens_needed=col.tokens_needed, since_unix_s=col.since_unix_s))
         out.rollback.CopyFrom(rollback_state_pb(c.rollback, target))
+        out.draft_refusals.extend(refusal_record_pb(r) for r in c.refusals.records(target))
         last = c.outcomes.last(target)
         if last is not None:
             out.last_training.CopyFrom(outcome_pb(last))

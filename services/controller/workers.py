@@ -10,7 +10,7 @@ import threading
 
 import grpc
 
-from services.controller.fleet import PushResult, WorkerSnapshot, WorkerUnreachable
+from services.controller.fleet import DraftRefusal, PushResult, WorkerSnapshot, WorkerUnreachable
 from tide import grpcutil
 from tide.decisions import Decision, decision_pb
 from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
@@ -21,6 +21,12 @@ _OUTCOMES = {
     inference_pb2.ApplyDecisionResponse.OUTCOME_ALREADY_APPLIED: "already_applied",
     inference_pb2.ApplyDecisionResponse.OUTCOME_REJECTED: "rejected",
 }
+
+
+def snapshot_from_pb(s: inference_pb2.WorkerStatus) -> WorkerSnapshot:
+    return WorkerSnapshot(s.worker_id, s.model_id, s.last_decision_id, s.uptime_s, s.registry_draft_version,
+                          s.wanted_draft_version,
+                          tuple(DraftRefusal(r.version, r.reason, r.detail, r.time_unix_s) for r in s.draft_refusals))
 
 
 class GrpcWorkerClient:
@@ -43,7 +49,7 @@ class GrpcWorkerClient:
             s = self._stub(address).GetStatus(inference_pb2.GetWorkerStatusRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise WorkerUnreachable(f"{e.code().name}: {e.details()}") from None
-        return WorkerSnapshot(s.worker_id, s.model_id, s.last_decision_id, s.uptime_s)
+        return snapshot_from_pb(s)
 
     def apply(self, address: str, decision: Decision) -> PushResult:
         try:

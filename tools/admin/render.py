@@ -8,6 +8,10 @@ from collections.abc import Sequence
 
 from tide.proto.tide.v1 import registry_pb2
 
+# How the controller's rollback of a draft that workers refused begins its reason
+# (services.controller.refusals.REFUSAL_REASON_PREFIX; not imported: tidectl stays light).
+REFUSAL_REASON_PREFIX = "draft refused by a worker"
+
 _ACTIONS = {
     registry_pb2.POINTER_ACTION_PROMOTE: "promote",
     registry_pb2.POINTER_ACTION_PIN: "pin",
@@ -63,12 +67,21 @@ def pointer_dict(p: registry_pb2.PointerState) -> dict:
     }
 
 
+def refused(version: str, pointer: dict | None) -> bool:
+    """Whether the pointer's (recent) history has the controller rolling `version` back because workers
+    refused to run it (services/controller/refusals.py)."""
+    return any(e["action"] == "rollback" and e["from_version"] == version
+               and e["reason"].startswith(REFUSAL_REASON_PREFIX) for e in (pointer or {}).get("history", ()))
+
+
 def states(version: str, pointer: dict | None) -> list[str]:
-    """Labels of `version` in its target's pointer: effective / current / pinned / previous."""
+    """Labels of `version` in its target's pointer: effective / current / pinned / previous, and
+    refused when workers refused to run it (the registry then went back to what they serve)."""
     if not pointer:
         return []
     labels = [k for k in ("effective", "current", "pinned") if pointer.get(k) == version]
-    return labels + (["previous"] if version in pointer.get("previous", ()) else [])
+    labels += ["previous"] if version in pointer.get("previous", ()) else []
+    return labels + (["refused"] if refused(version, pointer) else [])
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
