@@ -131,7 +131,9 @@ def _service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int) -> dict
         return {**s3, **redis, **admin, "TIDE_LISTEN": ep.workers[index], "TIDE_TARGET": cfg.target,
                 "TIDE_METRICS_PORT": port(f"inference-{index}"), "TIDE_WORKER_ID": f"worker-{index}",
                 "TIDE_DRAFTER": cfg.drafter, "TIDE_COLLECTION": "1" if cfg.collection else "0",
-                "TIDE_REGISTRY_ADDR": ep.registry}
+                "TIDE_REGISTRY_ADDR": ep.registry,
+                # chunks S3 could not take (and refs Redis could not): kept across restarts, per worker
+                "TIDE_CHUNK_SPOOL_DIR": str(Path(cfg.data_dir).resolve() / "spool" / f"worker-{index}")}
     if name == "gateway":
         return {"TIDE_GATEWAY_HOST": ep.gateway_host, "TIDE_GATEWAY_PORT": str(ep.gateway_port),
                 "TIDE_WORKERS": ",".join(ep.workers), "TIDE_TARGET": cfg.target,

@@ -1,8 +1,9 @@
 """Wiring: settings -> target model -> engine -> worker (+ telemetry, exporter) -> gRPC server.
 
 `build(settings)` returns a running `InferenceService`; `__main__` adds signals, logs and metrics.
-Redis and S3 are optional at run time: when they are down the worker serves and the publishers
-count what they drop (see telemetry.py and exporter.py).
+Redis and S3 are optional at run time: when they are down the worker serves, the exporter spools
+chunks and refs on disk (TIDE_CHUNK_SPOOL_DIR) and the publishers count what they drop (see
+telemetry.py and exporter.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 import json
 import logging
 import numbers
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,14 +99,23 @@ def start_profile(settings: InferenceSettings, model, model_id: str) -> LatencyP
     return LiveProfile.wrap(measure(False), lambda: measure(True))
 
 
-def s3_client(settings: InferenceSettings) -> Minio:
-    """A minio client that fails fast (seconds, few retries) so an S3 outage never stalls the flusher."""
+def s3_client(settings: InferenceSettings, read_timeout_s: float = 30.0, read_retries: int | None = None) -> Minio:
+    """A minio client that fails fast (seconds, few retries) so an S3 outage never stalls the flusher.
+    The exporter's waits at most 10 s for a hung S3 (a stopped process still accepts connections) and
+    does not retry reads: its chunk goes to the spool instead."""
     st = settings.storage
-    http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=2.0, read=30.0),
-                               retries=urllib3.Retry(total=2, backoff_factor=0.2,
+    http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=2.0, read=read_timeout_s),
+                               retries=urllib3.Retry(total=2, read=read_retries, backoff_factor=0.2,
                                                      status_forcelist=[500, 502, 503, 504]))
     return Minio(st.s3_endpoint, access_key=st.s3_access_key, secret_key=st.s3_secret_key, secure=st.s3_secure,
                  http_client=http)
+
+
+def spool_dir(settings: InferenceSettings) -> Path:
+    """The exporter's spool: TIDE_CHUNK_SPOOL_DIR, else $TIDE_CACHE_DIR/spool/<worker id>."""
+    if settings.chunk_spool_dir:
+        return Path(settings.chunk_spool_dir)
+    return cache_dir() / "spool" / re.sub(r"[^A-Za-z0-9._-]", "_", settings.worker_id)
 
 
 @dataclass
@@ -148,14 +159,16 @@ def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: 
     s3 = s3_client(settings)
     try:
         blobs.ensure_bucket(s3, settings.storage.s3_bucket)
-    except Exception as e:  # S3 down at start: serve anyway, chunks are dropped (and counted) until it is up
-        log.warning("S3 bucket %s not reachable at start (%s); collection will drop chunks until it is",
+    except Exception as e:  # S3 down at start: serve anyway, chunks are spooled (or dropped) until it is up
+        log.warning("S3 bucket %s not reachable at start (%s); collection will spool chunks until it is",
                     settings.storage.s3_bucket, e)
-    exporter = ChunkExporter(s3, settings.storage.s3_bucket, rclient, names.chunks, target_model=model_id,
+    export_s3 = s3_client(settings, read_timeout_s=10.0, read_retries=0)
+    exporter = ChunkExporter(export_s3, settings.storage.s3_bucket, rclient, names.chunks, target_model=model_id,
                              worker_id=settings.worker_id, hidden_size=model.cfg.hidden_size,
                              chunk_tokens=settings.chunk_tokens, buffers=settings.chunk_buffers,
                              flush_interval_s=settings.flush_interval_s, key_prefix=settings.chunk_prefix,
-                             pin_memory=model.device.type == "cuda")
+                             pin_memory=model.device.type == "cuda", spool_dir=spool_dir(settings),
+                             spool_max_bytes=settings.chunk_spool_bytes)
     profile = start_profile(settings, model, model_id)
     params = dict(settings.policy_params)
     if profile is not None and settings.policy in PROFILE_POLICIES:

@@ -6,8 +6,18 @@ active preallocated `ChunkBuilder`. A full builder is handed to the background f
 next free one becomes active; with none free (the flusher is behind) rows are dropped and
 counted. The flusher also closes a partial chunk `flush_interval_s` seconds after its first row.
 It encodes the chunk (safetensors + SHA-256), writes the blob to S3 and only then XADDs its
-`ChunkRef`. S3 down: the chunk is dropped (counted, logged once per outage). Redis down: the ref
-waits in a bounded queue (oldest dropped, counted) and is retried; serving never waits on either.
+`ChunkRef`; serving never waits on either.
+
+S3 down: the chunk goes to the on-disk spool (`ChunkSpool`, when one is configured) and is uploaded
+from there, oldest first, once S3 answers again (retried with exponential backoff, 0.5 s doubling
+to 30 s; while spooled chunks wait, new ones join the spool behind them instead of each waiting out
+a failing S3 call). A chunk is dropped (counted by reason) only when the spool is full
+("spool_full") or unwritable ("spool_error"), when a spooled blob fails its checksum on reading
+back ("spool_corrupt"), or, without a spool, at once ("s3"). Redis down: the ref waits in a
+bounded queue (`max_pending_refs`; beyond it the oldest is dropped and counted, "ref_queue_full":
+its blob is in S3, where the trainer's reconciler finds it) and is retried; waiting refs are also
+written to the spool, so a restarted worker announces them. On start the exporter re-sends what its
+spool holds from a previous run (spooled chunks and waiting refs alike).
 
 Memory: `buffers` x `chunk_tokens` rows x (8H + 25) bytes (H = hidden size; 28 MB for the reference
 model at the defaults 3 x 2048), plus one chunk being encoded and uploaded.
@@ -16,12 +26,17 @@ loss_mask = 1 for rows whose next token is generated output (position >= prompt 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
+import re
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 
@@ -31,6 +46,8 @@ from tide.chunks import ChunkBuilder, ChunkInvalid, encode_chunk, learnable_rows
 
 log = logging.getLogger(__name__)
 
+RETRY_MIN_S, RETRY_MAX_S = 0.5, 30.0  # backoff of the spooled chunks' upload attempts
+
 
 @dataclass
 class ExporterStats:
@@ -39,11 +56,192 @@ class ExporterStats:
     bytes_written: int = 0
     tokens_dropped_full: int = 0  # rows dropped because every buffer was full
     chunks_dropped_invalid: int = 0  # chunks that failed validation (e.g. non-finite states)
-    chunks_dropped_s3: int = 0  # chunks whose blob could not be written
+    chunks_dropped_s3: int = 0  # chunks whose blob never reached S3 (spool full, unwritable or corrupt; no spool)
     tokens_dropped_s3: int = 0
+    chunks_dropped_spool_full: int = 0  # of chunks_dropped_s3: the spool had no room
+    chunks_spooled: int = 0  # chunks written to the spool because S3 failed (or spooled ones were waiting)
+    tokens_spooled: int = 0
+    chunks_unspooled: int = 0  # spooled chunks uploaded to S3 after all
     refs_dropped: int = 0  # refs of stored blobs dropped while Redis was down (pending queue full)
     s3_errors: int = 0
     redis_errors: int = 0
+    spool_errors: int = 0  # spool files that could not be written, read or removed
+
+
+# ------------------------------------------------------------------------------------------ spool
+
+
+class SpoolCorrupt(Exception):
+    """A spooled entry that cannot be used (unreadable metadata, a blob that fails its checksum)."""
+
+
+@dataclass
+class SpoolEntry:
+    """One spooled item: `state` "blob" = the chunk's bytes are in the spool (upload, then announce);
+    "ref" = the blob is in S3, the reference waits for Redis. `ref` describes the blob exactly."""
+
+    seq: int
+    name: str  # file name stem: "<seq>-<chunk id>"
+    state: str
+    ref: streams.ChunkRef
+    size: int = 0  # bytes on disk (metadata + blob)
+
+
+class ChunkSpool:
+    """A bounded directory of chunks that could not be written to S3 and of references that could not
+    be added to the stream. Used by one thread (the flusher); the directory must be one worker's own.
+
+    Each entry is `<seq>-<chunk id>.json` — {"format": 1, "state": "blob" | "ref", "ref": {ChunkRef}}
+    — plus, in state "blob", `<seq>-<chunk id>.safetensors`: the encoded chunk exactly as it is to be
+    stored in S3 (no pickle). Files are written to a temporary name, fsynced and renamed, the blob
+    before its JSON: the JSON is the entry's commit. `seq` orders entries (oldest first) across
+    restarts. `open()` removes temporary files, blobs without a JSON (a crash mid-write) and blobs of
+    "ref" entries (a crash between the two steps of `mark_stored`); unreadable JSON is dropped and
+    counted. A blob is verified (size, SHA-256 against its ref) whenever it is read back.
+    `bytes` (every entry's files) never exceeds `max_bytes`: `put_*` returns None when full.
+    """
+
+    FORMAT = 1
+
+    def __init__(self, directory: str | Path, max_bytes: int) -> None:
+        self.dir, self.max_bytes = Path(directory), max_bytes
+        self.bytes = 0
+        self.entries: dict[int, SpoolEntry] = {}
+        self._next = 0
+
+    def open(self) -> tuple[list[SpoolEntry], int]:
+        """Scan the directory (created if missing): (its usable entries oldest first, how many were
+        unusable and removed)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        files = {p.name: p for p in self.dir.iterdir() if p.is_file()}
+        bad = 0
+        for name, path in files.items():
+            if name.startswith("."):  # an interrupted write
+                path.unlink(missing_ok=True)
+        for name, path in sorted(files.items()):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            stem = name[:-5]
+            blob = files.get(stem + ".safetensors")
+            try:
+                entry = self._parse(stem, path.read_bytes())
+            except (OSError, SpoolCorrupt) as e:
+                log.error("chunk spool: dropping unreadable entry %s: %s", path, e)
+                bad += 1
+                path.unlink(missing_ok=True)
+                if blob is not None:
+                    blob.unlink(missing_ok=True)
+                continue
+            if entry.state == "blob" and blob is None:
+                log.error("chunk spool: entry %s has lost its blob; dropping it", path)
+                bad += 1
+                path.unlink(missing_ok=True)
+                continue
+            if entry.state == "ref" and blob is not None:
+                blob.unlink(missing_ok=True)  # stored in S3 before a crash: only the ref is left to send
+            entry.size = path.stat().st_size + (blob.stat().st_size if entry.state == "blob" else 0)
+            self.entries[entry.seq] = entry
+            self.bytes += entry.size
+        for name, path in files.items():  # a blob whose JSON was never written: the write did not finish
+            if name.endswith(".safetensors") and not name.startswith(".") and name[:-12] + ".json" not in files:
+                log.warning("chunk spool: removing %s (its write did not finish)", path)
+                path.unlink(missing_ok=True)
+        self._next = max(self.entries, default=-1) + 1
+        return [self.entries[k] for k in sorted(self.entries)], bad
+
+    def put_chunk(self, ref: streams.ChunkRef, data: bytes) -> SpoolEntry | None:
+        """Spool a chunk's bytes (state "blob"); None when it does not fit. OSError: disk trouble."""
+        return self._put("blob", ref, data)
+
+    def put_ref(self, ref: streams.ChunkRef) -> SpoolEntry | None:
+        """Spool a reference whose blob is stored (state "ref"); None when it does not fit."""
+        return self._put("ref", ref, None)
+
+    def read_blob(self, entry: SpoolEntry) -> bytes:
+        """The spooled chunk's bytes, verified against its ref (SpoolCorrupt otherwise)."""
+        try:
+            data = (self.dir / f"{entry.name}.safetensors").read_bytes()
+        except OSError as e:
+            raise SpoolCorrupt(f"blob of {entry.name} unreadable: {e}") from None
+        if len(data) != entry.ref.size_bytes or blobs.sha256_hex(data) != entry.ref.sha256:
+            raise SpoolCorrupt(f"blob of {entry.name} has {len(data)} bytes with SHA-256 "
+                               f"{blobs.sha256_hex(data)}, its ref says {entry.ref.size_bytes} bytes with "
+                               f"{entry.ref.sha256}")
+        return data
+
+    def mark_stored(self, entry: SpoolEntry) -> None:
+        """The blob is in S3: keep only the ref (the JSON rewritten first, then the blob removed)."""
+        meta = self._meta("ref", entry.ref)
+        self._atomic_write(self.dir / f"{entry.name}.json", meta)
+        (self.dir / f"{entry.name}.safetensors").unlink(missing_ok=True)
+        self.bytes -= entry.size - len(meta)
+        entry.state, entry.size = "ref", len(meta)
+
+    def remove(self, entry: SpoolEntry) -> None:
+        if self.entries.pop(entry.seq, None) is None:
+            return
+        self.bytes -= entry.size
+        for suffix in (".safetensors", ".json"):  # the blob first: a JSON without it is noticed on open
+            (self.dir / f"{entry.name}{suffix}").unlink(missing_ok=True)
+
+    def count(self, state: str) -> int:
+        return sum(e.state == state for e in self.entries.values())
+
+    # -- internals
+
+    def _put(self, state: str, ref: streams.ChunkRef, data: bytes | None) -> SpoolEntry | None:
+        meta = self._meta(state, ref)
+        size = len(meta) + (len(data) if data is not None else 0)
+        if self.bytes + size > self.max_bytes:
+            return None
+        seq = self._next
+        self._next += 1
+        name = f"{seq:012d}-{re.sub(r'[^A-Za-z0-9_-]', '_', ref.chunk_id)[:80]}"
+        try:
+            if data is not None:
+                self._atomic_write(self.dir / f"{name}.safetensors", data)
+            self._atomic_write(self.dir / f"{name}.json", meta)
+        except OSError:
+            (self.dir / f"{name}.safetensors").unlink(missing_ok=True)
+            raise
+        entry = SpoolEntry(seq, name, state, ref, size)
+        self.entries[seq] = entry
+        self.bytes += size
+        return entry
+
+    def _meta(self, state: str, ref: streams.ChunkRef) -> bytes:
+        return json.dumps({"format": self.FORMAT, "state": state, "ref": dataclasses.asdict(ref)},
+                          separators=(",", ":"), sort_keys=True).encode()
+
+    def _parse(self, stem: str, raw: bytes) -> SpoolEntry:
+        try:
+            meta = json.loads(raw)
+            if not isinstance(meta, dict) or meta.get("format") != self.FORMAT:
+                raise SpoolCorrupt(f"format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
+                                   f"this code reads {self.FORMAT}")
+            if meta.get("state") not in ("blob", "ref"):
+                raise SpoolCorrupt(f"state {meta.get('state')!r}")
+            ref = streams.from_dict(streams.ChunkRef, meta.get("ref"))
+            seq = int(stem.split("-", 1)[0])
+        except (ValueError, streams.PayloadError) as e:  # JSONDecodeError and PayloadError are ValueErrors
+            raise SpoolCorrupt(str(e)) from None
+        return SpoolEntry(seq, stem, meta["state"], ref)
+
+    def _atomic_write(self, path: Path, data: bytes) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself survives a power cut
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------------------- exporter
 
 
 @dataclass
@@ -54,13 +252,25 @@ class _Buffer:
     opened_s: float = 0.0  # monotonic time of the first row
 
 
+@dataclass
+class _PendingRef:
+    ref: streams.ChunkRef
+    entry: SpoolEntry | None = None  # its spool entry, once it has one
+
+
 class ChunkExporter:
+    """See the module docstring. Threads: the engine's (`add`), the flusher ("chunk-flusher": encodes,
+    writes new chunks to S3 or the spool, XADDs refs) and, with a spool, the unspooler
+    ("chunk-unspooler": uploads spooled chunks with backoff, so a hung S3 never stalls the flusher
+    on a retry). `_io` guards the spool, the spooled-chunk backlog and the pending refs."""
+
     def __init__(self, s3, bucket: str, redis_client: redis.Redis, stream: str, *, target_model: str,
                  worker_id: str, hidden_size: int, chunk_tokens: int = 2048, buffers: int = 3,
                  flush_interval_s: float = 30.0, key_prefix: str = "chunks", pin_memory: bool = False,
-                 max_pending_refs: int = 1000) -> None:
-        if buffers < 1 or chunk_tokens < 1:
-            raise ValueError("buffers and chunk_tokens must be >= 1")
+                 max_pending_refs: int = 1000, spool_dir: str | Path | None = None,
+                 spool_max_bytes: int = 1 << 30) -> None:
+        if buffers < 1 or chunk_tokens < 1 or max_pending_refs < 1:
+            raise ValueError("buffers, chunk_tokens and max_pending_refs must be >= 1")
         self.s3, self.bucket, self.redis, self.stream = s3, bucket, redis_client, stream
         self.target_model, self.worker_id = target_model, worker_id
         self.flush_interval_s, self.key_prefix = flush_interval_s, key_prefix.strip("/")
@@ -69,7 +279,8 @@ class ChunkExporter:
                       for _ in range(buffers)]
         self._active: _Buffer | None = self._free.pop()
         self._full: deque[_Buffer] = deque()
-        self._refs: deque[streams.ChunkRef] = deque(maxlen=max_pending_refs)
+        self._max_refs = max_pending_refs
+        self._refs: deque[_PendingRef] = deque()
         self._draft_version = ""
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -77,7 +288,16 @@ class ChunkExporter:
         self._flush_now = False
         self._idle = threading.Event()
         self._thread: threading.Thread | None = None
-        self._s3_down = self._redis_down = self._dropping = False
+        self._s3_down = self._redis_down = self._dropping = self._spool_full = False
+        # the spool: chunks waiting for S3 (oldest first), and when to try S3 with them next
+        self._io = threading.RLock()
+        self._unspool_wake = threading.Event()
+        self._unspooler: threading.Thread | None = None
+        self._backlog: deque[SpoolEntry] = deque()
+        self._retry_at, self._retry_s = 0.0, RETRY_MIN_S
+        self.spool = ChunkSpool(spool_dir, spool_max_bytes) if spool_dir and spool_max_bytes > 0 else None
+        if self.spool is not None:
+            self._open_spool()
 
     # ---- engine loop thread
 
@@ -121,23 +341,37 @@ class ChunkExporter:
     def start(self) -> ChunkExporter:
         self._thread = threading.Thread(target=self._run, name="chunk-flusher", daemon=True)
         self._thread.start()
+        if self.spool is not None:
+            self._unspooler = threading.Thread(target=self._unspool_loop, name="chunk-unspooler", daemon=True)
+            self._unspooler.start()
         return self
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """After `flush_soon`: wait until everything buffered was written (or dropped)."""
+        """After `flush_soon`: wait until everything buffered was written, spooled or dropped."""
         return self._idle.wait(timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Write what is buffered (one attempt), then stop the flusher."""
+        """Write what is buffered (one attempt; to the spool while S3 is failing), then stop the
+        threads. What is still spooled stays there for the next start."""
         self._flush_now = True
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
+        self._unspool_wake.set()
+        deadline = time.monotonic() + timeout_s
+        for t in (self._thread, self._unspooler):
+            if t is not None:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if not any(t is not None and t.is_alive() for t in (self._thread, self._unspooler)):
+            self._announce_pending()  # refs of chunks the unspooler stored after the flusher's last round
 
     @property
     def pending_refs(self) -> int:
         return len(self._refs)
+
+    @property
+    def spooled_chunks(self) -> int:
+        """Chunks in the spool waiting for S3."""
+        return len(self._backlog)
 
     # ---- internals (lock held)
 
@@ -162,7 +396,22 @@ class ChunkExporter:
         self.stats.tokens_dropped_full += n
         metrics.CHUNK_TOKENS_DROPPED.labels("buffers_full").inc(n)
 
-    # ---- flusher thread
+    # ---- flusher thread (and __init__, before any thread starts)
+
+    def _open_spool(self) -> None:
+        """Take over what a previous run left in the spool: chunks to upload, refs to announce."""
+        entries, bad = self.spool.open()
+        for _ in range(bad):
+            self._count_dropped("spool_corrupt", None)
+        for entry in entries:
+            if entry.state == "blob":
+                self._backlog.append(entry)
+            else:
+                self._queue_ref(entry.ref, entry)
+        if entries:
+            log.warning("chunk export: spool %s holds %d chunks and %d refs from a previous run (%d bytes); "
+                        "re-sending them", self.spool.dir, len(self._backlog), len(self._refs), self.spool.bytes)
+        self._spool_gauges()
 
     def _run(self) -> None:
         while True:
@@ -203,50 +452,206 @@ class ChunkExporter:
             metrics.CHUNK_TOKENS_DROPPED.labels("invalid").inc(n)
             log.error("chunk export: dropping an invalid chunk: %s", e)
             return
-        try:
-            key = f"{self.key_prefix}/{self.target_model}/{self.worker_id}/{chunk.meta.chunk_id}.safetensors"
-            info = blobs.put_bytes(self.s3, self.bucket, key, data, metadata={"chunk-id": chunk.meta.chunk_id})
-        except Exception as e:  # S3 down, bucket missing, ...: drop, count, keep serving
-            self.stats.s3_errors += 1
-            self.stats.chunks_dropped_s3 += 1
-            self.stats.tokens_dropped_s3 += n
-            metrics.CHUNKS_DROPPED.labels("s3").inc()
-            metrics.CHUNK_TOKENS_DROPPED.labels("s3").inc(n)
-            if not self._s3_down:
-                log.warning("chunk export: S3 write failed (%s); dropping chunks until it works again", e)
-                self._s3_down = True
-            return
-        if self._s3_down:
-            log.warning("chunk export: S3 writes work again")
-            self._s3_down = False
-        self.stats.bytes_written += info.size_bytes
-        metrics.CHUNK_BYTES.inc(info.size_bytes)
+        key = f"{self.key_prefix}/{self.target_model}/{self.worker_id}/{chunk.meta.chunk_id}.safetensors"
         ref = streams.ChunkRef(
-            chunk_id=chunk.meta.chunk_id, bucket=self.bucket, key=key, size_bytes=info.size_bytes,
-            sha256=info.sha256, num_tokens=n, target_model=self.target_model, draft_version=buf.draft_version,
-            workload=workload, worker_id=self.worker_id, created_unix_s=chunk.meta.created_at)
-        if len(self._refs) == self._refs.maxlen:
-            self.stats.refs_dropped += 1
-            metrics.CHUNKS_DROPPED.labels("ref_queue_full").inc()
-        self._refs.append(ref)  # a full deque drops its oldest ref
+            chunk_id=chunk.meta.chunk_id, bucket=self.bucket, key=key, size_bytes=len(data),
+            sha256=blobs.sha256_hex(data), num_tokens=n, target_model=self.target_model,
+            draft_version=buf.draft_version, workload=workload, worker_id=self.worker_id,
+            created_unix_s=chunk.meta.created_at)
+        with self._io:
+            behind = bool(self._backlog)
+        if behind:  # S3 is failing (or catching up): queue behind the spooled chunks, oldest first
+            self._spool(ref, data)
+            return
+        try:
+            self._put(ref, data)
+        except Exception as e:  # S3 down, bucket missing, ...: spool (or drop), count, keep serving
+            self._s3_failed(e)
+            self._spool(ref, data)
+            return
+        with self._io:
+            self._queue_ref(ref)
+
+    def _spool(self, ref: streams.ChunkRef, data: bytes) -> None:
+        if self.spool is None:
+            self._count_dropped("s3", ref)
+            return
+        with self._io:
+            try:
+                entry = self.spool.put_chunk(ref, data)
+            except OSError as e:
+                self.stats.spool_errors += 1
+                log.error("chunk export: cannot write chunk %s to the spool %s (%s); dropping it", ref.chunk_id,
+                          self.spool.dir, e)
+                self._count_dropped("spool_error", ref)
+                return
+            if entry is None:
+                if not self._spool_full:
+                    log.warning("chunk export: spool %s is full (%d of %d bytes); dropping chunks until it drains",
+                                self.spool.dir, self.spool.bytes, self.spool.max_bytes)
+                    self._spool_full = True
+                self.stats.chunks_dropped_spool_full += 1
+                self._count_dropped("spool_full", ref)
+                return
+            self._backlog.append(entry)
+            self.stats.chunks_spooled += 1
+            self.stats.tokens_spooled += ref.num_tokens
+            metrics.CHUNKS_SPOOLED.inc()
+            self._spool_gauges()
+        self._unspool_wake.set()
+
+    def _count_dropped(self, reason: str, ref: streams.ChunkRef | None) -> None:
+        """A chunk that never reached S3 (`ref` None: an unreadable spool entry, size unknown)."""
+        self.stats.chunks_dropped_s3 += 1
+        metrics.CHUNKS_DROPPED.labels(reason).inc()
+        if ref is not None:
+            self.stats.tokens_dropped_s3 += ref.num_tokens
+            metrics.CHUNK_TOKENS_DROPPED.labels(reason).inc(ref.num_tokens)
 
     def _announce_pending(self) -> None:
-        """XADD waiting refs in order; stop at the first failure (retried on the next round)."""
-        while self._refs:
-            ref = self._refs[0]
+        """XADD waiting refs in order; stop at the first failure (retried on the next round) after
+        writing the refs not yet in the spool there."""
+        while True:
+            with self._io:
+                if not self._refs:
+                    return
+                pending = self._refs[0]
             try:
-                streams.add(self.redis, self.stream, ref)
+                streams.add(self.redis, self.stream, pending.ref)
             except redis.RedisError as e:
                 self.stats.redis_errors += 1
                 if not self._redis_down:
                     log.warning("chunk export: redis unreachable (%s); %d chunk refs waiting", e, len(self._refs))
                     self._redis_down = True
+                self._spool_refs()
                 return
-            self._refs.popleft()
+            with self._io:
+                if self._refs and self._refs[0] is pending:  # (not dropped meanwhile by a full queue)
+                    self._refs.popleft()
+                self._forget(pending.entry)
             self.stats.chunks_written += 1
-            self.stats.tokens_exported += ref.num_tokens
+            self.stats.tokens_exported += pending.ref.num_tokens
             metrics.CHUNKS_WRITTEN.inc()
-            metrics.CHUNK_TOKENS.inc(ref.num_tokens)
+            metrics.CHUNK_TOKENS.inc(pending.ref.num_tokens)
             if self._redis_down:
                 log.warning("chunk export: redis reachable again")
                 self._redis_down = False
+
+    def _spool_refs(self) -> None:
+        """Make waiting refs durable (a full spool leaves them in memory only)."""
+        if self.spool is None:
+            return
+        with self._io:
+            for pending in self._refs:
+                if pending.entry is not None:
+                    continue
+                try:
+                    pending.entry = self.spool.put_ref(pending.ref)
+                except OSError as e:
+                    self.stats.spool_errors += 1
+                    log.error("chunk export: cannot write a ref to the spool %s (%s)", self.spool.dir, e)
+                    break
+                if pending.entry is None:
+                    break
+            self._spool_gauges()
+
+    # ---- unspooler thread
+
+    def _unspool_loop(self) -> None:
+        """Upload spooled chunks, oldest first; after a failure wait (0.5 s doubling to 30 s)."""
+        while not self._stop.is_set():
+            with self._io:
+                entry = self._backlog[0] if self._backlog else None
+                wait_s = self._retry_at - time.monotonic()
+            if entry is None or wait_s > 0:
+                self._unspool_wake.wait(1.0 if entry is None else min(wait_s, 1.0))
+                self._unspool_wake.clear()
+                continue
+            try:
+                self._unspool(entry)
+            except Exception:  # never let the thread die: log, back off, go on
+                log.exception("chunk export: uploading spooled chunk %s failed", entry.ref.chunk_id)
+                self._s3_failed(None)
+
+    def _unspool(self, entry: SpoolEntry) -> None:
+        try:
+            data = self.spool.read_blob(entry)
+        except SpoolCorrupt as e:
+            log.error("chunk export: dropping spooled chunk %s: %s", entry.ref.chunk_id, e)
+            with self._io:
+                self._backlog.popleft()
+                self._forget(entry)
+                self._count_dropped("spool_corrupt", entry.ref)
+            return
+        try:
+            self._put(entry.ref, data)
+        except Exception as e:
+            self._s3_failed(e)
+            return
+        with self._io:
+            self._backlog.popleft()
+            self.stats.chunks_unspooled += 1
+            metrics.CHUNKS_UNSPOOLED.inc()
+            try:
+                self.spool.mark_stored(entry)
+            except OSError as e:  # the blob stays spooled: a restart would upload it again (same key)
+                self.stats.spool_errors += 1
+                log.error("chunk export: cannot update spool entry %s (%s)", entry.name, e)
+            self._queue_ref(entry.ref, entry)
+            if not self._backlog:
+                self._spool_full = False
+                log.warning("chunk export: every spooled chunk is in S3 now")
+            self._spool_gauges()
+        self._wake.set()  # the flusher announces the ref
+
+    # ---- both
+
+    def _put(self, ref: streams.ChunkRef, data: bytes) -> None:
+        """Store the blob (raises what the S3 client raises)."""
+        info = blobs.put_bytes(self.s3, ref.bucket, ref.key, data, metadata={"chunk-id": ref.chunk_id})
+        with self._io:
+            if self._s3_down:
+                log.warning("chunk export: S3 writes work again")
+                self._s3_down = False
+            self._retry_s = RETRY_MIN_S
+            self.stats.bytes_written += info.size_bytes
+        metrics.CHUNK_BYTES.inc(info.size_bytes)
+
+    def _s3_failed(self, e: Exception | None) -> None:
+        with self._io:
+            self._retry_at = time.monotonic() + self._retry_s
+            self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
+            if e is None:
+                return
+            self.stats.s3_errors += 1
+            if not self._s3_down:
+                what = "spooling chunks" if self.spool is not None else "dropping chunks"
+                log.warning("chunk export: S3 write failed (%s); %s until it works again", e, what)
+                self._s3_down = True
+
+    def _queue_ref(self, ref: streams.ChunkRef, entry: SpoolEntry | None = None) -> None:
+        """(`_io` held) A ref to announce; a full queue drops its oldest (the trainer's reconciler
+        finds that blob in S3)."""
+        if len(self._refs) >= self._max_refs:
+            old = self._refs.popleft()
+            self._forget(old.entry)
+            self.stats.refs_dropped += 1
+            metrics.CHUNKS_DROPPED.labels("ref_queue_full").inc()
+        self._refs.append(_PendingRef(ref, entry))
+
+    def _forget(self, entry: SpoolEntry | None) -> None:
+        """(`_io` held) Remove a spool entry that is done with."""
+        if entry is None or self.spool is None:
+            return
+        try:
+            self.spool.remove(entry)
+        except OSError as e:  # sent twice after a restart at worst: the trainer dedupes by chunk id
+            self.stats.spool_errors += 1
+            log.error("chunk export: cannot remove spool entry %s (%s)", entry.name, e)
+        self._spool_gauges()
+
+    def _spool_gauges(self) -> None:
+        if self.spool is not None:
+            metrics.SPOOL_BYTES.set(self.spool.bytes)
+            metrics.SPOOL_ENTRIES.labels("chunk").set(len(self._backlog))
+            metrics.SPOOL_ENTRIES.labels("ref").set(self.spool.count("ref"))

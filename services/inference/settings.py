@@ -84,6 +84,13 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     chunk_buffers: Count = Field(3, description="preallocated chunk buffers (bounds exporter memory)")
     flush_interval_s: Seconds = Field(30.0, description="flush a partial chunk after this many seconds")
     chunk_prefix: str = Field("chunks", description="S3 key prefix for chunk blobs")
+    chunk_spool_dir: str = Field(
+        "", json_schema_extra=shown_default("`$TIDE_CACHE_DIR/spool/<worker id>`"),
+        description="directory of chunks whose S3 write failed and of chunk refs waiting for Redis: uploaded / "
+        "announced when S3 / Redis answer again, and re-sent by the next worker started on it (give each "
+        "worker its own, on a disk that outlives the process; `tide up`: <data dir>/spool/worker-<i>)")
+    chunk_spool_bytes: NonNegative = Field(1 << 30, description="most bytes the chunk spool holds; a chunk that "
+                                           "does not fit is dropped (counted); 0 = no spool: drop at once")
     telemetry_batch: Count = Field(64, description="step records per XADD pipeline")
     telemetry_interval_s: Seconds = Field(0.5, description="seconds between telemetry flushes")
     telemetry_buffer: Count = Field(10_000, description="step records kept while Redis is unreachable (oldest "

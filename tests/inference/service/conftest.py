@@ -20,16 +20,17 @@ def real_storage(redis_server, s3_server, s3_bucket, unique_prefix) -> StorageSe
 
 
 @pytest.fixture
-def make_service(tiny_model, real_storage) -> Callable[..., InferenceService]:
+def make_service(tiny_model, real_storage, tmp_path) -> Callable[..., InferenceService]:
     """Factory: `make_service(max_batch=2, collection=True, storage=...)` -> a started service
-    (stopped at teardown). Defaults: greedy-friendly ngram drafter, static γ = 3."""
+    (stopped at teardown). Defaults: greedy-friendly ngram drafter, static γ = 3, a chunk spool of
+    the test's own (tmp_path/spool-<n>: never one another test's worker left chunks in)."""
     started: list[InferenceService] = []
 
     def make(**overrides) -> InferenceService:
         kw = dict(target="tiny", dtype="fp32", max_batch=4, max_seq_len=256, max_tokens_per_step=64, max_queue=8,
                   listen="127.0.0.1:0", metrics_port=0, worker_id="test-worker", telemetry_interval_s=0.05,
                   telemetry_batch=8, flush_interval_s=0.3, chunk_tokens=64, admin_token=ADMIN_TOKEN,
-                  storage=real_storage)
+                  storage=real_storage, chunk_spool_dir=str(tmp_path / f"spool-{len(started)}"))
         kw.update(overrides)
         svc = build(InferenceSettings(**kw), model=tiny_model, tokenizer=None, model_id="tiny-llama-0")
         started.append(svc)

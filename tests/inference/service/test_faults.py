@@ -78,9 +78,10 @@ def test_redis_restart_recovers(make_service, s3_server, s3_bucket, unique_prefi
 
 
 def test_s3_unreachable_keeps_serving_and_drops_chunks(make_service, redis_server, redis_client, unique_prefix):
+    """Without a spool (TIDE_CHUNK_SPOOL_BYTES=0) chunks are dropped at once; with one: test_spool.py."""
     st = storage(redis_server.url, closed_port_url(), "k", "s", "bucket", unique_prefix)
     dropped_before = metric("tide_chunks_dropped_total", reason="s3")
-    svc = make_service(storage=st, collection=True, chunk_tokens=16, flush_interval_s=0.2)
+    svc = make_service(storage=st, collection=True, chunk_tokens=16, flush_interval_s=0.2, chunk_spool_bytes=0)
     tokens, _, last = run_stream(stub(svc), request("r1", PROMPT, max_tokens=40))
     assert len(tokens) == 40 and last.HasField("final")
     wait_for(lambda: svc.exporter.stats.chunks_dropped_s3 >= 2, what="chunks dropped")
