@@ -108,6 +108,10 @@ class EngineClient(abc.ABC):
     def workers(self) -> list[WorkerInfo]:
         """A snapshot of the workers, for /ready and metrics."""
 
+    def max_model_len(self) -> int | None:
+        """The context the workers serve (prompt + completion tokens), None when unknown."""
+        return None
+
 
 _ERROR_KINDS = {
     common_pb2.ERROR_CODE_INVALID_ARGUMENT: ErrorKind.INVALID,
@@ -206,6 +210,9 @@ class GrpcEngineClient(EngineClient):
 
     def workers(self) -> list[WorkerInfo]:
         return self.pool.infos()
+
+    def max_model_len(self) -> int | None:
+        return self.pool.max_model_len()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationFinal]:
         tried: set[str] = set()

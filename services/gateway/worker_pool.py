@@ -10,6 +10,10 @@ down at once (so does a failed Generate that never started); other poll failures
 worker answering late) only after `failure_threshold` in a row. A worker that is down and whose
 channel sits in TRANSIENT_FAILURE gets a fresh channel, so a restarted worker is found at the next
 poll instead of after gRPC's reconnect backoff (up to two minutes).
+
+Context: each worker reports its limit (WorkerStatus.max_model_len, prompt + completion tokens);
+`max_model_len()` is the smallest of the healthy workers' (of any worker heard from when none is
+healthy; None before any has answered or when none reports one), which the gateway serves.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class WorkerInfo:
     draft_version: str
     drafter: str
     last_error: str
+    max_model_len: int  # the worker's context (0 = not reported yet)
 
 
 class Worker:
@@ -88,6 +93,7 @@ class Worker:
             st.draft_version,
             st.drafter,
             self.last_error,
+            st.max_model_len,
         )
 
 
@@ -194,6 +200,12 @@ class WorkerPool:
 
     def ready(self) -> bool:
         return any(w.healthy for w in self.workers)
+
+    def max_model_len(self) -> int | None:
+        """The smallest context the healthy workers report (see the module docstring)."""
+        heard = [w for w in self.workers if w.status is not None and w.status.max_model_len]
+        limits = [w.status.max_model_len for w in heard if w.healthy] or [w.status.max_model_len for w in heard]
+        return min(limits, default=None)
 
     def infos(self) -> list[WorkerInfo]:
         return [w.info() for w in self.workers]

@@ -128,7 +128,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.drafts = drafts
 
     def _status(self, status: WorkerStatus) -> inference_pb2.WorkerStatus:
-        return status_pb(status, self.drafts.report() if self.drafts is not None else None)
+        """The status message; `max_model_len` is this worker's context (the gateway serves the smallest)."""
+        out = status_pb(status, self.drafts.report() if self.drafts is not None else None)
+        out.max_model_len = self.worker.engine.config.max_seq_len
+        return out
 
     def Generate(self, request, context):
         try:

@@ -136,7 +136,7 @@ class GetWorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "model_id", "engine", "device", "running_requests", "waiting_requests", "max_batch_size", "load", "kv_cache_usage", "draft_version", "drafter", "gamma_policy", "speculation", "collection_enabled", "last_decision_id", "uptime_s", "registry_draft_version", "wanted_draft_version", "draft_refusals")
+    __slots__ = ("worker_id", "model_id", "engine", "device", "running_requests", "waiting_requests", "max_batch_size", "load", "kv_cache_usage", "draft_version", "drafter", "gamma_policy", "speculation", "collection_enabled", "last_decision_id", "uptime_s", "max_model_len", "registry_draft_version", "wanted_draft_version", "draft_refusals")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class WorkerStatus(_message.Message):
     COLLECTION_ENABLED_FIELD_NUMBER: _ClassVar[int]
     LAST_DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WANTED_DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_REFUSALS_FIELD_NUMBER: _ClassVar[int]
@@ -172,10 +173,11 @@ class WorkerStatus(_message.Message):
     collection_enabled: bool
     last_decision_id: str
     uptime_s: float
+    max_model_len: int
     registry_draft_version: str
     wanted_draft_version: str
     draft_refusals: _containers.RepeatedCompositeFieldContainer[DraftRefusal]
-    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., draft_version: _Optional[str] = ..., drafter: _Optional[str] = ..., gamma_policy: _Optional[_Union[GammaPolicy, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSchedule, _Mapping]] = ..., collection_enabled: _Optional[bool] = ..., last_decision_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., registry_draft_version: _Optional[str] = ..., wanted_draft_version: _Optional[str] = ..., draft_refusals: _Optional[_Iterable[_Union[DraftRefusal, _Mapping]]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., draft_version: _Optional[str] = ..., drafter: _Optional[str] = ..., gamma_policy: _Optional[_Union[GammaPolicy, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSchedule, _Mapping]] = ..., collection_enabled: _Optional[bool] = ..., last_decision_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_model_len: _Optional[int] = ..., registry_draft_version: _Optional[str] = ..., wanted_draft_version: _Optional[str] = ..., draft_refusals: _Optional[_Iterable[_Union[DraftRefusal, _Mapping]]] = ...) -> None: ...
 
 class DraftRefusal(_message.Message):
     __slots__ = ("version", "reason", "detail", "time_unix_s")
