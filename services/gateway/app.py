@@ -4,6 +4,10 @@ Wires the serving classes, the routes, OpenAI-format error handlers for everythi
 wrong (our own errors, unknown routes and methods; MetricsMiddleware turns any unexpected exception
 into a logged traceback and a bare 500 body), the metrics/access-log middleware, and the
 engine client's start/close around the app's lifetime.
+
+The served context is the workers' real limit (`WorkerLimitedModels`), the configured one an upper
+bound. /openapi.json documents the request bodies the routes parse themselves (router.BODIES), with
+their bounds, the served model as the only valid `model`, and the error body of every failure.
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import OpenAIError, http_error, invalid_request
 from services.gateway.metrics import GatewayMetrics, MetricsMiddleware, endpoint_label
-from services.gateway.router import router
+from services.gateway.protocol import ErrorResponse
+from services.gateway.router import BODIES, router
 from services.gateway.serving_chat import OpenAIServingChat
 from services.gateway.serving_completion import OpenAIServingCompletion
 from services.gateway.serving_models import OpenAIServingModels
@@ -44,6 +50,54 @@ class GatewayState:
     completion: OpenAIServingCompletion
     metrics: GatewayMetrics
     status: StatusSources
+    body_limit: int  # the largest accepted request body, in bytes
+
+
+class WorkerLimitedModels(OpenAIServingModels):
+    """The served model, whose context (`max_model_len`) is the smallest one the healthy workers
+    report, at most the configured one (which is all there is until a worker has answered)."""
+
+    def __init__(self, name: str, root: str, max_model_len: int, engine: EngineClient) -> None:
+        self.engine = engine
+        super().__init__(name, root, max_model_len)
+
+    @property
+    def max_model_len(self) -> int:
+        workers = self.engine.max_model_len()
+        return self.configured_max_model_len if workers is None else min(workers, self.configured_max_model_len)
+
+    @max_model_len.setter
+    def max_model_len(self, value: int) -> None:
+        self.configured_max_model_len = value
+
+
+def openapi_schema(app: FastAPI, model_name: str) -> dict:
+    """FastAPI's schema plus the request bodies the routes parse themselves and the error body."""
+    schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+
+    def ref(model, mode: str = "validation") -> dict:
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}", mode=mode)
+        components.update(js.pop("$defs", {}))
+        components[model.__name__] = js
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"description": "An OpenAI error", "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+    for path, (request_model, response_model) in BODIES.items():
+        operation = schema["paths"][path]["post"]
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request_model)}}}
+        components[request_model.__name__]["properties"]["model"]["enum"] = [model_name]
+        operation["responses"] = {
+            "200": {
+                "description": "The completion, or with `stream: true` its server-sent events",
+                "content": {
+                    "application/json": {"schema": ref(response_model, "serialization")},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
+            },
+            **{status: error for status in ("400", "401", "404", "413", "502", "503")},
+        }
+    return schema
 
 
 def create_app(
@@ -52,21 +106,24 @@ def create_app(
     """The gateway app. `tokenizer` defaults to the one of `settings.target`."""
     if tokenizer is None:
         tokenizer = TargetTokenizer.load(settings.target, settings.max_model_len)
-    max_len = settings.max_model_len or tokenizer.max_model_len
-    models = OpenAIServingModels(settings.served_model_name or tokenizer.model_id, tokenizer.model_id, max_len)
+    max_len = settings.max_model_len or tokenizer.max_model_len  # the upper bound of the served context
+    name = settings.served_model_name or tokenizer.model_id
+    models = WorkerLimitedModels(name, tokenizer.model_id, max_len, engine_client)
     metrics = GatewayMetrics()
+    serving = dict(metrics=metrics, tokenize_timeout_s=settings.tokenize_timeout_s)
     state = GatewayState(
         settings=settings,
         engine=engine_client,
         tokenizer=tokenizer,
         models=models,
-        chat=OpenAIServingChat(engine_client, models, tokenizer, settings.max_n, metrics),
-        completion=OpenAIServingCompletion(engine_client, models, tokenizer, settings.max_n, metrics),
+        chat=OpenAIServingChat(engine_client, models, tokenizer, settings.max_n, **serving),
+        completion=OpenAIServingCompletion(engine_client, models, tokenizer, settings.max_n, **serving),
         metrics=metrics,
         status=StatusSources(
             services={"registry": settings.registry_addr, "trainer": settings.trainer_addr,
                       "controller": settings.controller_addr},
             stack_state=Path(settings.stack_state) if settings.stack_state else None),
+        body_limit=settings.body_limit(max_len),
     )
 
     @asynccontextmanager
@@ -79,6 +136,8 @@ def create_app(
                 "workers": list(settings.workers),
                 "auth": settings.auth_enabled,
                 "max_model_len": max_len,
+                "max_token_bytes": tokenizer.max_token_bytes,
+                "max_body_bytes": state.body_limit,
             },
         )
         try:
@@ -89,6 +148,13 @@ def create_app(
     app = FastAPI(title="TIDE gateway", summary="OpenAI-compatible API of TIDE", lifespan=lifespan)
     app.state.gateway = state
     app.include_router(router)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_schema(app, models.name)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     def error_response(request: Request, err: OpenAIError) -> JSONResponse:
         metrics.error(endpoint_label(request.url.path), err)

@@ -29,6 +29,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        message = message.encode("utf-8", "replace").decode("utf-8")  # always encodable, whatever it quotes
         super().__init__(message)
         self.status = status
         self.message = message
@@ -57,9 +58,10 @@ def context_length_exceeded(message: str, param: str = "messages") -> OpenAIErro
 
 
 def model_not_found(model: str) -> OpenAIError:
+    shown = model if len(model) <= 256 else f"{model[:256]}..."
     return OpenAIError(
         404,
-        f"The model `{model}` does not exist or you do not have access to it.",
+        f"The model `{shown}` does not exist or you do not have access to it.",
         param="model",
         code="model_not_found",
     )
@@ -114,9 +116,23 @@ def _loc(loc: tuple) -> str:
     return out
 
 
+def _most_telling(errors: list[dict]) -> dict:
+    """The first error, unless it is one union member's type mismatch and another member of the same
+    parameter had the right type but a bad value: `prompt: [1, 2**32]` is "prompt[1] is too large",
+    not "prompt should be a string"."""
+    first = errors[0]
+    if not first.get("type", "").endswith("_type"):
+        return first
+    field = tuple(first.get("loc", ()))[:1]
+    for e in errors[1:]:
+        if tuple(e.get("loc", ()))[:1] == field and not e.get("type", "").endswith(("_type", "missing")):
+            return e
+    return first
+
+
 def from_validation_error(err: ValidationError) -> OpenAIError:
-    """The first problem of a pydantic validation error, as a 400 naming the parameter."""
-    first = err.errors(include_url=False)[0]
+    """The most telling problem of a pydantic validation error, as a 400 naming the parameter."""
+    first = _most_telling(err.errors(include_url=False))
     param = _loc(tuple(first.get("loc", ()))) or None
     kind = first.get("type", "")
     if kind == "missing":

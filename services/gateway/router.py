@@ -1,17 +1,19 @@
 """HTTP routes: thin wrappers that parse, authenticate and hand over to the serving classes.
 
 Bodies are parsed here rather than by FastAPI so that every failure has OpenAI's shape and a
-precise message: too large (413), not JSON (400), not an object (400), schema errors (400 naming
-the parameter). Non-streaming handlers race the client's disconnect: when the client goes away
-the handler is cancelled, which cancels its generations upstream (streams get the same from
-Starlette, which cancels the response iterator on disconnect).
+precise message: too large (413, from the Content-Length alone when it says so, else as the body
+arrives), not JSON, too deep, not valid Unicode or not an object (400; protocol.decode_json_body),
+schema errors (400 naming the parameter). A body larger than INLINE_BODY_BYTES is decoded and
+validated on a worker thread, so a big one does not hold the event loop. Non-streaming handlers
+race the client's disconnect: when the client goes away the handler is cancelled, which cancels
+its generations upstream (streams get the same from Starlette, which cancels the response
+iterator on disconnect).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from dataclasses import asdict
 from typing import TypeVar
@@ -25,14 +27,20 @@ from services.gateway.errors import (
     OpenAIError,
     from_validation_error,
     invalid_api_key,
-    invalid_request,
     service_unavailable,
 )
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    decode_json_body,
+)
 from services.gateway.status import stack_status, supervisor_view
 
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger(__name__)
+INLINE_BODY_BYTES = 64 * 1024  # larger bodies are decoded on a worker thread
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (logs and metrics only)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -60,27 +68,36 @@ async def require_api_key(request: Request) -> None:
         raise invalid_api_key(provided=True)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    limit = gateway(request).settings.max_body_bytes
+def too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, at most `limit` bytes: refused from its Content-Length before reading when that says more."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > limit:
-            raise OpenAIError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise invalid_request(
-            "We could not parse the JSON body of your request. The body must be valid JSON "
-            "(Content-Type: application/json).",
-            code="invalid_json",
-        ) from None
-    if not isinstance(data, dict):
-        raise invalid_request("The request body must be a JSON object.", code="invalid_json")
+            raise too_large(limit)
+    return bytes(body)
+
+
+def decode_body(raw: bytes, model: type[M]) -> M:
+    data = decode_json_body(raw)
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise from_validation_error(err) from None
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    raw = await read_body(request, gateway(request).body_limit)
+    if len(raw) <= INLINE_BODY_BYTES:
+        return decode_body(raw, model)
+    return await asyncio.to_thread(decode_body, raw, model)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -114,6 +131,11 @@ def respond(result) -> Response:
 
 
 router = APIRouter()
+# The bodies the POST routes parse themselves (parse_body), for /openapi.json: path -> (request, response).
+BODIES = {
+    "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
+    "/v1/completions": (CompletionRequest, CompletionResponse),
+}
 
 
 @router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])

@@ -39,10 +39,11 @@ class OpenAIServingChat(OpenAIServing):
         messages = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages
         ]
-        prompt = await self.tokenizer.aencode_chat(messages)
+        limit = self.models.max_model_len
+        prompt = await self.tokenizer.aencode_chat(messages, limit, self.tokenize_timeout_s)
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-        max_tokens = self.check_length(len(prompt), requested, "messages", param)
+        max_tokens = self.check_length(len(prompt), requested, "messages", param, limit)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         return await self.respond(
             request,

@@ -22,7 +22,9 @@ MAX_PROMPTS = 64
 class OpenAIServingCompletion(OpenAIServing):
     endpoint = "/v1/completions"
 
-    async def _tokenize(self, request: CompletionRequest) -> list[list[int]]:
+    async def _tokenize(self, request: CompletionRequest, limit: int) -> list[list[int]]:
+        """Token ids of every prompt. Id lists are checked (length, then vocabulary) before any text
+        is tokenized; texts are tokenized together, in one job within the request's time budget."""
         prompts = request.prompts()
         if not prompts:
             raise invalid_request("The prompt is empty.", "prompt", "invalid_value")
@@ -30,19 +32,26 @@ class OpenAIServingCompletion(OpenAIServing):
             raise invalid_request(f"At most {MAX_PROMPTS} prompts per request.", "prompt", "invalid_value")
         if len(prompts) * request.n > self.max_n * MAX_PROMPTS:
             raise invalid_request("Too many choices in one request.", "n", "invalid_value")
-        out = []
         for p in prompts:
-            ids = await self.tokenizer.aencode(p) if isinstance(p, str) else list(p)
-            self.tokenizer.check_ids(ids, "prompt")
-            out.append(ids)
-        return out
+            if not isinstance(p, str):
+                self.check_length(len(p), None, "prompt", "max_tokens", limit)
+                self.tokenizer.check_ids(p, "prompt")
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts:
+            encoded = iter(
+                await self.tokenizer.run(
+                    lambda: [self.tokenizer.encode(t, limit) for t in texts], self.tokenize_timeout_s
+                )
+            )
+        return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """A full response, or (stream=True) an iterator of SSE lines (see the chat endpoint)."""
         arrival = time.perf_counter()
         self.check_common(request)
-        prompts = await self._tokenize(request)
-        max_tokens = [self.check_length(len(p), request.max_tokens, "prompt", "max_tokens") for p in prompts]
+        limit = self.models.max_model_len
+        prompts = await self._tokenize(request, limit)
+        max_tokens = [self.check_length(len(p), request.max_tokens, "prompt", "max_tokens", limit) for p in prompts]
         response_id = f"cmpl-{uuid.uuid4().hex}"
         return await self.respond(
             request,

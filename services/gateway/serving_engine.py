@@ -84,12 +84,14 @@ class OpenAIServing:
         tokenizer: TargetTokenizer,
         max_n: int,
         metrics: GatewayMetrics,
+        tokenize_timeout_s: float = 10.0,
     ) -> None:
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer
         self.max_n = max_n
         self.metrics = metrics
+        self.tokenize_timeout_s = tokenize_timeout_s
 
     # ---- checks -------------------------------------------------------------------------------
 
@@ -108,10 +110,13 @@ class OpenAIServing:
         if ignored := request.ignored_fields():
             log.info("ignoring unknown request fields", extra={"fields": ignored, "endpoint": self.endpoint})
 
-    def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str) -> int:
-        """The max_tokens to send; 400 when over the context. Without one, 0: "up to the context", which
-        the worker resolves against its own window (it may be shorter than the gateway's limit)."""
-        limit = self.models.max_model_len
+    def check_length(
+        self, prompt_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str, limit: int | None = None
+    ) -> int:
+        """The max_tokens to send; 400 when over the context (`limit`, by default the served model's:
+        the workers' limit). Without one, 0: "up to the context", which the worker resolves against its
+        own window."""
+        limit = limit or self.models.max_model_len
         if prompt_len == 0:
             raise invalid_request("The prompt is empty.", prompt_param, "invalid_value")
         if prompt_len >= limit:

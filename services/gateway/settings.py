@@ -3,11 +3,16 @@
 Every variable (all optional), its type, default and meaning is a field of `GatewaySettings`; the
 table in docs/configuration.md is generated from it (tools/gen_config_docs.py).
 
-TIDE_MAX_MODEL_LEN defaults to TIDE_MAX_SEQ_LEN (the workers' per-sequence limit, so one variable in
-a deployment configures both) and else to the target's max_position_embeddings. Requests without
-max_tokens are sent with max_tokens = 0 ("up to the context"), which each worker resolves against
-its own window, so a gateway limit larger than a worker's never turns a default request into an
-error; an explicit max_tokens beyond a worker's window gets the worker's context_length_exceeded.
+The context the gateway serves (what /v1/models reports and what prompts are checked against) is the
+workers' real limit: the smallest one the healthy workers report in their status
+(WorkerStatus.max_model_len). TIDE_MAX_MODEL_LEN is only an upper bound on it; it defaults to
+TIDE_MAX_SEQ_LEN (the workers' per-sequence limit, so one variable in a deployment configures both)
+and else to the target's max_position_embeddings, which is also what is used until a worker has
+answered. Requests without max_tokens are sent with max_tokens = 0 ("up to the context"), which
+each worker resolves against its own window.
+
+TIDE_GATEWAY_MAX_BODY_BYTES defaults to 1 KiB per token of that configured context, at least 1 MiB
+(4 MiB for 4096 tokens): enough for any request that fits, a prompt of 64 token-id lists included.
 """
 
 from __future__ import annotations
@@ -54,12 +59,17 @@ class GatewaySettings(TideSettings):
     max_model_len: Annotated[int | None, check(lambda v: v is None or v >= 2, ">= 2")] = Field(
         None, validation_alias=AliasChoices("TIDE_MAX_MODEL_LEN", "TIDE_MAX_SEQ_LEN"),
         json_schema_extra=shown_default("the target's max_position_embeddings"),
-        description="prompt + completion token limit enforced by the gateway")
+        description="upper bound on the context (prompt + completion tokens); the gateway serves the smallest "
+                    "limit its healthy workers report, at most this")
     max_n: Count = Field(16, description="largest `n` (choices per request)")
     poll_interval_s: Seconds = Field(1.0, validation_alias="TIDE_GATEWAY_POLL_S",
                                      description="worker GetStatus polling period")
     status_timeout_s: Seconds = Field(5.0, description="GetStatus deadline (a busy CPU worker answers slowly)")
-    max_body_bytes: int = Field(16 * 1024 * 1024, description="largest accepted request body")
+    max_body_bytes: Annotated[int | None, check(lambda v: v is None or v >= 1, ">= 1")] = Field(
+        None, json_schema_extra=shown_default("1 KiB per token of the context, at least 1 MiB"),
+        description="largest accepted request body (413 above it, from Content-Length before reading it)")
+    tokenize_timeout_s: Seconds = Field(10.0, description="time budget for tokenizing one request's prompts "
+                                                          "(503 when over it)")
     # /v1/status: where the other services are (empty: not shown) and tide up's process table
     registry_addr: OptionalAddress = Field("", validation_alias="TIDE_REGISTRY_ADDR",
                                            description="registry gRPC address, health-checked by /v1/status")
@@ -75,3 +85,7 @@ class GatewaySettings(TideSettings):
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_keys)
+
+    def body_limit(self, max_model_len: int) -> int:
+        """The largest accepted body: `max_body_bytes`, by default derived from the context."""
+        return self.max_body_bytes or max(1 << 20, max_model_len * 1024)

@@ -6,6 +6,8 @@ real engine over gRPC) and real gateways (uvicorn on free loopback ports).
   engine step takes milliseconds. Greedy output is deterministic, so tests can compare runs.
 - `worker` (session): the inference service serving `chat_target`; `spawn_worker()` starts more
   (e.g. one to kill), each a `harness.WorkerProcess` with `.address` and `.kill()`.
+- `short_worker` (session): another one whose context is only SHORT_CONTEXT tokens, for the gateway's
+  learning of the workers' real limit and for fuzzing (no generation can run long on it).
 - `gateway` (session): the gateway app routed to `worker`; `harness.serve_gateway(...)` starts
   other configurations (API keys, no worker, two workers).
 """
@@ -20,7 +22,7 @@ import httpx
 import pytest
 from support.engine import save_tiny_target
 
-from gateway.harness import MAX_MODEL_LEN, WorkerProcess, serve_gateway, start_worker
+from gateway.harness import MAX_MODEL_LEN, SHORT_CONTEXT, WorkerProcess, serve_gateway, start_worker
 from services.gateway.tokenizer import TargetTokenizer
 from tide.target import resolve_target
 
@@ -40,8 +42,8 @@ def spawn_worker(chat_target, tmp_path_factory) -> Iterator:
     started: list[WorkerProcess] = []
     logs = tmp_path_factory.mktemp("worker-logs")
 
-    def spawn(port: int = 0) -> WorkerProcess:
-        started.append(start_worker(chat_target, logs, port))
+    def spawn(port: int = 0, **options) -> WorkerProcess:
+        started.append(start_worker(chat_target, logs, port, **options))
         return started[-1]
 
     yield spawn
@@ -52,6 +54,11 @@ def spawn_worker(chat_target, tmp_path_factory) -> Iterator:
 @pytest.fixture(scope="session")
 def worker(spawn_worker) -> WorkerProcess:
     return spawn_worker()
+
+
+@pytest.fixture(scope="session")
+def short_worker(spawn_worker) -> WorkerProcess:
+    return spawn_worker(max_seq_len=SHORT_CONTEXT)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 4096  # long enough that a generation can run for seconds while a test acts on it
+SHORT_CONTEXT = 256  # the `short_worker`'s context (its TIDE_MAX_SEQ_LEN)
 MODEL_NAME = "tide-test"
 
 
@@ -61,10 +62,12 @@ def worker_status(address: str, timeout_s: float = 5.0) -> inference_pb2.WorkerS
         ch.close()
 
 
-def start_worker(target: Path, log_dir: Path, port: int = 0, timeout_s: float = 120.0) -> WorkerProcess:
-    """Start the inference service for `target` on `port` (0 = a free one) and wait until it answers
-    GetStatus. Redis and S3 point at closed ports: the worker serves without them (it drops telemetry
-    and chunks, as designed), which is all the gateway needs."""
+def start_worker(
+    target: Path, log_dir: Path, port: int = 0, timeout_s: float = 120.0, max_seq_len: int = MAX_MODEL_LEN
+) -> WorkerProcess:
+    """Start the inference service for `target` on `port` (0 = a free one) with a context of `max_seq_len`
+    tokens and wait until it answers GetStatus. Redis and S3 point at closed ports: the worker serves
+    without them (it drops telemetry and chunks, as designed), which is all the gateway needs."""
     port = port or free_port()
     env = {
         **os.environ,
@@ -73,7 +76,7 @@ def start_worker(target: Path, log_dir: Path, port: int = 0, timeout_s: float = 
         "TIDE_TARGET": str(target),
         "TIDE_LISTEN": f"127.0.0.1:{port}",
         "TIDE_DTYPE": "fp32",
-        "TIDE_MAX_SEQ_LEN": str(MAX_MODEL_LEN),
+        "TIDE_MAX_SEQ_LEN": str(max_seq_len),
         "TIDE_MAX_BATCH": "8",
         "TIDE_METRICS_PORT": "0",
         "TIDE_WORKER_ID": f"gateway-test-{port}",
