@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import httpx
-from gateway.harness import free_port, serve_gateway
 
+from gateway.harness import free_port, serve_gateway
 from tide.grpcutil import GrpcServer
 
 
