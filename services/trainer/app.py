@@ -1,5 +1,6 @@
-"""Wiring: settings -> object storage (waits for it), manifest, chunk intake, draft registry
-client, training cycle and runner, automatic trigger -> gRPC server. `build(settings)` returns a
+"""Wiring: settings -> object storage (waits for it), manifest, chunk intake, reconciler of
+unreferenced chunk blobs, draft registry client, training cycle and runner, automatic trigger ->
+gRPC server. `build(settings)` returns a
 running `TrainerService`; `__main__` adds process priority and CPUs, signals, logs and metrics.
 Outcomes go to the controller (ReportTrainingOutcome) when TIDE_CONTROLLER_ADDR is set.
 """
@@ -19,6 +20,7 @@ from services.trainer.cycle import TrainingCycle
 from services.trainer.drafts import DraftRegistry
 from services.trainer.ingest import ChunkIngest, ChunkReader
 from services.trainer.manifest import Manifest
+from services.trainer.reconcile import Reconciler
 from services.trainer.runs import TrainingOutcome, TrainingRunner
 from services.trainer.server import outcome_pb, serve
 from services.trainer.settings import TrainerSettings
@@ -69,6 +71,7 @@ class TrainerService:
     registry: DraftRegistry
     auto: AutoTrigger | None = None
     server: GrpcServer | None = None
+    reconciler: Reconciler | None = None
 
     @property
     def target(self) -> str:
@@ -81,6 +84,8 @@ class TrainerService:
             self.server.stop(grace_s)
         if self.auto is not None:
             self.auto.stop()
+        if self.reconciler is not None:
+            self.reconciler.stop()
         self.reader.stop()
         self.registry.close()
 
@@ -95,10 +100,16 @@ def build(settings: TrainerSettings, *, storage_timeout_s: float = 60.0) -> Trai
     runner = TrainingRunner(settings, TrainingCycle(settings, s3, manifest, registry), manifest, report)
     auto = AutoTrigger(runner, manifest, settings.auto_check_s) if settings.auto_train else None
     rclient = settings.storage.redis_client(socket_connect_timeout=2.0, socket_timeout=5.0)
-    reader = ChunkReader(rclient, streams.StreamNames(settings.storage.stream_prefix), settings.consumer,
+    names = streams.StreamNames(settings.storage.stream_prefix)
+    reader = ChunkReader(rclient, names, settings.consumer,
                          _WakeAfterIntake(ingest, auto) if auto else ingest, claim_idle_ms=settings.claim_idle_ms)
-    service = TrainerService(settings, manifest, ingest, reader, runner, registry, auto)
+    reconciler = Reconciler(s3, settings.storage.s3_bucket, rclient, names, manifest,
+                            prefix=settings.reconcile_prefix, interval_s=settings.reconcile_interval_s,
+                            grace_s=settings.reconcile_grace_s) if settings.reconcile_interval_s > 0 else None
+    service = TrainerService(settings, manifest, ingest, reader, runner, registry, auto, reconciler=reconciler)
     reader.start()
+    if reconciler is not None:  # chunk blobs a dying worker left without a reference
+        reconciler.start()
     if auto is not None:
         auto.start()
     service.server = serve(service, settings.listen, settings.admin_token)

@@ -24,6 +24,17 @@ class TrainerCollector:
         yield chunks
         yield CounterMetricFamily("tide_trainer_accepted_tokens", "Tokens of accepted chunks",
                                   value=s.ingest.stats.accepted_tokens)
+        if s.reconciler is not None:
+            r = s.reconciler.stats
+            orphans = CounterMetricFamily("tide_trainer_orphan_blobs", "Chunk blobs older than the grace period that "
+                                          "no stream entry named, by what the reconciler did: enqueued (valid), "
+                                          "dead_lettered (corrupt)", labels=["fate"])
+            orphans.add_metric(["enqueued"], r.enqueued)
+            orphans.add_metric(["dead_lettered"], r.dead_lettered)
+            yield orphans
+            yield CounterMetricFamily("tide_trainer_reconcile_passes", "Finished reconciler passes", value=r.passes)
+            yield CounterMetricFamily("tide_trainer_reconcile_errors", "Reconciler passes that failed (S3 or Redis "
+                                      "unreachable; the next one starts over)", value=r.errors)
         n, tokens = s.manifest.buffered_totals()
         yield GaugeMetricFamily("tide_trainer_buffered_chunks", "Accepted chunks not trained on yet", value=n)
         yield GaugeMetricFamily("tide_trainer_buffered_tokens", "Tokens of buffered chunks", value=tokens)

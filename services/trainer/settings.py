@@ -73,6 +73,13 @@ class TrainerSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     claim_idle_ms: Count = Field(120_000, description="take over chunk entries pending this long (ms; more than "
                                  "one chunk's handling)")
     prefix: Prefix = Field("trainer", description="S3 key prefix of the manifest and run records")
+    reconcile_interval_s: Extent = Field(60.0, description="how often the reconciler looks for chunk blobs no stream "
+                                         "entry names (a worker died between blob and reference), seconds (also at "
+                                         "start): it re-enqueues valid ones and dead-letters corrupt ones; 0 = off")
+    reconcile_grace_s: Extent = Field(120.0, description="the reconciler leaves blobs younger than this alone, "
+                                      "seconds (their references may still come)")
+    reconcile_prefix: Prefix = Field("chunks", description="S3 key prefix the workers write chunk blobs under "
+                                     "(their TIDE_CHUNK_PREFIX)")
     work_dir: str = Field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "tide-trainer"),
                           json_schema_extra=shown_default("`<tmp>/tide-trainer`"),
                           description="local directory for run outputs")
