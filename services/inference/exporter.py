@@ -110,9 +110,10 @@ class ChunkSpool:
         self._next = 0
 
     def open(self) -> tuple[list[SpoolEntry], int]:
-        """Scan the directory (created if missing): (its usable entries oldest first, how many were
-        unusable and removed)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Scan the directory (created on the first write): (its usable entries oldest first, how many
+        were unusable and removed)."""
+        if not self.dir.is_dir():
+            return [], 0
         files = {p.name: p for p in self.dir.iterdir() if p.is_file()}
         bad = 0
         for name, path in files.items():
@@ -197,6 +198,7 @@ class ChunkSpool:
         seq = self._next
         self._next += 1
         name = f"{seq:012d}-{re.sub(r'[^A-Za-z0-9_-]', '_', ref.chunk_id)[:80]}"
+        self.dir.mkdir(parents=True, exist_ok=True)
         try:
             if data is not None:
                 self._atomic_write(self.dir / f"{name}.safetensors", data)

@@ -187,3 +187,33 @@ def test_refs_waiting_for_redis_survive_a_restart(make_service, real_storage, s3
     assert_all_stored(s3_client, s3_bucket, refs)
     wait_for(lambda: spool_files(spool) == [], what="an empty spool")
     assert second.exporter.stats.chunks_written == len(keys)
+
+
+def test_a_corrupt_spool_entry_is_dropped_and_counted_the_rest_resent(make_service, real_storage, redis_server,
+                                                                       redis_client, s3_server, s3_client,
+                                                                       s3_bucket, unique_prefix, tmp_path):
+    spool = tmp_path / "spool"
+    down = storage(redis_server.url, closed_port_url(), s3_server.access_key, s3_server.secret_key, s3_bucket,
+                   unique_prefix)
+    first = make_service(storage=down, collection=True, chunk_tokens=16, flush_interval_s=0.2,
+                         chunk_spool_dir=str(spool))
+    run_stream(stub(first), request("r1", PROMPT, max_tokens=30))
+    first.stop(grace_s=0.5)
+    blob_files = sorted(p for p in spool.iterdir() if p.suffix == ".safetensors")
+    assert len(blob_files) >= 2
+    rotten = blob_files[0]
+    data = bytearray(rotten.read_bytes())
+    data[-1] ^= 0xFF  # bit rot: same size, other bytes
+    rotten.write_bytes(bytes(data))
+    (spool / ".000000000099-x.safetensors.tmp").write_bytes(b"half")  # a write a crash interrupted
+    (spool / "000000000099-x.safetensors").write_bytes(b"no json")  # a blob whose entry was never committed
+    corrupt_before = metric("tide_chunks_dropped_total", reason="spool_corrupt")
+
+    second = make_service(storage=real_storage, collection=False, chunk_spool_dir=str(spool))
+    wait_for(lambda: spool_files(spool) == [], timeout_s=20, what="the spool worked off")
+    refs = chunk_refs(redis_client, unique_prefix)
+    assert len(refs) == len(blob_files) - 1 and rotten.stem.split("-", 1)[1] not in {r.chunk_id for r in refs}
+    assert sorted(blobs.list_keys(s3_client, s3_bucket, "chunks/")) == sorted(r.key for r in refs)
+    assert_all_stored(s3_client, s3_bucket, refs)
+    assert metric("tide_chunks_dropped_total", reason="spool_corrupt") - corrupt_before == 1
+    assert second.exporter.stats.chunks_dropped_s3 == 1
