@@ -182,7 +182,7 @@ class ChunkSpool:
         if self.entries.pop(entry.seq, None) is None:
             return
         self.bytes -= entry.size
-        for suffix in (".safetensors", ".json"):  # the blob first: a JSON without it is noticed on open
+        for suffix in (".json", ".safetensors"):  # the commit first: a blob left alone is cleaned up on open
             (self.dir / f"{entry.name}{suffix}").unlink(missing_ok=True)
 
     def count(self, state: str) -> int:
