@@ -53,6 +53,17 @@ def add_bench_parser(subparsers) -> None:
         p.set_defaults(func=module.run_cli)
 
 
+def add_chaos_parser(subparsers) -> None:
+    """`tide chaos`: kill the stack's processes one at a time under load (see benchmarks.chaos)."""
+    from benchmarks import chaos
+
+    p = subparsers.add_parser("chaos", help="chaos suite: kill -9 / SIGSTOP each part of a stack under load, "
+                                            "count failed requests and lost or duplicated chunks",
+                              description=(chaos.__doc__ or "").split("\n")[0])
+    chaos.add_arguments(p)
+    p.set_defaults(func=chaos.run_cli)
+
+
 def add_draft_parser(subparsers) -> None:
     """`tide draft bootstrap|eval|finetune` (see tools.draft.draft_cli)."""
     from tools.draft.draft_cli import add_draft_parser as add
@@ -66,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command")
     add_up_parser(subparsers)
     add_bench_parser(subparsers)
+    add_chaos_parser(subparsers)
     add_draft_parser(subparsers)
     return parser
 
