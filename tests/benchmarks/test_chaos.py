@@ -3,9 +3,9 @@ load while the trainer, Redis, a worker and S3 are killed with SIGKILL in turn (
 and the suite's targets asserted per scenario: chunks flowed, none lost, duplicated or dropped (from
 S3, the streams and the trainer's manifest; the exporters' drop counters), the killed process came
 back, and serving held (>= 99 % of the requests ok; for the worker, only requests in flight at the
-kill failed and it was back within 30 s). A target that fails for a known missing piece is an
-xfail naming it (KNOWN_GAPS).
-The accounting itself is checked on a hand-made data plane (real Redis and S3)."""
+kill failed and no 30 s went by without a successful answer). A target that fails for a known
+missing piece is an xfail naming it (KNOWN_GAPS). The accounting itself is checked on a hand-made
+data plane (real Redis and S3)."""
 
 from __future__ import annotations
 
