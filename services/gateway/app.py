@@ -71,8 +71,20 @@ class WorkerLimitedModels(OpenAIServingModels):
         self.configured_max_model_len = value
 
 
-def openapi_schema(app: FastAPI, model_name: str) -> dict:
-    """FastAPI's schema plus the request bodies the routes parse themselves and the error body."""
+APP_INFO = {"title": "TIDE gateway", "summary": "OpenAI-compatible API of TIDE"}
+
+
+def gateway_openapi(model_name: str, max_n: int) -> dict:
+    """The /openapi.json of a gateway serving `model_name` with at most `max_n` choices, without a gateway
+    (the fuzz test loads it at collection time and checks that a running gateway serves the same)."""
+    app = FastAPI(**APP_INFO)
+    app.include_router(router)
+    return openapi_schema(app, model_name, max_n)
+
+
+def openapi_schema(app: FastAPI, model_name: str, max_n: int) -> dict:
+    """FastAPI's schema plus the request bodies the routes parse themselves (with this gateway's model
+    and largest `n`) and the error body."""
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
 
@@ -83,10 +95,18 @@ def openapi_schema(app: FastAPI, model_name: str) -> dict:
         return {"$ref": f"#/components/schemas/{model.__name__}"}
 
     error = {"description": "An OpenAI error", "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+    for operations in schema["paths"].values():  # every failure has the OpenAI body (FastAPI's 422 never happens)
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+            operation["responses"]["default"] = error
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
     for path, (request_model, response_model) in BODIES.items():
         operation = schema["paths"][path]["post"]
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request_model)}}}
-        components[request_model.__name__]["properties"]["model"]["enum"] = [model_name]
+        properties = components[request_model.__name__]["properties"]
+        properties["model"]["enum"] = [model_name]
+        next(p for p in properties["n"]["anyOf"] if p.get("type") == "integer")["maximum"] = max_n
         operation["responses"] = {
             "200": {
                 "description": "The completion, or with `stream: true` its server-sent events",
@@ -96,6 +116,7 @@ def openapi_schema(app: FastAPI, model_name: str) -> dict:
                 },
             },
             **{status: error for status in ("400", "401", "404", "413", "502", "503")},
+            "default": error,
         }
     return schema
 
@@ -145,13 +166,13 @@ def create_app(
         finally:
             await engine_client.close()
 
-    app = FastAPI(title="TIDE gateway", summary="OpenAI-compatible API of TIDE", lifespan=lifespan)
+    app = FastAPI(**APP_INFO, lifespan=lifespan)
     app.state.gateway = state
     app.include_router(router)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_schema(app, models.name)
+            app.openapi_schema = openapi_schema(app, models.name, settings.max_n)
         return app.openapi_schema
 
     app.openapi = openapi

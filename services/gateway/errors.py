@@ -102,7 +102,7 @@ _TYPE_TAGS = frozenset({"body", "str", "int", "float", "bool", "dict", "list", "
 
 def _is_type_tag(part: str) -> bool:
     """Pydantic puts union-member and validator tags in error locations; they are not parameters."""
-    return part in _TYPE_TAGS or "[" in part or part.startswith(("function-", "tagged-union"))
+    return part in _TYPE_TAGS or "[" in part or part.startswith(("function-", "tagged-union", "constrained-"))
 
 
 def _loc(loc: tuple) -> str:

@@ -45,25 +45,33 @@ _FOREIGN_SEMANTIC = ("min_tokens", "repetition_penalty", "min_p", "guided_json",
 # fmt: on
 
 
-def _optional_params_nullable(schema: dict[str, Any], cls: type) -> None:
-    """JSON schema of a request: `"param": null` means "not given" (see `_Request`), so every optional
-    parameter also admits null."""
+# A refused parameter: (is this value harmless?, why other values are refused, JSON schema of the harmless values)
+Unsupported = tuple[Callable[[Any], bool], str, dict[str, Any]]
+
+
+def _request_schema(schema: dict[str, Any], cls: type) -> None:
+    """JSON schema of a request as the server takes it: a refused parameter documents the only values
+    it accepts (`unsupported_params`), and since `"param": null` means "not given" (see `_Request`),
+    every optional parameter also admits null."""
+    properties = schema.get("properties", {})
+    for name, (_, why, accepted) in getattr(cls, "unsupported_params", {}).items():
+        kept = {k: properties[name][k] for k in ("title", "default") if k in properties.get(name, {})}
+        properties[name] = {**kept, "description": f"Not supported ({why}); only this value is accepted.", **accepted}
     required = set(schema.get("required", ()))
-    for name, prop in schema.get("properties", {}).items():
+    for name, prop in properties.items():
         types = (prop.get("type"), *(p.get("type") for p in prop.get("anyOf", ())))
         if name in required or not prop or "null" in types:
             continue
         outer = {k: prop[k] for k in ("title", "description", "default") if k in prop}
         inner = {k: v for k, v in prop.items() if k not in outer}
-        schema["properties"][name] = {**outer, "anyOf": [inner, {"type": "null"}]}
+        properties[name] = {**outer, "anyOf": [inner, {"type": "null"}]}
 
 
 class _Request(BaseModel):
     """Common request behaviour: unknown fields kept aside (and ignored), semantic ones refused."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra=_optional_params_nullable)
-    # field -> (is the value harmless?, why it is refused otherwise)
-    unsupported_params: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+    model_config = ConfigDict(extra="allow", json_schema_extra=_request_schema)
+    unsupported_params: ClassVar[dict[str, Unsupported]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -73,7 +81,7 @@ class _Request(BaseModel):
 
     def unsupported(self) -> OpenAIError | None:
         """The first set parameter we cannot honour without changing the result, as a 400."""
-        for name, (harmless, why) in self.unsupported_params.items():
+        for name, (harmless, why, _) in self.unsupported_params.items():
             if name in self.model_fields_set and not harmless(getattr(self, name)):
                 return unsupported_parameter(name, why)
         for name in _FOREIGN_SEMANTIC:
@@ -95,17 +103,35 @@ def _no(v: Any) -> bool:
     return not v
 
 
-_COMMON_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "frequency_penalty": (_no, "only 0 is supported"),
-    "logit_bias": (_no, "logit biases are not supported"),
-    "presence_penalty": (_no, "only 0 is supported"),
+_ZERO: dict[str, Any] = {"type": "number", "const": 0}
+_NONE: dict[str, Any] = {"type": "null"}
+_EMPTY_LIST: dict[str, Any] = {"type": "array", "maxItems": 0}
+_COMMON_UNSUPPORTED: dict[str, Unsupported] = {
+    "frequency_penalty": (_no, "only 0 is supported", _ZERO),
+    "logit_bias": (_no, "logit biases are not supported", {"type": "object", "maxProperties": 0}),
+    "presence_penalty": (_no, "only 0 is supported", _ZERO),
 }
+MAX_PROMPTS = 64  # prompts in one completion request
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+
+
+def _message_schema(schema: dict[str, Any]) -> None:
+    """A message as the server takes it: text parts only, no tool calls, content unless an assistant's."""
+    properties = schema["properties"]
+    properties["content"]["anyOf"][1]["items"] = _TEXT_PART
+    properties["tool_calls"] = {"anyOf": [_EMPTY_LIST, _NONE], "description": "Not supported: only empty or null."}
+    schema["if"] = {"properties": {"role": {"const": "assistant"}}}
+    schema["else"] = {"required": ["content"], "properties": {"content": {"not": _NONE}}}
 
 
 class ChatMessage(BaseModel):
     """One input message. Text content only; tool and function messages are refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_message_schema)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -138,7 +164,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     model: str
     audio: Any = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -176,19 +202,25 @@ class ChatCompletionRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list)
 
-    unsupported_params: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+    # fmt: off
+    unsupported_params: ClassVar[dict[str, Unsupported]] = {
         **_COMMON_UNSUPPORTED,
-        "audio": (lambda v: v is None, "audio output is not supported"),
-        "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
-        "functions": (_no, "function calling is not supported"),
-        "logprobs": (_no, "log probabilities are not supported"),
-        "modalities": (lambda v: v is None or list(v) == ["text"], "only the text modality is supported"),
-        "response_format": (lambda v: v is None or v.get("type") == "text", "only {'type': 'text'} is supported"),
-        "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported"),
-        "tools": (_no, "tool calling is not supported"),
-        "top_logprobs": (lambda v: v in (None, 0), "log probabilities are not supported"),
-        "web_search_options": (lambda v: v is None, "web search is not supported"),
+        "audio": (lambda v: v is None, "audio output is not supported", _NONE),
+        "function_call": (lambda v: v in (None, "none"), "function calling is not supported", {"const": "none"}),
+        "functions": (_no, "function calling is not supported", _EMPTY_LIST),
+        "logprobs": (_no, "log probabilities are not supported", {"type": "boolean", "const": False}),
+        "modalities": (lambda v: v is None or list(v) == ["text"], "only the text modality is supported",
+                       {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
+        "response_format": (lambda v: v is None or v.get("type") == "text", "only {'type': 'text'} is supported",
+                            {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}),
+        "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported",
+                        {"enum": ["none", "auto"]}),
+        "tools": (_no, "tool calling is not supported", _EMPTY_LIST),
+        "top_logprobs": (lambda v: v in (None, 0), "log probabilities are not supported",
+                         {"type": "integer", "const": 0}),
+        "web_search_options": (lambda v: v is None, "web search is not supported", _NONE),
     }
+    # fmt: on
 
     @field_validator("messages")
     @classmethod
@@ -200,7 +232,12 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     model: str
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     best_of: int | None = Field(default=None, ge=1, le=20)
     echo: bool | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -224,12 +261,12 @@ class CompletionRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list)
 
-    unsupported_params: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+    unsupported_params: ClassVar[dict[str, Unsupported]] = {
         **_COMMON_UNSUPPORTED,
-        "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
-        "echo": (_no, "echo is not supported"),
-        "logprobs": (lambda v: v is None, "log probabilities are not supported"),
-        "suffix": (_no, "suffix (insertion) is not supported"),
+        "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported", {"type": "integer", "const": 1}),
+        "echo": (_no, "echo is not supported", {"type": "boolean", "const": False}),
+        "logprobs": (lambda v: v is None, "log probabilities are not supported", _NONE),
+        "suffix": (_no, "suffix (insertion) is not supported", {"type": "string", "maxLength": 0}),
     }
 
     def prompts(self) -> list[str | list[int]]:

@@ -13,10 +13,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from services.gateway.errors import invalid_request
-from services.gateway.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from services.gateway.protocol import MAX_PROMPTS, CompletionChoice, CompletionRequest, CompletionResponse
 from services.gateway.serving_engine import OpenAIServing
-
-MAX_PROMPTS = 64
 
 
 class OpenAIServingCompletion(OpenAIServing):

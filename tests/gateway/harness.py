@@ -27,7 +27,7 @@ from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 4096  # long enough that a generation can run for seconds while a test acts on it
-SHORT_CONTEXT = 256  # the `short_worker`'s context (its TIDE_MAX_SEQ_LEN)
+SHORT_CONTEXT = 64  # the `short_worker`'s context (its TIDE_MAX_SEQ_LEN): no generation on it runs long
 MODEL_NAME = "tide-test"
 
 

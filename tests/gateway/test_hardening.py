@@ -308,5 +308,5 @@ def test_context_is_the_workers_limit(tokenizer, short_worker, worker):
 
 
 def test_configured_context_is_an_upper_bound(tokenizer, short_worker):
-    with serve_gateway(tokenizer, (short_worker.address,), max_model_len=128) as url:
-        assert models_context(url) == 128
+    with serve_gateway(tokenizer, (short_worker.address,), max_model_len=SHORT_CONTEXT // 2) as url:
+        assert models_context(url) == SHORT_CONTEXT // 2
