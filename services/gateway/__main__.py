@@ -27,7 +27,8 @@ def main() -> int:
         print(f"tide gateway: bad configuration: {err}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, reroute=("uvicorn", "uvicorn.error", "uvicorn.access"))
-    engine = GrpcEngineClient.from_addresses(settings.workers, settings.poll_interval_s, settings.status_timeout_s)
+    engine = GrpcEngineClient.from_addresses(settings.workers, settings.poll_interval_s, settings.status_timeout_s,
+                                             settings.worker_wait_s)
     app = create_app(settings, engine)
     uvicorn.run(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False, timeout_graceful_shutdown=10

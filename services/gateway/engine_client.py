@@ -195,9 +195,10 @@ class GrpcEngineClient(EngineClient):
 
     @classmethod
     def from_addresses(
-        cls, addresses: tuple[str, ...], poll_interval_s: float = 1.0, status_timeout_s: float = 5.0
+        cls, addresses: tuple[str, ...], poll_interval_s: float = 1.0, status_timeout_s: float = 5.0,
+        wait_for_worker_s: float = 0.0,
     ) -> GrpcEngineClient:
-        return cls(WorkerPool(addresses, poll_interval_s, status_timeout_s))
+        return cls(WorkerPool(addresses, poll_interval_s, status_timeout_s, wait_for_worker_s=wait_for_worker_s))
 
     async def start(self) -> None:
         await self.pool.start()
@@ -219,9 +220,8 @@ class GrpcEngineClient(EngineClient):
         last: EngineError | None = None
         while True:
             worker = self.pool.pick(tried)
-            if worker is None and not tried:
-                await self.pool.refresh()  # nothing looked healthy: ask again before giving up
-                worker = self.pool.pick(tried)
+            if worker is None and not tried:  # nothing looks healthy: wait for a worker (e.g. one restarting)
+                worker = await self.pool.pick_or_wait(tried)
             if worker is None:
                 raise last or EngineError(ErrorKind.UNAVAILABLE, "No healthy inference worker is available.")
             tried.add(worker.address)

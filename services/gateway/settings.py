@@ -65,6 +65,9 @@ class GatewaySettings(TideSettings):
     poll_interval_s: Seconds = Field(1.0, validation_alias="TIDE_GATEWAY_POLL_S",
                                      description="worker GetStatus polling period")
     status_timeout_s: Seconds = Field(5.0, description="GetStatus deadline (a busy CPU worker answers slowly)")
+    worker_wait_s: Annotated[float, check(lambda v: v >= 0, ">= 0")] = Field(
+        30.0, description="how long a request waits for a healthy worker when none is (one being restarted) "
+                          "before 503; 0 = fail at once")
     max_body_bytes: Annotated[int | None, check(lambda v: v is None or v >= 1, ">= 1")] = Field(
         None, json_schema_extra=shown_default("1 KiB per token of the context, at least 1 MiB"),
         description="largest accepted request body (413 above it, from Content-Length before reading it)")

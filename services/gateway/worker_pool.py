@@ -33,6 +33,8 @@ from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+WAIT_POLL_S = 0.25  # how often a request waiting for a healthy worker polls the pool
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """A snapshot of one worker, for /ready, metrics and logs."""
@@ -106,8 +108,10 @@ class WorkerPool:
         poll_interval_s: float = 1.0,
         status_timeout_s: float = 5.0,
         failure_threshold: int = 2,
+        wait_for_worker_s: float = 0.0,
     ) -> None:
         self.workers = [Worker(a) for a in dict.fromkeys(addresses)]
+        self.wait_for_worker_s = wait_for_worker_s
         self.poll_interval_s = poll_interval_s
         self.status_timeout_s = status_timeout_s
         self.failure_threshold = failure_threshold
@@ -186,6 +190,20 @@ class WorkerPool:
             log.warning("worker down", extra={"worker": w.address, "reason": reason})
         w.healthy = False
         w.last_error = reason[:300]
+
+    async def pick_or_wait(self, exclude: set[str] = frozenset()) -> Worker | None:
+        """`pick()`; when no worker is healthy at all (one restarting after a crash, or still
+        loading), poll every WAIT_POLL_S until one is, for at most `wait_for_worker_s`, so that new
+        requests wait for it instead of failing. None when the wait ends without one, or when the
+        healthy workers are all in `exclude` (waiting would not help)."""
+        deadline = time.monotonic() + self.wait_for_worker_s
+        await self.refresh()
+        while (w := self.pick(exclude)) is None:
+            if any(x.healthy for x in self.workers) or time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(WAIT_POLL_S)
+            await self.refresh(max_age_s=WAIT_POLL_S)
+        return w
 
     def pick(self, exclude: set[str] = frozenset()) -> Worker | None:
         """The least-loaded healthy worker not in `exclude`, or None."""

@@ -117,9 +117,11 @@ def serve_gateway(
         served_model_name=MODEL_NAME,
         poll_interval_s=0.2,
         status_timeout_s=2.0,
+        worker_wait_s=0.0,  # tests of "no worker" want the 503 at once; test_workers sets a wait
     )
     settings = GatewaySettings(**{**options, **overrides})
-    engine = GrpcEngineClient.from_addresses(settings.workers, settings.poll_interval_s, settings.status_timeout_s)
+    engine = GrpcEngineClient.from_addresses(settings.workers, settings.poll_interval_s, settings.status_timeout_s,
+                                             settings.worker_wait_s)
     app = create_app(settings, engine, tokenizer)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -175,3 +175,28 @@ def test_worker_window_smaller_than_the_gateways(tokenizer, worker):
         refused = httpx.post(f"{url}{CHAT}", json={**body, "max_tokens": 50}, timeout=60)
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_request_waits_for_a_restarting_worker_instead_of_failing(spawn_worker, tokenizer):
+    """TIDE_GATEWAY_WORKER_WAIT_S: with no healthy worker (the only one is being restarted), a new
+    request waits for one and succeeds; only when the wait runs out is it a 503."""
+    import threading
+    import time
+
+    port = free_port()
+    with serve_gateway(tokenizer, (f"127.0.0.1:{port}",), wait_ready=False, worker_wait_s=60.0) as url:
+        answers: list[httpx.Response] = []
+        sent = time.monotonic()
+        waiting = threading.Thread(target=lambda: answers.append(
+            httpx.post(f"{url}{CHAT}", json={**LONG, "max_tokens": 2}, timeout=90)))
+        waiting.start()
+        time.sleep(1.0)  # the request is waiting: no worker listens yet
+        assert not answers
+        spawn_worker(port=port)  # "restarted" on its address
+        waiting.join(90)
+        assert answers and answers[0].status_code == 200, answers and answers[0].text
+        assert time.monotonic() - sent > 1.0
+    with serve_gateway(tokenizer, (f"127.0.0.1:{free_port()}",), wait_ready=False, worker_wait_s=1.0) as url:
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}{CHAT}", json={**LONG, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and 0.9 <= time.monotonic() - t0 < 10, r.text
