@@ -13,7 +13,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from tide.engine.sequence import FinishReason, SamplingParams, Sequence
+from tide.engine.sequence import MAX_LOGPROBS, FinishReason, SamplingParams, Sequence, TokenLogprob
 from tide.speculation import SpeculationStats
 
 MAX_REQUEST_ID_LEN = 256
@@ -59,6 +59,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     speculative: bool | None = None  # None = the policy decides; False = never; True = always
     workload: str = ""
+    logprobs: int | None = None  # top alternatives per generated token's logprob entry; None = off
+    prompt_logprobs: int | None = None  # the same for prompt tokens 1..n-1
 
 
 def _invalid(message: str) -> RequestRejected:
@@ -88,6 +90,10 @@ def prepare(req: GenerationRequest, tokenizer, vocab_size: int, max_seq_len: int
         raise _invalid(f"top_p must be in (0, 1], got {req.top_p}")
     if req.top_k < 0:
         raise _invalid(f"top_k must be >= 0, got {req.top_k}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(req, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise _invalid(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
     if len(req.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in req.stop):
         raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_LEN} characters")
     stop = tuple(s for s in req.stop if s)
@@ -103,14 +109,20 @@ def prepare(req: GenerationRequest, tokenizer, vocab_size: int, max_seq_len: int
                               f"context of {max_seq_len} tokens")
     params = SamplingParams(max_tokens=req.max_tokens or room, temperature=float(req.temperature),
                             top_p=float(req.top_p), top_k=req.top_k, seed=req.seed, stop=stop,
-                            stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
+                            stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                            logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
     return prompt, params
 
 
 @dataclass(frozen=True)
 class TokenEvent:
+    """New tokens and text; `logprobs`: entries of the tokens whose text is out (see
+    tide.engine.engine.RequestOutput); `prompt_logprobs`: on the first event of a request that asked."""
+
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,16 @@ def generation_request(r: inference_pb2.GenerateRequest) -> GenerationRequest:
         ignore_eos=s.ignore_eos,
         speculative=r.speculative if r.HasField("speculative") else None,
         workload=r.workload,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
+
+
+def logprobs_pb(entries) -> list[inference_pb2.TokenLogprob]:
+    """tide.engine.sequence.TokenLogprob entries as protobuf messages."""
+    return [inference_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                                       top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
+            for e in entries]
 
 
 def final_pb(e: FinalEvent) -> inference_pb2.GenerateFinal:
@@ -150,17 +159,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     self.worker.cancel_handle(handle)
                     return
                 continue
-            tokens, text = [], []
+            tokens, text, logprobs, prompt_logprobs = [], [], [], []
             while isinstance(event, TokenEvent):  # coalesce what queued up while we were sending
                 tokens.extend(event.token_ids)
                 text.append(event.text)
+                logprobs.extend(event.logprobs)
+                prompt_logprobs.extend(event.prompt_logprobs or ())
                 try:
                     event = handle.events.get_nowait()
                 except queue.Empty:
                     event = None
             if tokens or text:
-                yield inference_pb2.GenerateResponse(
-                    request_id=rid, chunk=inference_pb2.TokenChunk(token_ids=tokens, text="".join(text)))
+                yield inference_pb2.GenerateResponse(request_id=rid, chunk=inference_pb2.TokenChunk(
+                    token_ids=tokens, text="".join(text), logprobs=logprobs_pb(logprobs),
+                    prompt_logprobs=logprobs_pb(prompt_logprobs)))
             if isinstance(event, FinalEvent):
                 yield inference_pb2.GenerateResponse(request_id=rid, final=final_pb(event))
                 return

@@ -271,11 +271,12 @@ class Worker:
         h = self._live.get(out.request_id)
         if h is None or h.seq is not out.sequence:
             return
-        if out.new_token_ids or out.text_delta:
+        if out.new_token_ids or out.text_delta or out.logprobs:
             if h.first_token_s is None and out.new_token_ids:
                 h.first_token_s = time.monotonic()
             metrics.GENERATED_TOKENS.inc(len(out.new_token_ids))
-            h.events.put(TokenEvent(tuple(out.new_token_ids), out.text_delta))
+            prompt = tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None
+            h.events.put(TokenEvent(tuple(out.new_token_ids), out.text_delta, tuple(out.logprobs or ()), prompt))
         if out.finished:
             reason = out.finish_reason or FinishReason.STOP
             if reason is FinishReason.ERROR:

@@ -18,9 +18,16 @@ from tide.engine.drafters.base import DraftAlgorithm, Drafter
 from tide.engine.features import FeatureStore
 from tide.engine.llama import LlamaModel
 from tide.engine.model_runner import ModelRunner
-from tide.engine.sampling import greedy_tokens, sample, target_probs, verify_greedy, verify_sampling
+from tide.engine.sampling import (
+    greedy_tokens,
+    sample,
+    target_probs,
+    token_logprobs,
+    verify_greedy,
+    verify_sampling,
+)
 from tide.engine.scheduler import Scheduler
-from tide.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from tide.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
 from tide.policies import DraftAware, FixedGamma, GammaPolicy, RequestView, StepContext, StepFeedback
 from tide.telemetry import StepRecord
 
@@ -42,7 +49,13 @@ class EngineConfig:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request.
+
+    `logprobs` (requests with params.logprobs): entries of the tokens whose text is out, in order.
+    With a tokenizer an entry is released once text of its token has been emitted (so a token held
+    back as a possible stop string keeps its entry back too), and at the end the tokens whose text
+    is not returned (EOS, the part of a matched stop string, an incomplete character) have none;
+    without one, every new token's entry. `prompt_logprobs`: once, with the first token."""
 
     request_id: str
     new_token_ids: list[int]
@@ -50,6 +63,8 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     sequence: Sequence
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -104,6 +119,9 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._generators: dict[str, torch.Generator] = {}
         self._texts: dict[str, IncrementalText] = {}
+        # Requests with logprobs and a tokenizer: [chars of text emitted, entries not yet released as
+        # (offset in the text where the token's text starts, entry)]; see RequestOutput.
+        self._held: dict[str, tuple[list[int], list[tuple[int, TokenLogprob]]]] = {}
         self._step = 0
         self._default_rng = torch.Generator().manual_seed(config.seed)
         if drafter is not None:
@@ -135,6 +153,8 @@ class LLMEngine:
             self._generators[request_id] = gen
         if self.tokenizer is not None:
             self._texts[request_id] = IncrementalText(self.tokenizer, params.stop)
+            if params.logprobs is not None:
+                self._held[request_id] = ([0], [])
         return seq
 
     def cancel(self, request_id: str) -> bool:
@@ -220,8 +240,14 @@ class LLMEngine:
                 self.drafter.add_sequence(seq)
             chunk = seq.token_ids[seq.num_cached:seq.num_cached + n]
             completes = seq.num_cached + n == seq.num_prompt
-            out = self.runner.run([seq], [chunk], [seq.num_cached], [n - 1 if completes else n], capture)
+            prompt_top = seq.params.prompt_logprobs
+            # Prompt logprobs need every row (row j: the distribution of the token after chunk[j]).
+            first_row = 0 if prompt_top is not None else n - 1 if completes else n
+            out = self.runner.run([seq], [chunk], [seq.num_cached], [first_row], capture)
             self._hand_off([seq], [seq.num_cached], [n], [chunk], out)
+            if prompt_top is not None:
+                following = seq.token_ids[seq.num_cached + 1:min(seq.num_cached + n + 1, seq.num_prompt)]
+                seq.prompt_logprobs.extend(token_logprobs(out.logits, following, prompt_top))
             seq.num_cached += n
             if not completes:
                 continue
@@ -230,7 +256,12 @@ class LLMEngine:
             else:
                 token = sample(target_probs(out.logits[-1:].cpu(), seq.params)[0], self._generators[seq.request_id])
             seq.status = SequenceStatus.RUNNING
-            self._emit(seq, [token], outputs)
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = token_logprobs(out.logits[-1:], [token], seq.params.logprobs)
+            self._emit(seq, [token], outputs, logprobs)
+            if prompt_top is not None:
+                outputs[seq.request_id].prompt_logprobs = list(seq.prompt_logprobs)
         return sum(n for _, n in items)
 
     def _decode(self, seqs: list[Sequence], outputs: dict[str, RequestOutput]):
@@ -263,10 +294,16 @@ class LLMEngine:
                 k, nxt = verify_sampling(probs, drafts[i], draft_probs[i], self._generators[seq.request_id])
             results.append(_Decoded(seq, len(drafts[i]), k, drafts[i][:k] + [nxt]))
         self._hand_off(seqs, starts, [d.accepted + 1 for d in results], new_tokens, out)
-        for d in results:
+        for i, d in enumerate(results):
             d.seq.num_cached += d.accepted + 1
             d.seq.record_step(d.gamma, d.accepted)
-            self._emit(d.seq, d.emitted, outputs)
+            logprobs = None
+            if d.seq.params.logprobs is not None:
+                # Verify row j is the target's distribution of the token emitted at position j
+                # (accepted drafts, then the correction / bonus token): never the draft's.
+                lo = out.row_offsets[i]
+                logprobs = token_logprobs(out.logits[lo:lo + len(d.emitted)], d.emitted, d.seq.params.logprobs)
+            self._emit(d.seq, d.emitted, outputs, logprobs)
         t2 = time.perf_counter()
         return results, (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
@@ -308,40 +345,66 @@ class LLMEngine:
 
     # ---- outputs -------------------------------------------------------------------------------
 
-    def _emit(self, seq: Sequence, tokens: list[int], outputs: dict[str, RequestOutput]) -> None:
-        """Append tokens one at a time, stopping at EOS / stop token / max_tokens / context / stop string."""
+    def _emit(self, seq: Sequence, tokens: list[int], outputs: dict[str, RequestOutput],
+              logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append tokens one at a time, stopping at EOS / stop token / max_tokens / context / stop string.
+        `logprobs[j]` (requests that asked) belongs to tokens[j]."""
         added: list[int] = []
         reason: FinishReason | None = None
         text = self._texts.get(seq.request_id)
+        held = self._held.get(seq.request_id)
         delta = ""
-        for tok in tokens:
+        for j, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             added.append(tok)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[j])
+                if held is not None:
+                    held[1].append((len(text.text), logprobs[j]))
             if tok in seq.params.stop_token_ids:
                 reason, seq.matched_stop = FinishReason.STOP, tok
             elif tok in self.eos_ids and not seq.params.ignore_eos:
                 reason = FinishReason.STOP
             elif seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.config.max_seq_len:
                 reason = FinishReason.LENGTH
-            if text is not None and text.stop:
+            if text is not None and (text.stop or held is not None):  # per token: logprobs need offsets
                 piece, hit = text.update(seq.output_ids)
                 delta += piece
                 if hit:
                     reason, seq.matched_stop = FinishReason.STOP, text.matched
             if reason is not None:
                 break
-        if text is not None and not text.stop:
+        if text is not None and not text.stop and held is None:
             piece, _ = text.update(seq.output_ids)
             delta += piece
+        if reason is not None and text is not None:
+            delta += text.flush()
+        released = None
+        if logprobs is not None:
+            released = logprobs[:len(added)] if held is None else self._release(held, len(delta))
         if reason is not None:
-            if text is not None:
-                delta += text.flush()
             self._finish(seq, reason)
         prev = outputs.get(seq.request_id)
         if prev is not None:
             added = prev.new_token_ids + added
             delta = prev.text_delta + delta
-        outputs[seq.request_id] = RequestOutput(seq.request_id, added, delta, reason is not None, reason, seq)
+            if released is not None and prev.logprobs is not None:
+                released = prev.logprobs + released
+        outputs[seq.request_id] = RequestOutput(seq.request_id, added, delta, reason is not None, reason, seq,
+                                                released, prev.prompt_logprobs if prev is not None else None)
+
+    @staticmethod
+    def _release(held: tuple[list[int], list[tuple[int, TokenLogprob]]], emitted: int) -> list[TokenLogprob]:
+        """The held entries whose token's text starts before the end of the text emitted so far
+        (`emitted` more characters just went out); at the end the rest are dropped by `_finish`."""
+        done, pending = held
+        done[0] += emitted
+        k = 0
+        while k < len(pending) and pending[k][0] < done[0]:
+            k += 1
+        out = [entry for _, entry in pending[:k]]
+        del pending[:k]
+        return out
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.slot >= 0 and self.drafter is not None:
@@ -349,6 +412,7 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self._generators.pop(seq.request_id, None)
         self._texts.pop(seq.request_id, None)
+        self._held.pop(seq.request_id, None)
 
     # ---- convenience -------------------------------------------------------------------------
 

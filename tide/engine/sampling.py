@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tide.engine.sequence import SamplingParams
+from tide.engine.sequence import SamplingParams, TokenLogprob
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -81,3 +81,21 @@ def verify_sampling(
             residual = probs[j]
         return j, sample(residual, generator)
     return n, sample(probs[n], generator)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Row j of logits [R, V] is the target's distribution for tokens[j] (R >= len(tokens); extra rows
+    are ignored): its log-probability under log_softmax of the raw logits (no temperature / top-k /
+    top-p, so finite for greedy requests too) and the `top` most likely tokens, most likely first."""
+    n = len(tokens)
+    if n == 0:
+        return []
+    lp = torch.log_softmax(logits[:n].float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    top = min(top, lp.shape[-1])
+    if top <= 0:
+        return [TokenLogprob(t, v) for t, v in zip(tokens, chosen, strict=True)]
+    values, ids = torch.topk(lp, top, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprob(t, v, tuple(zip(i, tv, strict=True)))
+            for t, v, i, tv in zip(tokens, chosen, ids, values, strict=True)]

@@ -5,6 +5,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # most top alternatives per token (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one token given its prefix (log_softmax of the raw logits),
+    and the `top` most likely tokens there as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,6 +30,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The target's log-probabilities (raw distribution: before temperature / top-k / top-p) of every
+    # emitted token with this many top alternatives; None = not computed. `prompt_logprobs`: the same
+    # for every prompt token after the first (needs the logits of every prompt position).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -28,6 +45,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +101,10 @@ class Sequence:
     # Recent per-step history for the γ policy: (gamma, accepted) pairs, newest last.
     recent: list[tuple[int, int]] = field(default_factory=list)
     last_gamma: int = 0
+    # With params.logprobs: one entry per output token; with params.prompt_logprobs: one per prompt
+    # token after the first (filled as the prompt is prefilled).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     RECENT_STEPS = 16  # how many steps of history a policy sees per request
 
