@@ -8,7 +8,9 @@
   proves it cannot fit the context: 400 without tokenizing it; tokenizing over its time budget:
   503; small requests are answered promptly while big ones are being refused;
 - the context is the workers' real limit (WorkerStatus.max_model_len); the configured
-  max_model_len is only an upper bound.
+  max_model_len is only an upper bound;
+- the size bound (bytes per token) is used only for tokenizers where it holds, and is a true lower
+  bound on the token count of the target's tokenizer.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import pytest
 
 from gateway.harness import MAX_MODEL_LEN, MODEL_NAME, SHORT_CONTEXT, serve_gateway
 from gateway.test_errors import CHAT, COMPLETIONS, assert_error, chat, completion
+from services.gateway.errors import OpenAIError
 from services.gateway.protocol import MAX_JSON_DEPTH
+from services.gateway.tokenizer import _size_bounded
 
 
 def post_raw(client: httpx.Client, path: str, text: str) -> httpx.Response:
@@ -310,3 +314,78 @@ def test_context_is_the_workers_limit(tokenizer, short_worker, worker):
 def test_configured_context_is_an_upper_bound(tokenizer, short_worker):
     with serve_gateway(tokenizer, (short_worker.address,), max_model_len=SHORT_CONTEXT // 2) as url:
         assert models_context(url) == SHORT_CONTEXT // 2
+
+
+# ---------------------------------------------------------------------------------- the size bound
+
+BYTE_LEVEL_BPE = {
+    "model": {"type": "BPE", "byte_fallback": False},
+    "normalizer": None,
+    "pre_tokenizer": {"type": "ByteLevel"},
+    "added_tokens": [{"content": "<|im_start|>", "lstrip": False, "rstrip": False}],
+}
+SENTENCEPIECE_BPE = {
+    "model": {"type": "BPE", "byte_fallback": True},
+    "normalizer": {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        ],
+    },
+    "pre_tokenizer": None,
+    "added_tokens": [],
+}
+SIZE_BOUND_CASES = [
+    ("byte-level-bpe", BYTE_LEVEL_BPE, True),
+    ("sentencepiece-byte-fallback", SENTENCEPIECE_BPE, True),
+    ("wordpiece-unk", {**BYTE_LEVEL_BPE, "model": {"type": "WordPiece"}}, False),
+    ("bpe-without-bytes", {**BYTE_LEVEL_BPE, "pre_tokenizer": {"type": "Metaspace"}}, False),
+    ("nfkc-shrinks", {**BYTE_LEVEL_BPE, "normalizer": {"type": "NFKC"}}, False),
+    (
+        "replace-shrinks",
+        {**SENTENCEPIECE_BPE, "normalizer": {"type": "Replace", "pattern": {"String": "  "}, "content": " "}},
+        False,
+    ),
+    (
+        "whitespace-dropped",
+        {
+            **BYTE_LEVEL_BPE,
+            "pre_tokenizer": {
+                "type": "Sequence",
+                "pretokenizers": [{"type": "WhitespaceSplit"}, {"type": "ByteLevel"}],
+            },
+        },
+        False,
+    ),
+    ("split-removed", {**BYTE_LEVEL_BPE, "pre_tokenizer": {"type": "Split", "behavior": "Removed"}}, False),
+    ("lstrip-token", {**BYTE_LEVEL_BPE, "added_tokens": [{"content": "<mask>", "lstrip": True}]}, False),
+]
+
+
+@pytest.mark.parametrize(("spec", "bounded"), [c[1:] for c in SIZE_BOUND_CASES], ids=[c[0] for c in SIZE_BOUND_CASES])
+def test_size_bound_only_where_it_holds(spec, bounded):
+    """The bound is used only when no input byte can vanish and no token covers more than its own text."""
+    assert _size_bounded(spec) is bounded
+
+
+def test_size_bound_is_a_lower_bound_on_tokens(tokenizer):
+    per_token = tokenizer.max_token_bytes
+    assert per_token == 81  # SmolLM2's longest token: a newline and 80 spaces
+    texts = [
+        "hello world",
+        "\n" + " " * 80,
+        ("\n" + " " * 80) * 40,
+        "#" * 80 * 40,
+        "<|im_start|>assistant" * 50,
+        "é漢🙂" * 300,
+        "".join(chr(i) for i in range(32, 3000)),
+        " " * 5000,
+    ]
+    for text in texts:
+        assert len(tokenizer.encode(text)) >= len(text.encode()) / per_token, text[:40]
+    limit = 10
+    tokenizer.check_size("a" * (limit * per_token), limit, "prompt")  # as many bytes as 10 tokens can hold: kept
+    with pytest.raises(OpenAIError) as refused:
+        tokenizer.check_size("a" * (limit * per_token + 1), limit, "prompt")
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "prompt"
