@@ -39,6 +39,8 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives per generated token's logprob; None = off
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo); None = off
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,24 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of `token_id` given its prefix, and the `top` (token id, logprob)
+    pairs there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenDelta:
+    """New tokens and text. `logprobs`: entries of the tokens whose text is out (they follow the text,
+    not `token_ids`; see tide.v1.TokenChunk); `prompt_logprobs`: prompt tokens 1..n-1, first delta only."""
+
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,10 @@ def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
     )
     if s.seed is not None:
         sampling.seed = s.seed
+    if s.logprobs is not None:
+        sampling.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        sampling.prompt_logprobs = s.prompt_logprobs
     msg = inference_pb2.GenerateRequest(
         request_id=request.request_id,
         sampling=sampling,
@@ -167,6 +188,15 @@ def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
     if request.speculative is not None:
         msg.speculative = request.speculative
     return msg
+
+
+def from_logprobs(entries) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in entries)
+
+
+def from_chunk(chunk: inference_pb2.TokenChunk) -> TokenDelta:
+    prompt = from_logprobs(chunk.prompt_logprobs) if chunk.prompt_logprobs else None
+    return TokenDelta(tuple(chunk.token_ids), chunk.text, from_logprobs(chunk.logprobs), prompt)
 
 
 def from_final(final: inference_pb2.GenerateFinal, worker: str) -> GenerationFinal:
@@ -247,7 +277,7 @@ class GrpcEngineClient(EngineClient):
                 kind = msg.WhichOneof("payload")
                 if kind == "chunk":
                     started = True
-                    yield TokenDelta(tuple(msg.chunk.token_ids), msg.chunk.text)
+                    yield from_chunk(msg.chunk)
                 elif kind == "final":
                     done = True
                     if msg.final.finish_reason not in _FINISH:

@@ -3,9 +3,9 @@
 Unknown fields are handled deliberately, in three groups:
 - supported: validated here (types and ranges) and by the serving layer (limits that depend on
   the model, such as the context length and the largest `n`);
-- known but unsupported *and semantics-changing* (`logprobs`, `tools`, `response_format` other
-  than text, `logit_bias`, penalties, ...): declared, and refused with a 400 naming the parameter
-  by `unsupported()` unless the value is a no-op (`logprobs: false`, `tools: []`, ...);
+- known but unsupported *and semantics-changing* (`tools`, `response_format` other than text,
+  `logit_bias`, penalties, ...): declared, and refused with a 400 naming the parameter by
+  `unsupported()` unless the value is a no-op (`tools: []`, ...);
 - harmless (`user`, `metadata`, `store`, `service_tier`, `prediction`, ...) and unknown fields:
   accepted and ignored (unknown ones are logged).
 TIDE extensions (sent with the client's `extra_body`): `speculative` (false = plain decode),
@@ -208,7 +208,6 @@ class ChatCompletionRequest(_Request):
         "audio": (lambda v: v is None, "audio output is not supported", _NONE),
         "function_call": (lambda v: v in (None, "none"), "function calling is not supported", {"const": "none"}),
         "functions": (_no, "function calling is not supported", _EMPTY_LIST),
-        "logprobs": (_no, "log probabilities are not supported", {"type": "boolean", "const": False}),
         "modalities": (lambda v: v is None or list(v) == ["text"], "only the text modality is supported",
                        {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
         "response_format": (lambda v: v is None or v.get("type") == "text", "only {'type': 'text'} is supported",
@@ -216,8 +215,6 @@ class ChatCompletionRequest(_Request):
         "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported",
                         {"enum": ["none", "auto"]}),
         "tools": (_no, "tool calling is not supported", _EMPTY_LIST),
-        "top_logprobs": (lambda v: v in (None, 0), "log probabilities are not supported",
-                         {"type": "integer", "const": 0}),
         "web_search_options": (lambda v: v is None, "web search is not supported", _NONE),
     }
     # fmt: on
@@ -264,8 +261,6 @@ class CompletionRequest(_Request):
     unsupported_params: ClassVar[dict[str, Unsupported]] = {
         **_COMMON_UNSUPPORTED,
         "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported", {"type": "integer", "const": 1}),
-        "echo": (_no, "echo is not supported", {"type": "boolean", "const": False}),
-        "logprobs": (lambda v: v is None, "log probabilities are not supported", _NONE),
         "suffix": (_no, "suffix (insertion) is not supported", {"type": "string", "maxLength": 0}),
     }
 
@@ -376,7 +371,7 @@ class SpeculationInfo(RootModel[SpeculationStats]):
 
 class _Choice(BaseModel):
     """What every choice starts with; a choice type adds its content, then OpenAI's `logprobs`
-    (always null here) and `finish_reason`."""
+    (null unless requested) and `finish_reason`."""
 
     index: int
 
@@ -398,9 +393,40 @@ class ResponseMessage(BaseModel):
     refusal: str | None = None
 
 
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a position: its text (the token decoded alone), logprob and
+    UTF-8 bytes (the token's own bytes: a piece of a multi-byte character has its partial bytes)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """A chat choice's `logprobs` (with `logprobs: true`): one entry per token of the content."""
+
+    content: list[ChatCompletionTokenLogprob] | None
+    refusal: list[ChatCompletionTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's `logprobs` (with `logprobs: N`): parallel lists over the tokens of the
+    text (with `echo`, the prompt's first: its first token has no logprob); `top_logprobs` maps token
+    text -> logprob for the N most likely tokens; `text_offset` is each token's character offset."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class ChatCompletionChoice(_Choice):
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
 
 
@@ -423,7 +449,7 @@ class DeltaMessage(BaseModel):
 
 class ChatCompletionStreamChoice(_Choice):
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -437,7 +463,7 @@ class ChatCompletionStreamResponse(_Response):
 
 class CompletionChoice(_Choice):
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -4,6 +4,12 @@
 choice index = prompt index * n + i (OpenAI's order). Streams follow the chat endpoint's rules
 (exactly one finish_reason per choice, optional usage chunk, [DONE] last, `speculation` on the
 last chunk) with `text` instead of `delta`.
+
+`logprobs: N` (0..5) gives each choice `logprobs: {"text_offset", "token_logprobs", "tokens",
+"top_logprobs"}` over the tokens of its text (top_logprobs: the N most likely tokens' text ->
+logprob); `echo: true` puts the prompt before the completion, in the text and (with logprobs) in
+those lists, the first prompt token's logprob and top_logprobs null. Streamed, each chunk carries
+its tokens' lists (offsets continuing), the prompt's with the choice's first chunk.
 """
 
 from __future__ import annotations
@@ -12,13 +18,78 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from services.gateway.engine_client import TokenDelta, TokenLogprob
 from services.gateway.errors import invalid_request
-from services.gateway.protocol import MAX_PROMPTS, CompletionChoice, CompletionRequest, CompletionResponse
-from services.gateway.serving_engine import OpenAIServing
+from services.gateway.protocol import (
+    MAX_PROMPTS,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from services.gateway.serving_engine import ChoiceState, OpenAIServing
 
 
 class OpenAIServingCompletion(OpenAIServing):
     endpoint = "/v1/completions"
+
+    def logprob_counts(self, request: CompletionRequest) -> tuple[int | None, int | None]:
+        return request.logprobs, request.logprobs if request.echo else None
+
+    def completion_logprobs(
+        self,
+        entries: list[TokenLogprob],
+        offset: int,
+        first_prompt_token: int | None = None,
+        prompt_entries: tuple[TokenLogprob, ...] = (),
+    ) -> tuple[CompletionLogprobs, int]:
+        """The lists over `entries` (after the prompt's, with echo: its first token without a logprob),
+        text offsets from `offset`; and the offset after them."""
+        out = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+
+        def add(token_id: int, logprob: float | None, top) -> None:
+            nonlocal offset
+            text, _ = self.token_text(token_id)
+            out.text_offset.append(offset)
+            out.tokens.append(text)
+            out.token_logprobs.append(None if logprob is None else self.logprob_value(logprob))
+            out.top_logprobs.append(
+                None if top is None else {self.token_text(t)[0]: self.logprob_value(v) for t, v in top}
+            )
+            offset += len(text)
+
+        if first_prompt_token is not None:
+            add(first_prompt_token, None, None)
+        for e in (*prompt_entries, *entries):
+            add(e.token_id, e.logprob, e.top)
+        return out, offset
+
+    def choice(self, request: CompletionRequest, index: int, state: ChoiceState, prompt: tuple[str, list[int]]):
+        echo_text, prompt_ids = prompt
+        logprobs = None
+        if request.logprobs is not None:
+            head = (prompt_ids[0], state.prompt_logprobs or ()) if request.echo else (None, ())
+            logprobs, _ = self.completion_logprobs(state.logprobs, 0, *head)
+        text = echo_text + state.text if request.echo else state.text
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=state.final.finish_reason)
+
+    def stream_choices(self, request: CompletionRequest, prompts: list[tuple[str, list[int]]]):
+        """`delta_choice` of a stream: the prompt (echo) goes with a choice's first chunk; offsets run on."""
+        offsets: dict[int, int] = {}
+
+        def delta(index: int, event: TokenDelta) -> CompletionChoice:
+            echo_text, prompt_ids = prompts[index // request.n]
+            first = index not in offsets
+            text = echo_text + event.text if first and request.echo else event.text
+            logprobs = None
+            if request.logprobs is not None:
+                head = (prompt_ids[0], event.prompt_logprobs or ()) if first and request.echo else (None, ())
+                logprobs, offsets[index] = self.completion_logprobs(event.logprobs, offsets.get(index, 0), *head)
+            else:
+                offsets[index] = 0
+            return CompletionChoice(index=index, text=text, logprobs=logprobs)
+
+        return delta
 
     async def _tokenize(self, request: CompletionRequest, limit: int) -> list[list[int]]:
         """Token ids of every prompt. Id lists are checked (length, then vocabulary) before any text
@@ -51,6 +122,13 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._tokenize(request, limit)
         max_tokens = [self.check_length(len(p), request.max_tokens, "prompt", "max_tokens", limit) for p in prompts]
         response_id = f"cmpl-{uuid.uuid4().hex}"
+        echoed = [("", ids) for ids in prompts]
+        if request.echo:
+            texts = request.prompts()
+            echoed = [
+                (t if isinstance(t, str) else self.tokenizer.tokenizer.decode(ids), ids)
+                for t, ids in zip(texts, prompts, strict=True)
+            ]
         return await self.respond(
             request,
             CompletionResponse,
@@ -58,7 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.fan_out(response_id, request, prompts, max_tokens),
             sum(len(p) for p in prompts),
             arrival,
-            choice=lambda i, s: CompletionChoice(index=i, text=s.text, finish_reason=s.final.finish_reason),
-            delta_choice=lambda i, text: CompletionChoice(index=i, text=text),
+            choice=lambda i, s: self.choice(request, i, s, echoed[i // request.n]),
+            delta_choice=self.stream_choices(request, echoed),
             finish_choice=lambda i, reason: CompletionChoice(index=i, text="", finish_reason=reason),
         )

@@ -4,6 +4,11 @@ fan-out, merging the choices' streams, the response or SSE stream built from the
 `n` (times the number of prompts, for completions) fans out to one worker request per choice,
 with ids `<response id>-<choice index>`; with a `seed`, choice i samples with seed + i (mod 2^64),
 so choice 0 reproduces a single-choice request with the same seed.
+
+Log probabilities are the target's, computed by the worker (tide.v1.SamplingParams.logprobs); their
+entries follow the text (a token gets one once its text is out, none if its text never is), so they
+match the returned text token for token, stop strings and max_tokens included. A token's string is
+the token decoded alone (`token_text`), with its own UTF-8 bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from services.gateway.engine_client import (
@@ -24,6 +30,7 @@ from services.gateway.engine_client import (
     GenerationRequest,
     SamplingOptions,
     TokenDelta,
+    TokenLogprob,
 )
 from services.gateway.errors import (
     OpenAIError,
@@ -42,6 +49,7 @@ from tide.speculation import SpeculationStats
 
 log = logging.getLogger(__name__)
 _U64 = 2**64
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: lower logprobs are reported as this (vLLM does the same)
 
 
 def to_openai_error(err: EngineError) -> OpenAIError:
@@ -58,6 +66,22 @@ def to_openai_error(err: EngineError) -> OpenAIError:
     return service_unavailable(err.message, code)
 
 
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: character -> the byte it stands for (printable bytes stand
+    for themselves, the others for chr(256 + k) in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+def _byte_level(hf) -> bool:
+    """Whether a HF fast tokenizer decodes with the ByteLevel decoder (GPT-2 style byte-level BPE)."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None) if backend is not None else None
+    return type(decoder).__name__ == "ByteLevel" or "ByteLevel" in repr(decoder)
+
+
 def sse(payload: dict | str) -> str:
     """One server-sent event carrying `payload` (a dict as JSON, or a literal like [DONE])."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
@@ -70,6 +94,8 @@ class ChoiceState:
 
     text: str = ""
     final: GenerationFinal | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class OpenAIServing:
@@ -92,6 +118,28 @@ class OpenAIServing:
         self.max_n = max_n
         self.metrics = metrics
         self.tokenize_timeout_s = tokenize_timeout_s
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+
+    def _token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's string and UTF-8 bytes, decoded alone. Byte-level BPE tokens map back to their
+        exact bytes (a piece of a multi-byte character included: its string then has U+FFFD);
+        other tokenizers' tokens are decoded alone and encoded."""
+        hf = self.tokenizer.tokenizer
+        piece = hf.convert_ids_to_tokens(token_id)
+        decoder = _byte_decoder() if _byte_level(hf) else None
+        if decoder is not None and piece is not None and all(c in decoder for c in piece):
+            raw = bytes(decoder[c] for c in piece)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+        text = hf.decode([token_id])
+        return text, list(text.encode("utf-8"))
+
+    def logprob_counts(self, request) -> tuple[int | None, int | None]:
+        """(top alternatives per generated token, per prompt token) the request asks for; None = off."""
+        return None, None
+
+    @staticmethod
+    def logprob_value(value: float) -> float:
+        return max(float(value), LOGPROB_FLOOR)
 
     # ---- checks -------------------------------------------------------------------------------
 
@@ -144,7 +192,10 @@ class OpenAIServing:
         stop = request.stop if isinstance(request.stop, list) else [request.stop] if request.stop else []
         seed = None if request.seed is None else (request.seed + choice) % _U64
         self.tokenizer.check_ids(request.stop_token_ids, "stop_token_ids")
+        logprobs, prompt_logprobs = self.logprob_counts(request)
         return SamplingOptions(
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -188,7 +239,7 @@ class OpenAIServing:
         arrival: float,
         *,
         choice: Callable[[int, ChoiceState], Any],
-        delta_choice: Callable[[int, str], Any],
+        delta_choice: Callable[[int, TokenDelta], Any],
         finish_choice: Callable[[int, str], Any],
         role_choice: Callable[[int], Any] | None = None,
         chunk_cls: type | None = None,
@@ -270,7 +321,11 @@ class OpenAIServing:
             async with contextlib.aclosing(merged(self.engine, requests)) as events:
                 async for index, event in events:
                     if isinstance(event, TokenDelta):
-                        states[index].text += event.text
+                        state = states[index]
+                        state.text += event.text
+                        state.logprobs.extend(event.logprobs)
+                        if event.prompt_logprobs is not None:
+                            state.prompt_logprobs = event.prompt_logprobs
                     else:
                         states[index].final = event
         except EngineError as err:
@@ -326,7 +381,7 @@ class OpenAIServing:
         prompt_tokens: int,
         include_usage: bool,
         chunk: Callable[..., str],
-        delta_choice: Callable[[int, str], Any],
+        delta_choice: Callable[[int, TokenDelta], Any],
         finish_choice: Callable[[int, str], Any],
         role_choice: Callable[[int], Any] | None = None,
     ) -> AsyncIterator[str]:
@@ -343,8 +398,8 @@ class OpenAIServing:
             while len(finals) < n_choices:
                 index, event = pending.pop() if pending else await anext(events)
                 if isinstance(event, TokenDelta):
-                    if event.text:
-                        yield chunk([delta_choice(index, event.text)])
+                    if event.text or event.logprobs or event.prompt_logprobs:
+                        yield chunk([delta_choice(index, event)])
                     continue
                 finals[index] = event
                 if len(finals) < n_choices:

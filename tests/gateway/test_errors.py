@@ -104,8 +104,8 @@ CASES = [
     ("chat-n-zero", CHAT, chat(n=0), 400, "n", "invalid_value"),
     ("chat-n-too-large", CHAT, chat(n=17), 400, "n", "invalid_value"),
     ("chat-seed-too-large", CHAT, chat(seed=2**70), 400, "seed", "invalid_value"),
-    ("chat-logprobs", CHAT, chat(logprobs=True), 400, "logprobs", "unsupported_parameter"),
-    ("chat-top-logprobs", CHAT, chat(top_logprobs=3), 400, "top_logprobs", "unsupported_parameter"),
+    ("chat-top-logprobs-without-logprobs", CHAT, chat(top_logprobs=3), 400, "top_logprobs", "invalid_value"),
+    ("chat-top-logprobs-too-many", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "invalid_value"),
     (
         "chat-tools",
         CHAT,
@@ -167,10 +167,9 @@ CASES = [
         "context_length_exceeded",
     ),
     ("completion-max-tokens-zero", COMPLETIONS, completion(max_tokens=0), 400, "max_tokens", "invalid_value"),
-    ("completion-echo", COMPLETIONS, completion(echo=True), 400, "echo", "unsupported_parameter"),
     ("completion-suffix", COMPLETIONS, completion(suffix="!"), 400, "suffix", "unsupported_parameter"),
     ("completion-best-of", COMPLETIONS, completion(best_of=3), 400, "best_of", "unsupported_parameter"),
-    ("completion-logprobs", COMPLETIONS, completion(logprobs=2), 400, "logprobs", "unsupported_parameter"),
+    ("completion-logprobs-too-many", COMPLETIONS, completion(logprobs=6), 400, "logprobs", "invalid_value"),
     ("completion-n-too-large", COMPLETIONS, completion(n=100), 400, "n", "invalid_value"),
 ]
 

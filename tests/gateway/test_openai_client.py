@@ -80,7 +80,7 @@ def test_errors_raise_the_clients_exceptions(oai):
         oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=3)
     assert err.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logprobs=True)
+        oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logit_bias={"1": 5})
     assert err.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model=MODEL_NAME, messages=[])
