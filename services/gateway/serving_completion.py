@@ -74,7 +74,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=state.final.finish_reason)
 
     def stream_choices(self, request: CompletionRequest, prompts: list[tuple[str, list[int]]]):
-        """`delta_choice` of a stream: the prompt (echo) goes with a choice's first chunk; offsets run on."""
+        """`delta_choice` and `finish_choice` of a stream: the prompt (echo) goes with a choice's first
+        chunk (its finish chunk if it had no other); offsets run on."""
         offsets: dict[int, int] = {}
 
         def delta(index: int, event: TokenDelta) -> CompletionChoice:
@@ -89,7 +90,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 offsets[index] = 0
             return CompletionChoice(index=index, text=text, logprobs=logprobs)
 
-        return delta
+        def finish(index: int, reason: str) -> CompletionChoice:
+            if request.echo and index not in offsets:
+                choice = delta(index, TokenDelta((), ""))
+                choice.finish_reason = reason
+                return choice
+            return CompletionChoice(index=index, text="", finish_reason=reason)
+
+        return delta, finish
 
     async def _tokenize(self, request: CompletionRequest, limit: int) -> list[list[int]]:
         """Token ids of every prompt. Id lists are checked (length, then vocabulary) before any text
@@ -129,6 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 (t if isinstance(t, str) else self.tokenizer.tokenizer.decode(ids), ids)
                 for t, ids in zip(texts, prompts, strict=True)
             ]
+        delta_choice, finish_choice = self.stream_choices(request, echoed)
         return await self.respond(
             request,
             CompletionResponse,
@@ -137,6 +146,6 @@ class OpenAIServingCompletion(OpenAIServing):
             sum(len(p) for p in prompts),
             arrival,
             choice=lambda i, s: self.choice(request, i, s, echoed[i // request.n]),
-            delta_choice=self.stream_choices(request, echoed),
-            finish_choice=lambda i, reason: CompletionChoice(index=i, text="", finish_reason=reason),
+            delta_choice=delta_choice,
+            finish_choice=finish_choice,
         )

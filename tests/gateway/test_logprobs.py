@@ -221,3 +221,12 @@ def test_bad_values_are_400(oai, endpoint, kwargs, param):
         else:
             oai.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, **kwargs)
     assert err.value.param == param
+
+
+def test_completion_stream_echo_without_any_completion_text(oai):
+    """A completion cut to nothing by a stop string still streams the echoed prompt (with the finish)."""
+    kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=8, temperature=0)
+    first = oai.completions.create(**kwargs).choices[0].text[:1]
+    chunks = [c for c in oai.completions.create(**kwargs, echo=True, stop=[first], stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == "Once upon a time"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
