@@ -45,7 +45,8 @@ class ModelRunner:
         capture: bool,
     ) -> RunOutput:
         """Feed new_tokens[i] to sequence i at positions starts[i]...; return logits for rows
-        logits_from[i]..len(new_tokens[i])-1 of each sequence (prefill: only the last row)."""
+        logits_from[i]..len(new_tokens[i])-1 of each sequence (prefill: only the last row, or every
+        row for a sequence that asked for prompt logprobs)."""
         B = len(seqs)
         q = max(len(t) for t in new_tokens)
         ids = torch.zeros((B, q), dtype=torch.long)
