@@ -139,15 +139,22 @@ def test_a_full_spool_drops_and_counts(make_service, redis_server, redis_client,
     assert redis_client.xlen(streams.StreamNames(unique_prefix).chunks) == 0
 
 
-def test_a_restarted_worker_resends_its_spooled_chunks(make_service, real_storage, redis_server, redis_client,
-                                                       s3_server, s3_client, s3_bucket, unique_prefix, tmp_path):
-    spool = tmp_path / "spool"
+def served_while_s3_is_unreachable(make_service, redis_server, s3_server, s3_bucket, unique_prefix, spool):
+    """A worker whose S3 address answers nothing serves 30 tokens with collection on and stops: its
+    chunks, the last partial one included (spooled on the way out), are in `spool`."""
     down = storage(redis_server.url, closed_port_url(), s3_server.access_key, s3_server.secret_key, s3_bucket,
                    unique_prefix)
     first = make_service(storage=down, collection=True, chunk_tokens=16, flush_interval_s=0.2,
                          chunk_spool_dir=str(spool))
     run_stream(stub(first), request("r1", PROMPT, max_tokens=30))
-    first.stop(grace_s=0.5)  # the last partial chunk is spooled on the way out
+    first.stop(grace_s=0.5)
+    return first
+
+
+def test_a_restarted_worker_resends_its_spooled_chunks(make_service, real_storage, redis_server, redis_client,
+                                                       s3_server, s3_client, s3_bucket, unique_prefix, tmp_path):
+    spool = tmp_path / "spool"
+    first = served_while_s3_is_unreachable(make_service, redis_server, s3_server, s3_bucket, unique_prefix, spool)
     assert first.exporter.stats.tokens_spooled == rows(30) and first.exporter.stats.chunks_dropped_s3 == 0
     entries = [json.loads((spool / n).read_text()) for n in spool_files(spool) if n.endswith(".json")]
     assert len(entries) == first.exporter.stats.chunks_spooled >= 2
@@ -193,12 +200,7 @@ def test_a_corrupt_spool_entry_is_dropped_and_counted_the_rest_resent(make_servi
                                                                        redis_client, s3_server, s3_client,
                                                                        s3_bucket, unique_prefix, tmp_path):
     spool = tmp_path / "spool"
-    down = storage(redis_server.url, closed_port_url(), s3_server.access_key, s3_server.secret_key, s3_bucket,
-                   unique_prefix)
-    first = make_service(storage=down, collection=True, chunk_tokens=16, flush_interval_s=0.2,
-                         chunk_spool_dir=str(spool))
-    run_stream(stub(first), request("r1", PROMPT, max_tokens=30))
-    first.stop(grace_s=0.5)
+    served_while_s3_is_unreachable(make_service, redis_server, s3_server, s3_bucket, unique_prefix, spool)
     blob_files = sorted(p for p in spool.iterdir() if p.suffix == ".safetensors")
     assert len(blob_files) >= 2
     rotten = blob_files[0]
