@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from controller.svc import ADMIN_TOKEN, wait_for
+from controller.svc import ADMIN_TOKEN, FakeRegistry, wait_for
 from inference.service.test_drafts import fitting, register
 from prometheus_client import CollectorRegistry, generate_latest
 from registry.harness import start_registry
@@ -27,7 +27,7 @@ from services.controller.fleet import DraftRefusal, PushResult, WorkerSnapshot
 from services.controller.metrics import ControllerCollector
 from services.controller.outcomes import TrainingOutcome
 from services.controller.refusals import REFUSAL_REASON_PREFIX, RefusalResolver
-from services.controller.rollback import RegistryUnavailable, RollbackGuard, RollbackRefused
+from services.controller.rollback import RegistryUnavailable, RollbackGuard
 from services.controller.server import ControllerServicer
 from services.controller.settings import ControllerSettings
 from services.controller.stats import FleetStats
@@ -41,34 +41,6 @@ from tide.proto.tide.v1 import controller_pb2, controller_pb2_grpc, inference_pb
 from tools.admin import render
 
 # ------------------------------------------------------------------------------ without transport
-
-
-class FakeRegistry:
-    """Registry port double: a pointer (current, pinned, previous), the rollbacks made, an error to raise."""
-
-    def __init__(self, current="v2", pinned="", previous=("v1",)) -> None:
-        self.current, self.pinned, self.previous = current, pinned, list(previous)
-        self.calls: list[tuple[str, str, str]] = []
-        self.reads = 0
-        self.error: Exception | None = None
-
-    def pointer(self, target_model):
-        self.reads += 1
-        if self.error:
-            raise self.error
-        return self.current, self.pinned
-
-    def rollback(self, target_model, to_version, reason, expected_current):
-        if self.error:
-            raise self.error
-        if self.current != expected_current:
-            raise RollbackRefused(f"FAILED_PRECONDITION: current draft is {self.current}, not {expected_current}")
-        if to_version not in self.previous:
-            raise RollbackRefused(f"FAILED_PRECONDITION: {to_version!r} was not a previous current draft")
-        self.calls.append((target_model, to_version, reason))
-        self.previous.insert(0, self.current)
-        self.current = to_version
-        return to_version
 
 
 class Workers:

@@ -5,6 +5,8 @@ telemetry's serving version."""
 
 from __future__ import annotations
 
+from controller.svc import FakeRegistry
+
 from services.controller.app import Controller
 from services.controller.collection import CollectionControl
 from services.controller.decisions import StaticDecision
@@ -12,27 +14,6 @@ from services.controller.outcomes import TrainingOutcome
 from services.controller.rollback import RegistryUnavailable, RollbackGuard, RollbackRefused
 from services.controller.stats import FleetStats
 from tide.telemetry import StepRecord
-
-
-class FakeRegistry:
-    """Registry port double: a pointer, the rollbacks asked for, and an optional error to raise."""
-
-    def __init__(self, current="v2", pinned="") -> None:
-        self.current, self.pinned, self.calls, self.error = current, pinned, [], None
-
-    def pointer(self, target_model):
-        if self.error:
-            raise self.error
-        return self.current, self.pinned
-
-    def rollback(self, target_model, to_version, reason, expected_current):
-        if self.error:
-            raise self.error
-        if self.current != expected_current:  # what the real registry answers with FAILED_PRECONDITION
-            raise RollbackRefused(f"current draft is {self.current}, not {expected_current}")
-        self.calls.append((target_model, to_version, reason))
-        self.current = to_version
-        return to_version
 
 
 class Fleet:
