@@ -8,12 +8,11 @@ zero or more `TokenEvent`s, then exactly one `FinalEvent` or `ErrorEvent`.
 from __future__ import annotations
 
 import enum
-import math
 import queue
 import time
 from dataclasses import dataclass, field
 
-from tide.engine.sequence import MAX_LOGPROBS, FinishReason, SamplingParams, Sequence, TokenLogprob
+from tide.engine.sequence import FinishReason, SamplingParams, Sequence, TokenLogprob
 from tide.speculation import SpeculationStats
 
 MAX_REQUEST_ID_LEN = 256
@@ -84,16 +83,6 @@ def prepare(req: GenerationRequest, tokenizer, vocab_size: int, max_seq_len: int
     bad = [t for t in (*prompt, *req.stop_token_ids) if not 0 <= t < vocab_size]
     if bad:
         raise _invalid(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    if not (math.isfinite(req.temperature) and req.temperature >= 0):
-        raise _invalid(f"temperature must be a finite number >= 0, got {req.temperature}")
-    if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
-        raise _invalid(f"top_p must be in (0, 1], got {req.top_p}")
-    if req.top_k < 0:
-        raise _invalid(f"top_k must be >= 0, got {req.top_k}")
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(req, name)
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise _invalid(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
     if len(req.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in req.stop):
         raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_LEN} characters")
     stop = tuple(s for s in req.stop if s)
@@ -107,10 +96,13 @@ def prepare(req: GenerationRequest, tokenizer, vocab_size: int, max_seq_len: int
         raise RequestRejected(ErrorKind.CONTEXT_LENGTH_EXCEEDED,
                               f"prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                               f"context of {max_seq_len} tokens")
-    params = SamplingParams(max_tokens=req.max_tokens or room, temperature=float(req.temperature),
-                            top_p=float(req.top_p), top_k=req.top_k, seed=req.seed, stop=stop,
-                            stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                            logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
+    try:  # the sampling values are checked once, by the engine's SamplingParams
+        params = SamplingParams(max_tokens=req.max_tokens or room, temperature=float(req.temperature),
+                                top_p=float(req.top_p), top_k=req.top_k, seed=req.seed, stop=stop,
+                                stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                                logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
+    except ValueError as e:
+        raise _invalid(str(e)) from None
     return prompt, params
 
 
