@@ -12,7 +12,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from tide.engine.sequence import FinishReason, SamplingParams, Sequence, TokenLogprob
+from tide.engine.sequence import FinishReason, GrammarSpec, SamplingParams, Sequence, TokenLogprob
 from tide.speculation import SpeculationStats
 
 MAX_REQUEST_ID_LEN = 256
@@ -60,6 +60,10 @@ class GenerationRequest:
     workload: str = ""
     logprobs: int | None = None  # top alternatives per generated token's logprob entry; None = off
     prompt_logprobs: int | None = None  # the same for prompt tokens 1..n-1
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: GrammarSpec | None = None  # output constraint; None = unconstrained
 
 
 def _invalid(message: str) -> RequestRejected:
@@ -80,7 +84,7 @@ def prepare(req: GenerationRequest, tokenizer, vocab_size: int, max_seq_len: int
         prompt = list(req.prompt_ids)
     if not prompt:
         raise _invalid("the prompt is empty")
-    bad = [t for t in (*prompt, *req.stop_token_ids) if not 0 <= t < vocab_size]
+    bad = [t for t in (*prompt, *req.stop_token_ids, *(t for t, _ in req.logit_bias)) if not 0 <= t < vocab_size]
     if bad:
         raise _invalid(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if len(req.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in req.stop):
@@ -100,7 +104,9 @@ def prepare(req: GenerationRequest, tokenizer, vocab_size: int, max_seq_len: int
         params = SamplingParams(max_tokens=req.max_tokens or room, temperature=float(req.temperature),
                                 top_p=float(req.top_p), top_k=req.top_k, seed=req.seed, stop=stop,
                                 stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                                logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
+                                logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
+                                logit_bias=req.logit_bias, presence_penalty=req.presence_penalty,
+                                frequency_penalty=req.frequency_penalty, grammar=req.grammar)
     except ValueError as e:
         raise _invalid(str(e)) from None
     return prompt, params

@@ -29,7 +29,7 @@ from services.inference.requests import (
 )
 from services.inference.worker import Worker
 from tide.decisions import DecisionError, decision_from_pb, policy_pb, schedule_pb
-from tide.engine.sequence import FinishReason
+from tide.engine.sequence import FinishReason, GrammarKind, GrammarSpec
 from tide.grpcutil import GrpcServer
 from tide.proto.tide.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tide.speculation import stats_pb
@@ -63,6 +63,15 @@ _OUTCOME = {
 # ---------------------------------------------------------------------------------- conversions
 
 
+def _grammar(s: inference_pb2.SamplingParams) -> GrammarSpec | None:
+    """SamplingParams.constraint (a oneof whose field names are GrammarKind values) as a spec."""
+    which = s.WhichOneof("constraint")
+    if which is None:
+        return None
+    kind = GrammarKind(which)
+    return GrammarSpec(kind, "" if kind is GrammarKind.JSON_OBJECT else getattr(s, which))
+
+
 def generation_request(r: inference_pb2.GenerateRequest) -> GenerationRequest:
     s = r.sampling
     which = r.WhichOneof("prompt")
@@ -82,6 +91,10 @@ def generation_request(r: inference_pb2.GenerateRequest) -> GenerationRequest:
         workload=r.workload,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        grammar=_grammar(s),
     )
 
 

@@ -19,6 +19,25 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's logit_bias range is [-100, 100]
+MAX_PENALTY = 2.0  # OpenAI's presence / frequency penalty range is [-2, 2]
+
+
+class GrammarKind(enum.Enum):
+    """What language a constrained request's output must belong to (tide.engine.constraints)."""
+
+    JSON_OBJECT = "json_object"  # any JSON object; `value` unused
+    JSON_SCHEMA = "json_schema"  # `value`: a JSON Schema document as JSON text
+    REGEX = "regex"  # `value`: a regular expression the whole output matches
+    GRAMMAR = "grammar"  # `value`: a context-free grammar in the engine's grammar dialect
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    kind: GrammarKind
+    value: str = ""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. temperature == 0 means greedy (argmax) decoding."""
@@ -36,6 +55,14 @@ class SamplingParams:
     # for every prompt token after the first (needs the logits of every prompt position).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Logits processing, applied to the target's logits (verification rows included) before
+    # temperature / top-k / top-p and before greedy argmax; logprobs stay the raw distribution's.
+    # `logit_bias`: (token id, bias) pairs added to the logits. Penalties count the output tokens
+    # so far (never the prompt): presence subtracts once per distinct token, frequency per occurrence.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: GrammarSpec | None = None  # None = unconstrained
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -50,6 +77,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias entries must be token id >= 0: bias in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {token}: {bias}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and abs(value) <= MAX_PENALTY):
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
 
     @property
     def greedy(self) -> bool:
