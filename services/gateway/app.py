@@ -3,7 +3,7 @@
 Wires the serving classes, the routes, OpenAI-format error handlers for everything that can go
 wrong (our own errors, unknown routes and methods; MetricsMiddleware turns any unexpected exception
 into a logged traceback and a bare 500 body), the metrics/access-log middleware, and the
-engine client's start/close around the app's lifetime.
+engine client's start/close around the app's lifetime, and CORS when TIDE_CORS_ORIGINS names origins.
 
 The served context is the workers' real limit (`WorkerLimitedModels`), the configured one an upper
 bound. /openapi.json documents the request bodies the routes parse themselves (router.BODIES), with
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -200,4 +201,12 @@ def create_app(
         return error_response(request, invalid_request(str(first.get("msg", "Invalid request.")), param))
 
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if settings.cors_origins:  # outermost: a preflight is answered before auth, metrics or routing
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            max_age=600,
+        )
     return app

@@ -17,15 +17,17 @@ TIDE_GATEWAY_MAX_BODY_BYTES defaults to 1 KiB per token of that configured conte
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
-from pydantic import AliasChoices, Field
+from pydantic import AfterValidator, AliasChoices, BeforeValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from tide.settings import (
     TARGET_ENV,
     AddressList,
     Count,
+    Doc,
     LogLevel,
     NameSet,
     OptionalAddress,
@@ -35,9 +37,22 @@ from tide.settings import (
     check,
     log_level_field,
     shown_default,
+    split_list,
 )
 
 DEFAULT_WORKER = "127.0.0.1:50051"
+_ORIGIN = re.compile(r"\*|https?://[^/\s]+")
+
+
+def _origins(value: tuple[str, ...]) -> tuple[str, ...]:
+    bad = [o for o in value if not _ORIGIN.fullmatch(o)]
+    if bad:
+        raise ValueError(f"expected '*' or origins like https://app.example.com[:port], got {bad[0]!r}")
+    return value
+
+
+Origins = Annotated[tuple[str, ...], BeforeValidator(split_list), AfterValidator(_origins),
+                    Doc("comma list of origins, or *")]
 
 
 class GatewaySettings(TideSettings):
@@ -71,6 +86,9 @@ class GatewaySettings(TideSettings):
     max_body_bytes: Annotated[int | None, check(lambda v: v is None or v >= 1, ">= 1")] = Field(
         None, json_schema_extra=shown_default("1 KiB per token of the context, at least 1 MiB"),
         description="largest accepted request body (413 above it, from Content-Length before reading it)")
+    cors_origins: Origins = Field((), validation_alias="TIDE_CORS_ORIGINS",
+                                  description="origins browsers may call the API from (CORS: preflight answered, "
+                                              "Access-Control-* headers sent); * = any; empty = no CORS headers")
     tokenize_timeout_s: Seconds = Field(10.0, description="time budget for tokenizing one request's prompts "
                                                           "(503 when over it)")
     # /v1/status: where the other services are (empty: not shown) and tide up's process table
