@@ -37,6 +37,7 @@ from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.probe import grpc_serving, http_ok
 from tide.resources import cpus_left, parse_cpus, started_on
 from tide.servers import LOOPBACK, RedisServer, S3Server, ServerError, die_with_parent_command, free_port
+from tools.stackfile import remove_pointer, write_pointer
 from tools.supervisor import Supervisor, Unit
 
 SERVICES = ("registry", "trainer", "controller", "inference", "gateway")  # start order
@@ -338,11 +339,13 @@ def up(cfg: StackConfig, out=sys.stdout) -> int:
     try:
         stack.say(f"starting the TIDE stack (target {cfg.target}, {cfg.workers} worker(s)); logs in {stack.run_dir}")
         ep = stack.start()
+        write_pointer(cfg.data_dir, stack.run_dir)  # tidectl finds this stack by it
         base = f"http://{ep.gateway_host}:{ep.gateway_port}"
         stack.say(f"stack ready in {time.monotonic() - t0:.1f} s: {base}\n"
                   f"  OpenAI API base URL: {base}/v1\n"
-                  f"  admin: TIDE_REGISTRY_ADDR={ep.registry} TIDE_ADMIN_TOKEN=$(cat {stack.run_dir}/admin-token) "
-                  f"tidectl drafts list\n  Ctrl-C stops everything")
+                  f"  admin: tidectl drafts list (finds this stack; from elsewhere TIDE_REGISTRY_ADDR={ep.registry} "
+                  f"TIDE_ADMIN_TOKEN=$(cat {stack.run_dir.resolve()}/admin-token))\n"
+                  f"  status page: {base}/dashboard\n  Ctrl-C stops everything")
         while not stop.wait(0.5):
             stack.supervise()
         stack.say("stopping")
@@ -352,6 +355,7 @@ def up(cfg: StackConfig, out=sys.stdout) -> int:
         return 1
     finally:
         stack.stop()
+        remove_pointer(cfg.data_dir, stack.run_dir)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         stack.say("stopped")

@@ -122,6 +122,18 @@ def test_tide_up_serves_keeps_the_workers_cpus_and_ctrl_c_stops_everything(chat_
         while telemetry_records() <= 0 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert telemetry_records() > 0  # worker -> Redis stream -> controller
+        # tidectl finds this stack (address and admin token) from the directory it was started in
+        tidectl = [os.path.join(os.path.dirname(sys.executable), "tidectl"), "--json"]
+        bare_env = {k: v for k, v in os.environ.items() if k not in ("TIDE_REGISTRY_ADDR", "TIDE_ADMIN_TOKEN",
+                                                                        "TIDE_DATA_DIR")}
+        listed = subprocess.run([*tidectl, "drafts", "list"], cwd=tmp_path, env=bare_env, capture_output=True,
+                                text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert "drafts" in json.loads(listed.stdout)
+        # a write needs the admin token: found too (NOT_FOUND for an unknown version, not UNAUTHENTICATED)
+        pinned = subprocess.run([*tidectl, "drafts", "pin", "nobody/v0001"], cwd=tmp_path, env=bare_env,
+                                capture_output=True, text=True, timeout=60)
+        assert pinned.returncode == 3, pinned.stderr
         pids = list(state["pids"].values())
         assert all(alive(p) for p in pids)
         if worker_cpu:  # every thread of the worker on its CPU, every other process's off it
@@ -136,6 +148,7 @@ def test_tide_up_serves_keeps_the_workers_cpus_and_ctrl_c_stops_everything(chat_
         assert up.proc.wait(90) == 0, up.text
         assert "stopped" in up.text
         assert [p for p in pids if alive(p)] == []
+        assert not (data / "current-stack.json").exists()  # a stopped stack is not found any more
     finally:
         if up.proc.poll() is None:
             up.proc.kill()

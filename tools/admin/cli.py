@@ -10,7 +10,9 @@
     tidectl drafts watch    TARGET                           print each assignment change (Ctrl-C stops)
 
 Common options (before or after the subcommand): `--registry host:port` (else $TIDE_REGISTRY_ADDR,
-else 127.0.0.1:50055), `--token` (else $TIDE_ADMIN_TOKEN; needed for pin/unpin/promote/rollback),
+else the registry of the `tide up` stack running from ./var or $TIDE_DATA_DIR — found through its
+current-stack.json, see tools.stackfile — else 127.0.0.1:50055), `--token` (else $TIDE_ADMIN_TOKEN,
+else that stack's admin-token file; needed for pin/unpin/promote/rollback),
 `--json` (machine-readable output on stdout), `--timeout` seconds. A target can also be given as
 `--target`; when omitted and the registry knows exactly one target, that one is used.
 
@@ -33,6 +35,7 @@ import grpc
 from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.registry_client import REGISTRY_ADDR_ENV, RegistryClient
 from tools.admin import render
+from tools.stackfile import find_stack
 
 _VERSION_RE = re.compile(r".+/v[0-9]{4,}")
 EXIT_CODES = {
@@ -182,10 +185,22 @@ def _user() -> str:
         return "unknown"
 
 
+def _connection(args) -> tuple[str | None, str | None]:
+    """(registry address, admin token): the flags, else the environment, else the local stack's."""
+    address = args.registry or os.environ.get(REGISTRY_ADDR_ENV) or None
+    token = args.token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    if address is None:
+        stack = find_stack()
+        if stack is not None and stack.endpoints.get("registry"):
+            address = str(stack.endpoints["registry"])
+            token = token or stack.admin_token
+    return address, token
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    token = args.token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    client = RegistryClient(args.registry, token=token, actor=f"tidectl:{_user()}", timeout_s=args.timeout)
+    address, token = _connection(args)
+    client = RegistryClient(address, token=token, actor=f"tidectl:{_user()}", timeout_s=args.timeout)
     try:
         return run(args, client)
     except UsageError as e:
