@@ -22,6 +22,7 @@ from minio import Minio
 from services.inference.control import make_drafter
 from services.inference.drafts import DRAFTER_NAME, DraftWatcher
 from services.inference.exporter import ChunkExporter
+from services.inference.live import LiveStats
 from services.inference.server import serve
 from services.inference.settings import InferenceSettings
 from services.inference.telemetry import TelemetryPublisher
@@ -185,9 +186,11 @@ def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: 
                     device=str(model.device))
     drafts.attach(functools.partial(worker.offer_drafter, DRAFTER_NAME))
     engine.step_listeners.append(telemetry.publish)
+    live = LiveStats()
+    engine.step_listeners.append(live.observe)
     telemetry.start()
     exporter.start()
     worker.start()
     server = serve(worker, settings.listen, settings.admin_token,
-                   max_workers=settings.max_batch + settings.max_queue + 8, drafts=drafts)
+                   max_workers=settings.max_batch + settings.max_queue + 8, drafts=drafts, live=live)
     return InferenceService(settings, worker, server, telemetry, exporter, drafts)

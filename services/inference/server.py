@@ -19,6 +19,7 @@ import grpc
 
 from services.inference.control import Outcome, WorkerStatus
 from services.inference.drafts import DraftsReport, DraftWatcher, Refusal
+from services.inference.live import LiveSnapshot, LiveStats
 from services.inference.requests import (
     ErrorEvent,
     ErrorKind,
@@ -137,6 +138,19 @@ def status_pb(s: WorkerStatus, drafts: DraftsReport | None = None) -> inference_
     return out
 
 
+def live_pb(s: LiveSnapshot) -> inference_pb2.WorkerLive:
+    """What the engine did lately (live.py): tokens/s, acceptance per draft version, γ per batch bucket."""
+    return inference_pb2.WorkerLive(
+        tokens_per_s=s.tokens_per_s, window_s=s.window_s, tokens_total=s.tokens_total, steps_total=s.steps_total,
+        drafts=[inference_pb2.DraftAcceptance(draft_version=version, drafter=v.drafter, verify_rows=v.verify_rows,
+                                              draft_tokens=v.draft_tokens, accepted_tokens=v.accepted_tokens,
+                                              last_unix_s=v.last_unix_s) for version, v in s.drafts.items()],
+        gamma=[inference_pb2.GammaBucket(min_batch=lo, max_batch=hi, steps=b.steps,
+                                         speculative_steps=b.speculative_steps, gamma_sum=b.gamma_sum,
+                                         speculative_rows=b.speculative_rows, last_gamma=b.last_gamma)
+               for (lo, hi), b in s.gamma.items()])
+
+
 # ------------------------------------------------------------------------------------ servicer
 
 
@@ -145,14 +159,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     `drafts`: the worker's registry drafts (their version and refusals go into its status)."""
 
     def __init__(self, worker: Worker, poll_s: float = 0.5, decision_timeout_s: float = 30.0,
-                 drafts: DraftWatcher | None = None) -> None:
+                 drafts: DraftWatcher | None = None, live: LiveStats | None = None) -> None:
         self.worker, self.poll_s, self.decision_timeout_s = worker, poll_s, decision_timeout_s
-        self.drafts = drafts
+        self.drafts, self.live = drafts, live
 
     def _status(self, status: WorkerStatus) -> inference_pb2.WorkerStatus:
         """The status message; `max_model_len` is this worker's context (the gateway serves the smallest)."""
         out = status_pb(status, self.drafts.report() if self.drafts is not None else None)
         out.max_model_len = self.worker.engine.config.max_seq_len
+        if self.live is not None:
+            out.live.CopyFrom(live_pb(self.live.snapshot()))
         return out
 
     def Generate(self, request, context):
@@ -216,11 +232,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
 
 def serve(worker: Worker, address: str, admin_token: str | None, max_workers: int = 64,
-          drafts: DraftWatcher | None = None) -> GrpcServer:
+          drafts: DraftWatcher | None = None, live: LiveStats | None = None) -> GrpcServer:
     """Start the gRPC server (health SERVING from here on: call once the model is loaded)."""
     server = GrpcServer(address, admin_token=admin_token, max_workers=max_workers)
     server.add_service(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
-                       InferenceServicer(worker, drafts=drafts), SERVICE_NAME)
+                       InferenceServicer(worker, drafts=drafts, live=live), SERVICE_NAME)
     server.start()
     log.info("inference service listening on %s", server.target)
     return server

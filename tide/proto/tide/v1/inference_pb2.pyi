@@ -183,7 +183,7 @@ class GetWorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "model_id", "engine", "device", "running_requests", "waiting_requests", "max_batch_size", "load", "kv_cache_usage", "draft_version", "drafter", "gamma_policy", "speculation", "collection_enabled", "last_decision_id", "uptime_s", "max_model_len", "registry_draft_version", "wanted_draft_version", "draft_refusals")
+    __slots__ = ("worker_id", "model_id", "engine", "device", "running_requests", "waiting_requests", "max_batch_size", "load", "kv_cache_usage", "draft_version", "drafter", "gamma_policy", "speculation", "collection_enabled", "last_decision_id", "uptime_s", "max_model_len", "registry_draft_version", "wanted_draft_version", "draft_refusals", "live")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class WorkerStatus(_message.Message):
     REGISTRY_DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WANTED_DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_id: str
     engine: str
@@ -224,7 +225,58 @@ class WorkerStatus(_message.Message):
     registry_draft_version: str
     wanted_draft_version: str
     draft_refusals: _containers.RepeatedCompositeFieldContainer[DraftRefusal]
-    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., draft_version: _Optional[str] = ..., drafter: _Optional[str] = ..., gamma_policy: _Optional[_Union[GammaPolicy, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSchedule, _Mapping]] = ..., collection_enabled: _Optional[bool] = ..., last_decision_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_model_len: _Optional[int] = ..., registry_draft_version: _Optional[str] = ..., wanted_draft_version: _Optional[str] = ..., draft_refusals: _Optional[_Iterable[_Union[DraftRefusal, _Mapping]]] = ...) -> None: ...
+    live: WorkerLive
+    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., draft_version: _Optional[str] = ..., drafter: _Optional[str] = ..., gamma_policy: _Optional[_Union[GammaPolicy, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSchedule, _Mapping]] = ..., collection_enabled: _Optional[bool] = ..., last_decision_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_model_len: _Optional[int] = ..., registry_draft_version: _Optional[str] = ..., wanted_draft_version: _Optional[str] = ..., draft_refusals: _Optional[_Iterable[_Union[DraftRefusal, _Mapping]]] = ..., live: _Optional[_Union[WorkerLive, _Mapping]] = ...) -> None: ...
+
+class WorkerLive(_message.Message):
+    __slots__ = ("tokens_per_s", "window_s", "tokens_total", "steps_total", "drafts", "gamma")
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    tokens_per_s: float
+    window_s: float
+    tokens_total: int
+    steps_total: int
+    drafts: _containers.RepeatedCompositeFieldContainer[DraftAcceptance]
+    gamma: _containers.RepeatedCompositeFieldContainer[GammaBucket]
+    def __init__(self, tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., tokens_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., drafts: _Optional[_Iterable[_Union[DraftAcceptance, _Mapping]]] = ..., gamma: _Optional[_Iterable[_Union[GammaBucket, _Mapping]]] = ...) -> None: ...
+
+class DraftAcceptance(_message.Message):
+    __slots__ = ("draft_version", "drafter", "verify_rows", "draft_tokens", "accepted_tokens", "last_unix_s")
+    DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    draft_version: str
+    drafter: str
+    verify_rows: int
+    draft_tokens: int
+    accepted_tokens: int
+    last_unix_s: float
+    def __init__(self, draft_version: _Optional[str] = ..., drafter: _Optional[str] = ..., verify_rows: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., last_unix_s: _Optional[float] = ...) -> None: ...
+
+class GammaBucket(_message.Message):
+    __slots__ = ("min_batch", "max_batch", "steps", "speculative_steps", "gamma_sum", "speculative_rows", "last_gamma")
+    MIN_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_SUM_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LAST_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    min_batch: int
+    max_batch: int
+    steps: int
+    speculative_steps: int
+    gamma_sum: int
+    speculative_rows: int
+    last_gamma: int
+    def __init__(self, min_batch: _Optional[int] = ..., max_batch: _Optional[int] = ..., steps: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., gamma_sum: _Optional[int] = ..., speculative_rows: _Optional[int] = ..., last_gamma: _Optional[int] = ...) -> None: ...
 
 class DraftRefusal(_message.Message):
     __slots__ = ("version", "reason", "detail", "time_unix_s")
