@@ -156,17 +156,23 @@ def _listens_on(pid: int, port: int) -> bool:
 # not die before that, then execs the real command. Done in a small Python wrapper rather than a
 # preexec_fn: a preexec_fn makes Python fork() the whole parent, which can deadlock inside gRPC's
 # fork handlers once the parent has used gRPC; without one, Python spawns with vfork().
+# With "idle" it also switches to SCHED_IDLE before the exec, so every thread the command starts
+# inherits it (Go and torch start threads early; setting a running process's policy later would miss them).
 _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
-                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
+                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
+                    "sys.argv[2] == 'idle' and os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+                    "os.execv(sys.argv[3], sys.argv[3:])")
 
 
-def die_with_parent_command(cmd: list[str]) -> list[str]:
+def die_with_parent_command(cmd: list[str], idle_priority: bool = False) -> list[str]:
     """`cmd` wrapped so that it dies with this process (Linux; elsewhere `cmd` itself).
 
-    `cmd[0]` must be a path (it is exec'd without a PATH search)."""
+    `idle_priority`: it runs under SCHED_IDLE — it gets a CPU only when no normal-priority thread
+    wants it, so a background service never takes cycles from serving (no privilege needed to
+    lower one's own policy). `cmd[0]` must be a path (it is exec'd without a PATH search)."""
     if not sys.platform.startswith("linux"):
         return cmd
-    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), "idle" if idle_priority else "normal", *cmd]
 
 
 class _ManagedProcess:
@@ -184,6 +190,7 @@ class _ManagedProcess:
         startup_timeout_s: float,
         die_with_parent: bool,
         stop_timeout_s: float = 10.0,
+        idle_priority: bool = False,
     ):
         # the binary first: a missing one leaves no work dir behind
         self.binary = _checked(binary, self.executable) if binary else self._find_binary()
@@ -197,6 +204,7 @@ class _ManagedProcess:
         self.log_path = self.workdir / f"{self.name}.log"
         self.startup_timeout_s = startup_timeout_s
         self.die_with_parent = die_with_parent
+        self.idle_priority = idle_priority  # SCHED_IDLE (needs die_with_parent's wrapper, Linux)
         self.stop_timeout_s = stop_timeout_s
         self.startup_s: float | None = None  # measured wall time from spawn to ready
         self._proc: subprocess.Popen | None = None
@@ -256,7 +264,7 @@ class _ManagedProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)  # stop() may have removed it
         cmd = self._command()
         if self.die_with_parent:
-            cmd = die_with_parent_command(cmd)
+            cmd = die_with_parent_command(cmd, self.idle_priority)
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -342,9 +350,10 @@ class RedisServer(_ManagedProcess):
         stop_timeout_s: float = 10.0,
         die_with_parent: bool = True,
         appendonly: bool = False,
+        idle_priority: bool = False,
     ):
         super().__init__(port, binary=binary, workdir=workdir, startup_timeout_s=startup_timeout_s,
-                         stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
+                         stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent, idle_priority=idle_priority)
         self.password = password
         self.appendonly = appendonly
 
@@ -434,9 +443,10 @@ class S3Server(_ManagedProcess):
         startup_timeout_s: float = 30.0,
         stop_timeout_s: float = 5.0,
         die_with_parent: bool = True,
+        idle_priority: bool = False,
     ):
         super().__init__(port, binary=binary, workdir=workdir, startup_timeout_s=startup_timeout_s,
-                         stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent)
+                         stop_timeout_s=stop_timeout_s, die_with_parent=die_with_parent, idle_priority=idle_priority)
         self.access_key = access_key or "tide" + secrets.token_hex(6)
         self.secret_key = secret_key or secrets.token_hex(16)
         self._ports: dict[str, int] = {}

@@ -21,6 +21,9 @@ def add_up_parser(subparsers) -> None:
                    help="run logs (run-<time>/), S3 data and trainer outputs [var]")
     p.add_argument("--no-collection", action="store_true", help="do not collect hidden states for training")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take to start")
+    p.add_argument("--background-priority", choices=("idle", "normal"), default="idle",
+                   help="CPU priority of registry, trainer, controller, Redis and S3: idle (SCHED_IDLE) leaves "
+                        "every cycle serving wants to the workers and the gateway [idle]")
     p.set_defaults(func=_up)
 
 
@@ -32,7 +35,8 @@ def _up(args) -> int:
         return 2
     return up(StackConfig(port=args.port, workers=args.workers, target=args.target, drafter=args.drafter,
                           data_dir=args.data_dir, collection=not args.no_collection,
-                          startup_timeout_s=args.startup_timeout))
+                          startup_timeout_s=args.startup_timeout,
+                          background_idle=args.background_priority == "idle"))
 
 
 def add_bench_parser(subparsers) -> None:

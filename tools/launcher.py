@@ -65,6 +65,7 @@ class StackConfig:
     drafter: str = "eagle3"  # the registry's current draft; n-gram until one exists
     data_dir: Path = Path("var")
     collection: bool = True
+    background_idle: bool = True  # BACKGROUND services under SCHED_IDLE
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
     # Extra variables per service name ("inference" = every worker), merged last over service_env's
@@ -154,24 +155,33 @@ def service_command(name: str) -> list[str]:
 # -------------------------------------------------------------------------------------- process
 
 
-def spawn_command(cmd: list[str]) -> list[str]:
-    """`cmd` wrapped so that it dies with the launcher (see tide.servers.die_with_parent_command)."""
-    return die_with_parent_command(cmd)
+# Background services run under SCHED_IDLE (the workers and the gateway do not): on a small machine
+# they then only use cycles serving leaves — the trainer's rounds, Redis, S3, the registry and the
+# controller never delay a token. None of them is on a request's path: the gateway talks to the
+# workers alone, and the workers reach Redis / S3 / the registry from background threads.
+BACKGROUND = frozenset({"registry", "trainer", "controller", "redis", "s3"})
+
+
+def spawn_command(cmd: list[str], idle_priority: bool = False) -> list[str]:
+    """`cmd` wrapped so that it dies with the launcher, optionally at idle priority (see
+    tide.servers.die_with_parent_command)."""
+    return die_with_parent_command(cmd, idle_priority)
 
 
 class ServiceProcess:
     """One service: a subprocess in its own session (Ctrl-C reaches only the launcher), logging to a file."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, address: str, probe) -> None:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, address: str, probe,
+                 idle_priority: bool = False) -> None:
         self.name, self.cmd, self.env, self.log_path, self.probe = name, cmd, env, log_path, probe
-        self.address = address
+        self.address, self.idle_priority = address, idle_priority
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None  # spawn -> healthy
 
     def start(self) -> None:
         self._t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(spawn_command(self.cmd), env={**os.environ, **self.env},
+            self.proc = subprocess.Popen(spawn_command(self.cmd, self.idle_priority), env={**os.environ, **self.env},
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
@@ -232,9 +242,11 @@ class Stack:
                      f"the other services start on CPUs {sorted(self.service_cpus)}")
         try:
             with started_on(self.service_cpus):
-                redis = RedisServer(workdir=Path(self.cfg.data_dir) / "redis", appendonly=True).start()
+                idle = self.cfg.background_idle
+                redis = RedisServer(workdir=Path(self.cfg.data_dir) / "redis", appendonly=True,
+                                    idle_priority=idle).start()
                 self.servers.append(redis)
-                s3 = S3Server(workdir=Path(self.cfg.data_dir) / "s3").start()
+                s3 = S3Server(workdir=Path(self.cfg.data_dir) / "s3", idle_priority=idle).start()
                 self.servers.append(s3)
             self.say(f"redis ready on {redis.url} ({redis.startup_s:.1f} s, pid {redis.pid})\n"
                      f"s3 ready on {s3.url} ({s3.startup_s:.1f} s, pid {s3.pid}; data in {s3.workdir})")
@@ -306,7 +318,8 @@ class Stack:
                 name) or ep.workers[index]
             probe = lambda: grpc_serving(address)  # noqa: E731
         p = ServiceProcess(label, service_command(name), service_env(name, self.cfg, ep, index),
-                           self.run_dir / f"{label}.log", address, probe)
+                           self.run_dir / f"{label}.log", address, probe,
+                           idle_priority=self.cfg.background_idle and name in BACKGROUND)
         self.processes.append(p)
         with started_on(self._cpus_for(name)):
             p.start()

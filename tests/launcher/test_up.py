@@ -136,6 +136,11 @@ def test_tide_up_serves_keeps_the_workers_cpus_and_ctrl_c_stops_everything(chat_
         assert pinned.returncode == 3, pinned.stderr
         pids = list(state["pids"].values())
         assert all(alive(p) for p in pids)
+        # background services under SCHED_IDLE, every thread; serving at normal priority
+        for name, pid in state["pids"].items():
+            policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+            expected = os.SCHED_OTHER if name in ("inference-0", "gateway") else os.SCHED_IDLE
+            assert policies == {expected}, name
         if worker_cpu:  # every thread of the worker on its CPU, every other process's off it
             rest = frozenset(cpus[1:])
             assert state["service_cpus"] == sorted(rest)
