@@ -24,6 +24,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway import dashboard
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import OpenAIError, http_error, invalid_request
 from services.gateway.metrics import GatewayMetrics, MetricsMiddleware, endpoint_label
@@ -170,6 +171,7 @@ def create_app(
     app = FastAPI(**APP_INFO, lifespan=lifespan)
     app.state.gateway = state
     app.include_router(router)
+    app.include_router(dashboard.router)  # GET /dashboard, /v1/status/history and the status sampler
 
     def openapi() -> dict:
         if app.openapi_schema is None:
