@@ -63,11 +63,13 @@ def worker_status(address: str, timeout_s: float = 5.0) -> inference_pb2.WorkerS
 
 
 def start_worker(
-    target: Path, log_dir: Path, port: int = 0, timeout_s: float = 120.0, max_seq_len: int = MAX_MODEL_LEN
+    target: Path, log_dir: Path, port: int = 0, timeout_s: float = 120.0, max_seq_len: int = MAX_MODEL_LEN,
+    env: dict[str, str] | None = None,
 ) -> WorkerProcess:
     """Start the inference service for `target` on `port` (0 = a free one) with a context of `max_seq_len`
     tokens and wait until it answers GetStatus. Redis and S3 point at closed ports: the worker serves
-    without them (it drops telemetry and chunks, as designed), which is all the gateway needs."""
+    without them (it drops telemetry and chunks, as designed), which is all the gateway needs; `env`
+    overrides any variable (e.g. a real Redis and S3)."""
     port = port or free_port()
     env = {
         **os.environ,
@@ -83,6 +85,7 @@ def start_worker(
         "TIDE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
         "TIDE_S3_ENDPOINT": f"127.0.0.1:{free_port()}",
         "TIDE_SHUTDOWN_GRACE_S": "0",
+        **(env or {}),
     }
     log = log_dir / f"worker-{port}.log"
     with log.open("wb") as out:
