@@ -41,6 +41,19 @@ class SamplingOptions:
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per generated token's logprob; None = off
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo); None = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    constraint: Constraint | None = None  # the language the output must belong to; None = any text
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """tide.v1.SamplingParams.constraint: `kind` names the oneof field ("json_object", "json_schema",
+    "regex", "grammar"), `value` its text (a JSON Schema as JSON text, ...; unused for json_object)."""
+
+    kind: str
+    value: str = ""
 
 
 @dataclass(frozen=True)
@@ -179,6 +192,13 @@ def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
         sampling.logprobs = s.logprobs
     if s.prompt_logprobs is not None:
         sampling.prompt_logprobs = s.prompt_logprobs
+    for token, bias in s.logit_bias:
+        sampling.logit_bias[token] = bias
+    sampling.presence_penalty = s.presence_penalty
+    sampling.frequency_penalty = s.frequency_penalty
+    if s.constraint is not None:
+        kind = s.constraint.kind
+        setattr(sampling, kind, True if kind == "json_object" else s.constraint.value)
     msg = inference_pb2.GenerateRequest(
         request_id=request.request_id,
         sampling=sampling,

@@ -53,6 +53,12 @@ def unsupported_parameter(param: str, why: str = "") -> OpenAIError:
     return OpenAIError(400, f"Unsupported parameter '{param}'{detail}.", param=param, code="unsupported_parameter")
 
 
+def unrecognized_argument(param: str) -> OpenAIError:
+    """A request parameter the API does not have (OpenAI's message for it)."""
+    shown = param if len(param) <= 64 else f"{param[:64]}..."
+    return OpenAIError(400, f"Unrecognized request argument supplied: {shown}", param=shown, code="unknown_parameter")
+
+
 def context_length_exceeded(message: str, param: str = "messages") -> OpenAIError:
     return OpenAIError(400, message, param=param, code="context_length_exceeded")
 

@@ -1,15 +1,18 @@
 """Request and response models of the OpenAI-compatible API (fields in the order of OpenAI's docs).
 
-Unknown fields are handled deliberately, in three groups:
-- supported: validated here (types and ranges) and by the serving layer (limits that depend on
-  the model, such as the context length and the largest `n`);
-- known but unsupported *and semantics-changing* (`tools`, `response_format` other than text,
-  `logit_bias`, penalties, ...): declared, and refused with a 400 naming the parameter by
-  `unsupported()` unless the value is a no-op (`tools: []`, ...);
-- harmless (`user`, `metadata`, `store`, `service_tier`, `prediction`, ...) and unknown fields:
-  accepted and ignored (unknown ones are logged).
-TIDE extensions (sent with the client's `extra_body`): `speculative` (false = plain decode),
-`workload` (a tag carried into telemetry), `top_k`, `ignore_eos`, `stop_token_ids`.
+Request fields are handled as OpenAI handles them:
+- every parameter of OpenAI's API is declared; the supported ones are validated here (types and
+  OpenAI's ranges: `stop` at most 4 strings, `top_logprobs` 0..20, `logit_bias` token-id keys with
+  values in [-100, 100], penalties in [-2, 2], ...) and by the serving layer (limits that depend on
+  the model: the context length, the vocabulary, the largest `n`);
+- known but unsupported parameters (`audio`, `functions`, `suffix`, ...) are refused with a 400
+  naming the parameter by `unsupported()`, unless the value is a no-op (`modalities: ["text"]`, ...);
+- hints that do not change the output (`user`, `metadata`, `store`, `service_tier`, `prediction`,
+  `prompt_cache_key`, ...) are accepted and ignored;
+- anything else is a 400 "Unrecognized request argument supplied: <name>" naming it, except the
+  TIDE extensions (sent with the client's `extra_body`), declared once in `TideExtensions`:
+  `speculative` (false = plain decode), `workload` (a tag carried into telemetry), `top_k`,
+  `ignore_eos`, `stop_token_ids`.
 
 Every number that reaches the worker's protobuf request (tide.v1.SamplingParams, TokenIds) is
 bounded here to what its field holds (uint32 token ids, max_tokens and top_k; the seed taken mod
@@ -24,25 +27,33 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    RootModel,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
-from services.gateway.errors import OpenAIError, invalid_request, unsupported_parameter
+from services.gateway.errors import OpenAIError, invalid_request, unrecognized_argument, unsupported_parameter
 from tide.speculation import SpeculationStats
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # taken mod 2^64 for SamplingParams.seed (uint64)
 U32_MAX = 2**32 - 1  # SamplingParams.max_tokens, top_k, stop_token_ids and TokenIds are uint32
 MAX_JSON_DEPTH = 64  # nesting levels of a request body, the body object being level 1
+MAX_STOP = 4  # OpenAI: up to 4 stop sequences
+MAX_TOOLS = 128  # OpenAI: at most 128 functions
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # function and json_schema names (OpenAI)
 TokenId = Annotated[int, Field(ge=0, le=U32_MAX)]
-TIDE_EXTENSIONS = ("speculative", "workload", "top_k", "ignore_eos", "stop_token_ids")
-# vLLM extensions a client may send that we do not implement and that change the output.
-# fmt: off
-_FOREIGN_SEMANTIC = ("min_tokens", "repetition_penalty", "min_p", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "structured_outputs", "use_beam_search", "prompt_logprobs", "length_penalty",
-                     "bad_words", "allowed_token_ids")
-# fmt: on
+Bias = Annotated[float, Field(ge=-100, le=100)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)]
 
 
 # A refused parameter: (is this value harmless?, why other values are refused, JSON schema of the harmless values)
@@ -67,8 +78,26 @@ def _request_schema(schema: dict[str, Any], cls: type) -> None:
         properties[name] = {**outer, "anyOf": [inner, {"type": "null"}]}
 
 
-class _Request(BaseModel):
-    """Common request behaviour: unknown fields kept aside (and ignored), semantic ones refused."""
+class TideExtensions(BaseModel):
+    """TIDE's request parameters beyond OpenAI's (the client's `extra_body`), on both endpoints; the
+    one declared list of them (`TIDE_EXTENSIONS`)."""
+
+    speculative: bool | None = Field(
+        None,
+        description="TIDE: false = plain decoding; true = speculate even "
+        "where the policy would not; unset = the worker's policy",
+    )
+    workload: str = Field("", description="TIDE: a workload tag carried into telemetry")
+    top_k: int = Field(default=0, ge=-1, le=U32_MAX, description="TIDE: keep the k most likely tokens; 0 or -1: off")
+    ignore_eos: bool = Field(False, description="TIDE: keep generating past the end-of-sequence token")
+    stop_token_ids: list[TokenId] = Field(default_factory=list, description="TIDE: token ids that end the output")
+
+
+TIDE_EXTENSIONS = tuple(TideExtensions.model_fields)
+
+
+class _Request(TideExtensions):
+    """Common request behaviour: declared fields only (`unknown()`), unsupported ones refused."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_request_schema)
     unsupported_params: ClassVar[dict[str, Unsupported]] = {}
@@ -80,18 +109,30 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def unsupported(self) -> OpenAIError | None:
-        """The first set parameter we cannot honour without changing the result, as a 400."""
+        """The first unknown parameter, or the first set parameter we cannot honour, as a 400."""
+        if self.model_extra:
+            return unrecognized_argument(next(iter(self.model_extra)))
         for name, (harmless, why, _) in self.unsupported_params.items():
             if name in self.model_fields_set and not harmless(getattr(self, name)):
                 return unsupported_parameter(name, why)
-        for name in _FOREIGN_SEMANTIC:
-            if self.model_extra and self.model_extra.get(name) not in (None, [], {}, False):
-                return unsupported_parameter(name, "not implemented by this server")
         return None
 
-    def ignored_fields(self) -> list[str]:
-        """Unknown fields the request carried (ignored)."""
-        return sorted(self.model_extra or ())
+    def stops(self) -> list[str]:
+        stop = getattr(self, "stop", None)
+        return stop if isinstance(stop, list) else [stop] if stop else []
+
+    @field_validator("logit_bias", check_fields=False)
+    @classmethod
+    def _token_id_keys(cls, value):
+        """OpenAI's logit_bias keys are token ids written as strings ("50256"); kept as ints."""
+        if value is None:
+            return value
+        out = {}
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()) or int(key) > U32_MAX:
+                raise ValueError(f'keys must be token ids (decimal strings such as "50256"), got {key[:32]!r}')
+            out[int(key)] = bias
+        return out
 
 
 class StreamOptions(BaseModel):
@@ -103,14 +144,25 @@ def _no(v: Any) -> bool:
     return not v
 
 
-_ZERO: dict[str, Any] = {"type": "number", "const": 0}
+def _tagged(*members: type[BaseModel], what: str = "type") -> Any:
+    """A union of models told apart by their `type` literal, whose validation errors name the
+    parameter (the union's tags are dropped from error locations, see errors._loc)."""
+    tags = {m.model_fields["type"].annotation.__args__[0]: m for m in members}
+
+    def tag(value: Any) -> str | None:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return f"tagged-union-{kind}" if isinstance(kind, str) and kind in tags else None
+
+    union = tuple(Annotated[m, Tag(f"tagged-union-{k}")] for k, m in tags.items())
+    expected = ", ".join(repr(k) for k in tags)
+    return Annotated[
+        Union[union],  # noqa: UP007 - a union built from a tuple
+        Discriminator(tag, custom_error_type="invalid_value", custom_error_message=f"{what} must be one of {expected}"),
+    ]
+
+
 _NONE: dict[str, Any] = {"type": "null"}
 _EMPTY_LIST: dict[str, Any] = {"type": "array", "maxItems": 0}
-_COMMON_UNSUPPORTED: dict[str, Unsupported] = {
-    "frequency_penalty": (_no, "only 0 is supported", _ZERO),
-    "logit_bias": (_no, "logit biases are not supported", {"type": "object", "maxProperties": 0}),
-    "presence_penalty": (_no, "only 0 is supported", _ZERO),
-}
 MAX_PROMPTS = 64  # prompts in one completion request
 _TEXT_PART = {
     "type": "object",
@@ -119,23 +171,106 @@ _TEXT_PART = {
 }
 
 
+# ------------------------------------------------------------------------------------ tools
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object; absent = no parameters
+    strict: bool | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    """A call as the model made it: the function's name and its arguments as JSON text."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# ------------------------------------------------------------------------------------ response_format
+
+
+class ResponseFormatText(BaseModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(BaseModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema object")
+    strict: bool | None = None
+
+
+class ResponseFormatJsonSchema(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = _tagged(ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema)
+
+
+# ------------------------------------------------------------------------------------ messages
+
+
 def _message_schema(schema: dict[str, Any]) -> None:
-    """A message as the server takes it: text parts only, no tool calls, content unless an assistant's."""
+    """A message as the server takes it: text parts only; content unless an assistant's; a tool
+    message's tool_call_id."""
     properties = schema["properties"]
     properties["content"]["anyOf"][1]["items"] = _TEXT_PART
-    properties["tool_calls"] = {"anyOf": [_EMPTY_LIST, _NONE], "description": "Not supported: only empty or null."}
-    schema["if"] = {"properties": {"role": {"const": "assistant"}}}
-    schema["else"] = {"required": ["content"], "properties": {"content": {"not": _NONE}}}
+    schema["allOf"] = [
+        {
+            "if": {"properties": {"role": {"const": "assistant"}}},
+            "else": {"required": ["content"], "properties": {"content": {"not": _NONE}}},
+        },
+        {
+            "if": {"properties": {"role": {"const": "tool"}}},
+            "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+        },
+    ]
 
 
 class ChatMessage(BaseModel):
-    """One input message. Text content only; tool and function messages are refused."""
+    """One input message. Text content only; an assistant's may carry `tool_calls` (its content may
+    then be null), a tool's answers the call `tool_call_id`."""
 
     model_config = ConfigDict(extra="ignore", json_schema_extra=_message_schema)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -148,11 +283,13 @@ class ChatMessage(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _plain_message(self):
-        if self.tool_calls:
-            raise ValueError("tool calls are not supported")
+    def _well_formed(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
     def text(self) -> str:
@@ -167,54 +304,51 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     model: str
     audio: Any = None
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Penalty | None = None
     function_call: Any = None
     functions: Any = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: dict[str, Bias] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     logprobs: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1, le=U32_MAX)
     max_tokens: int | None = Field(default=None, ge=1, le=U32_MAX)
     metadata: Any = None
     modalities: list[str] | None = None
+    moderation: Any = None
     n: int = Field(default=1, ge=1, le=U32_MAX)
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     prediction: Any = None  # a latency hint only: ignoring it does not change the output
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: Penalty | None = None
+    prompt_cache_key: Any = None  # caching hints: ignoring them does not change the output
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
     reasoning_effort: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    safety_identifier: str | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     service_tier: Any = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     store: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
-    tool_choice: Any = None
-    tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: Annotated[list[ChatCompletionTool], Field(max_length=MAX_TOOLS)] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     top_p: float | None = Field(default=None, ge=0, le=1)
     user: str | None = None
+    verbosity: Any = None
     web_search_options: Any = None
-    # TIDE extensions
-    speculative: bool | None = None
-    workload: str = ""
-    top_k: int = Field(default=0, ge=-1, le=U32_MAX)  # -1 and 0: disabled
-    ignore_eos: bool = False
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
 
     # fmt: off
     unsupported_params: ClassVar[dict[str, Unsupported]] = {
-        **_COMMON_UNSUPPORTED,
         "audio": (lambda v: v is None, "audio output is not supported", _NONE),
-        "function_call": (lambda v: v in (None, "none"), "function calling is not supported", {"const": "none"}),
-        "functions": (_no, "function calling is not supported", _EMPTY_LIST),
+        "function_call": (lambda v: v in (None, "none"), "the deprecated function calling is not supported; "
+                          "use tools and tool_choice", {"const": "none"}),
+        "functions": (_no, "the deprecated function calling is not supported; use tools", _EMPTY_LIST),
         "modalities": (lambda v: v is None or list(v) == ["text"], "only the text modality is supported",
                        {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
-        "response_format": (lambda v: v is None or v.get("type") == "text", "only {'type': 'text'} is supported",
-                            {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}),
-        "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported",
-                        {"enum": ["none", "auto"]}),
-        "tools": (_no, "tool calling is not supported", _EMPTY_LIST),
+        "moderation": (lambda v: v is None, "moderation is not supported", _NONE),
+        "verbosity": (lambda v: v in (None, "medium"), "only the default verbosity is supported", {"const": "medium"}),
         "web_search_options": (lambda v: v is None, "web search is not supported", _NONE),
     }
     # fmt: on
@@ -225,6 +359,35 @@ class ChatCompletionRequest(_Request):
         if not value:
             raise ValueError("messages must contain at least one message")
         return value
+
+    def check_tools(self) -> None:
+        """OpenAI: `required` or a named function needs `tools`, and the name must be one of them."""
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return
+        names = [t.function.name for t in self.tools or ()]
+        if not names:
+            raise invalid_request(
+                "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
+                "tool_choice",
+                "invalid_value",
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid_request(
+                f"Invalid value for 'tool_choice': no function named {choice.function.name[:64]!r} in 'tools'.",
+                "tool_choice",
+                "invalid_value",
+            )
+
+    def tool_mode(self) -> str:
+        """How tools are used: "none" (no tools offered, no parsing), "auto" (offered; calls parsed
+        from the output), "required" (at least one call, the output constrained to calls) or
+        "named" (one call of `tool_choice.function.name`)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
 
 class CompletionRequest(_Request):
@@ -237,29 +400,22 @@ class CompletionRequest(_Request):
     )
     best_of: int | None = Field(default=None, ge=1, le=20)
     echo: bool | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     logprobs: int | None = Field(default=None, ge=0, le=5)
     max_tokens: int = Field(default=16, ge=1, le=U32_MAX)
     n: int = Field(default=1, ge=1, le=U32_MAX)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: Penalty | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     suffix: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     user: str | None = None
-    # TIDE extensions
-    speculative: bool | None = None
-    workload: str = ""
-    top_k: int = Field(default=0, ge=-1, le=U32_MAX)  # -1 and 0: disabled
-    ignore_eos: bool = False
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
 
     unsupported_params: ClassVar[dict[str, Unsupported]] = {
-        **_COMMON_UNSUPPORTED,
         "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported", {"type": "integer", "const": 1}),
         "suffix": (_no, "suffix (insertion) is not supported", {"type": "string", "maxLength": 0}),
     }
@@ -387,10 +543,15 @@ class _Response(BaseModel):
     choices: list[_Choice]
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent)  # only when the model called tools
 
 
 class TopLogprob(BaseModel):
@@ -438,13 +599,26 @@ class ChatCompletionResponse(_Response):
     speculation: SpeculationInfo
 
 
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(None, exclude_if=_absent)
+    arguments: str | None = Field(None, exclude_if=_absent)
 
-    @model_serializer
-    def _drop_unset(self) -> dict:  # OpenAI sends {"role": ..., "content": ""}, {"content": ...}, {}
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: its first has `id`, `type` and the function's name (arguments
+    ""), the next ones more of the arguments; `index` says which call of the choice."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=_absent)
+    type: Literal["function"] | None = Field(None, exclude_if=_absent)
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(BaseModel):
+    # OpenAI sends {"role": ..., "content": ""}, {"content": ...}, {"tool_calls": [...]}, {}
+    role: Literal["assistant"] | None = Field(None, exclude_if=_absent)
+    content: str | None = Field(None, exclude_if=_absent)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=_absent)
 
 
 class ChatCompletionStreamChoice(_Choice):

@@ -9,6 +9,11 @@ Log probabilities are the target's, computed by the worker (tide.v1.SamplingPara
 entries follow the text (a token gets one once its text is out, none if its text never is), so they
 match the returned text token for token, stop strings and max_tokens included. A token's string is
 the token decoded alone (`token_text`), with its own UTF-8 bytes.
+
+Every response and chunk has a `system_fingerprint` naming what produced it: the TIDE build, the
+drafter and the draft version (`tide-<version>-<drafter>-<draft version or none>`). A response's
+(and a stream's last chunk's) come from the speculation stats of its generations; the chunks before
+the last use the draft the healthy workers serve when the stream starts.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from importlib import metadata
 from typing import Any
 
 from services.gateway.engine_client import (
+    Constraint,
     EngineClient,
     EngineError,
     ErrorKind,
@@ -50,12 +58,29 @@ from tide.speculation import SpeculationStats
 log = logging.getLogger(__name__)
 _U64 = 2**64
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: lower logprobs are reported as this (vLLM does the same)
+_CONSTRAINT_WORDS = re.compile(r"schema|grammar|constraint|regex|json", re.IGNORECASE)
 
 
-def to_openai_error(err: EngineError) -> OpenAIError:
-    """Map an engine failure to the HTTP status and body the client gets."""
+@lru_cache(maxsize=1)
+def build_version() -> str:
+    try:
+        return metadata.version("tide")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+def fingerprint(drafter: str, draft_version: str) -> str:
+    """`system_fingerprint`: tide-<build>-<drafter>-<draft version>, "none" for what is not there."""
+    return f"tide-{build_version()}-{drafter or 'none'}-{draft_version or 'none'}"
+
+
+def to_openai_error(err: EngineError, constraint_param: str | None = None) -> OpenAIError:
+    """Map an engine failure to the HTTP status and body the client gets. An invalid-argument answer
+    about the request's output constraint (a schema the grammar engine cannot compile) names
+    `constraint_param`, the request parameter it came from."""
     if err.kind is ErrorKind.INVALID:
-        return invalid_request(err.message)
+        param = constraint_param if constraint_param and _CONSTRAINT_WORDS.search(err.message) else None
+        return invalid_request(err.message, param, "invalid_value" if param else None)
     if err.kind is ErrorKind.CONTEXT_LENGTH:
         return context_length_exceeded(err.message)
     if err.kind is ErrorKind.LOST:
@@ -86,6 +111,13 @@ def sse(payload: dict | str) -> str:
     """One server-sent event carrying `payload` (a dict as JSON, or a literal like [DONE])."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
     return f"data: {data}\n\n"
+
+
+def _choices(value: Any) -> list:
+    """What a `delta_choice` / `finish_choice` gave, as a list of choices."""
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
 
 
 @dataclass
@@ -144,19 +176,19 @@ class OpenAIServing:
     # ---- checks -------------------------------------------------------------------------------
 
     def check_common(self, request) -> None:
-        """Model name, unsupported parameters, n, stream_options; in that order."""
+        """Model name, unknown and unsupported parameters, n, logit_bias ids, stream_options; in that order."""
         self.models.check(request.model)
         err = request.unsupported()
         if err is not None:
             raise err
         if request.n > self.max_n:
             raise invalid_request(f"n must be at most {self.max_n}, got {request.n}.", "n", "invalid_value")
+        if request.logit_bias:
+            self.tokenizer.check_ids(list(request.logit_bias), "logit_bias")
         if request.stream_options is not None and not request.stream:
             raise invalid_request(
                 "stream_options is only allowed when stream is true.", "stream_options", "invalid_value"
             )
-        if ignored := request.ignored_fields():
-            log.info("ignoring unknown request fields", extra={"fields": ignored, "endpoint": self.endpoint})
 
     def check_length(
         self, prompt_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str, limit: int | None = None
@@ -184,12 +216,12 @@ class OpenAIServing:
             )
         return max_tokens
 
-    def sampling(self, request, max_tokens: int, choice: int) -> SamplingOptions:
+    def sampling(self, request, max_tokens: int, choice: int, constraint: Constraint | None = None) -> SamplingOptions:
         temperature = 1.0 if request.temperature is None else request.temperature
         top_p = 1.0 if request.top_p is None else request.top_p
         if top_p == 0:  # a nucleus of mass 0 keeps only the most likely token: greedy
             temperature, top_p = 0.0, 1.0
-        stop = request.stop if isinstance(request.stop, list) else [request.stop] if request.stop else []
+        stop = request.stops()
         seed = None if request.seed is None else (request.seed + choice) % _U64
         self.tokenizer.check_ids(request.stop_token_ids, "stop_token_ids")
         logprobs, prompt_logprobs = self.logprob_counts(request)
@@ -204,12 +236,21 @@ class OpenAIServing:
             stop=tuple(s for s in stop if s),
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
+            logit_bias=tuple(sorted((request.logit_bias or {}).items())),
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            constraint=constraint,
         )
 
     # ---- fan-out ------------------------------------------------------------------------------
 
     def fan_out(
-        self, response_id: str, request, prompts: list[list[int]], max_tokens: list[int]
+        self,
+        response_id: str,
+        request,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        constraint: Constraint | None = None,
     ) -> list[GenerationRequest]:
         """One engine request per (prompt, choice); choice index = prompt index * n + i."""
         out = []
@@ -220,7 +261,7 @@ class OpenAIServing:
                     GenerationRequest(
                         f"{response_id}-{index}",
                         ids,
-                        self.sampling(request, max_tokens[p], index),
+                        self.sampling(request, max_tokens[p], index, constraint),
                         request.speculative,
                         request.workload,
                     )
@@ -243,15 +284,19 @@ class OpenAIServing:
         finish_choice: Callable[[int, str], Any],
         role_choice: Callable[[int], Any] | None = None,
         chunk_cls: type | None = None,
+        constraint_param: str | None = None,
     ):
         """Run `requests` (one per choice) and answer with a `response_cls` whose choices are
         `choice(index, state)`, or (stream=True) an iterator of SSE lines of `chunk_cls` chunks
         (default: `response_cls`; see `relay`) whose first event has already arrived: errors before
-        any output raise `OpenAIError` here, not inside the stream."""
+        any output raise `OpenAIError` here, not inside the stream. `delta_choice` and `finish_choice`
+        may give a list of choices (one chunk each) or None (no chunk); `constraint_param` names the
+        parameter a worker's refusal of the output constraint is about (see `to_openai_error`)."""
         created = int(time.time())
         if request.stream:
             events = merged(self.engine, requests)
-            first = await self.prime(events)
+            first = await self.prime(events, constraint_param)
+            served = self.served_fingerprint()
             self.first_token(arrival)
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
@@ -259,7 +304,7 @@ class OpenAIServing:
                 choices: list, usage: UsageInfo | None = None, speculation: SpeculationStats | None = None
             ) -> str:
                 cls = chunk_cls or response_cls
-                body = self.response(cls, response_id, created, choices, usage, speculation).model_dump()
+                body = self.response(cls, response_id, created, choices, usage, speculation, served).model_dump()
                 if not include_usage:
                     body.pop("usage")
                 if speculation is None:
@@ -278,7 +323,7 @@ class OpenAIServing:
                 finish_choice,
                 role_choice,
             )
-        states = await self.collect(requests)
+        states = await self.collect(requests, constraint_param)
         usage, speculation = self.totals(response_id, prompt_tokens, [s.final for s in states])
         choices = [choice(i, s) for i, s in enumerate(states)]
         return self.response(response_cls, response_id, created, choices, usage, speculation)
@@ -291,30 +336,46 @@ class OpenAIServing:
         choices: list,
         usage: UsageInfo | None,
         speculation: SpeculationStats | None,
+        served: str | None = None,
     ):
-        """One response (or stream chunk) object; the stats become its `speculation` field here."""
+        """One response (or stream chunk) object; the stats become its `speculation` field and its
+        `system_fingerprint` here (without stats, `served`: the workers' current draft)."""
         return response_cls(
             id=response_id,
             created=created,
             model=self.models.name,
             choices=choices,
             usage=usage,
+            system_fingerprint=served
+            if speculation is None
+            else fingerprint(speculation.drafter, speculation.draft_version),
             speculation=None if speculation is None else SpeculationInfo(speculation),
         )
 
-    async def prime(self, events: AsyncIterator[tuple[int, Event]]) -> tuple[int, Event]:
+    def served_fingerprint(self) -> str:
+        """The fingerprint of what the healthy workers serve now (distinct drafters and versions joined)."""
+        workers = [w for w in self.engine.workers() if w.healthy] or self.engine.workers()
+        drafters = ",".join(sorted({w.drafter for w in workers if w.drafter}))
+        versions = ",".join(sorted({w.draft_version for w in workers if w.draft_version}))
+        return fingerprint(drafters, versions)
+
+    async def prime(
+        self, events: AsyncIterator[tuple[int, Event]], constraint_param: str | None = None
+    ) -> tuple[int, Event]:
         """The first event, so that failures before any output (no worker, invalid request) become
         a proper HTTP status instead of an error inside a 200 stream."""
         try:
             return await anext(events)
         except EngineError as err:
             await events.aclose()
-            raise to_openai_error(err) from None
+            raise to_openai_error(err, constraint_param) from None
         except BaseException:
             await events.aclose()
             raise
 
-    async def collect(self, requests: list[GenerationRequest]) -> list[ChoiceState]:
+    async def collect(
+        self, requests: list[GenerationRequest], constraint_param: str | None = None
+    ) -> list[ChoiceState]:
         """Run every choice to the end (non-streaming)."""
         states = [ChoiceState() for _ in requests]
         try:
@@ -329,7 +390,7 @@ class OpenAIServing:
                     else:
                         states[index].final = event
         except EngineError as err:
-            raise to_openai_error(err) from None
+            raise to_openai_error(err, constraint_param) from None
         return states
 
     # ---- accounting ---------------------------------------------------------------------------
@@ -399,18 +460,22 @@ class OpenAIServing:
                 index, event = pending.pop() if pending else await anext(events)
                 if isinstance(event, TokenDelta):
                     if event.text or event.logprobs or event.prompt_logprobs:
-                        yield chunk([delta_choice(index, event)])
+                        for choice in _choices(delta_choice(index, event)):
+                            yield chunk([choice])
                     continue
                 finals[index] = event
+                *before, last = _choices(finish_choice(index, event.finish_reason))
+                for choice in before:
+                    yield chunk([choice])
                 if len(finals) < n_choices:
-                    yield chunk([finish_choice(index, event.finish_reason)])
+                    yield chunk([last])
                     continue
                 usage, speculation = self.totals(response_id, prompt_tokens, list(finals.values()))
                 if include_usage:
-                    yield chunk([finish_choice(index, event.finish_reason)])
+                    yield chunk([last])
                     yield chunk([], usage=usage, speculation=speculation)
                 else:
-                    yield chunk([finish_choice(index, event.finish_reason)], speculation=speculation)
+                    yield chunk([last], speculation=speculation)
             yield sse("[DONE]")
         except Exception as err:
             yield self.stream_error(err, response_id)

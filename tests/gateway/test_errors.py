@@ -13,6 +13,7 @@ from gateway.harness import MAX_MODEL_LEN, MODEL_NAME
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Hello"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
 def chat(**fields) -> dict:
@@ -53,13 +54,14 @@ CASES = [
     ("chat-unknown-model", CHAT, chat(model="gpt-5"), 404, "model", "model_not_found"),
     ("chat-bad-role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role", None),
     (
-        "chat-tool-message",
+        "chat-tool-message-without-id",
         CHAT,
-        chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]),
+        chat(messages=[{"role": "tool", "content": "x"}]),
         400,
-        "messages[0].role",
+        "messages[0]",
         None,
     ),
+    ("chat-function-role", CHAT, chat(messages=[{"role": "function", "content": "x"}]), 400, "messages[0].role", None),
     (
         "chat-image-part",
         CHAT,
@@ -107,35 +109,41 @@ CASES = [
     ("chat-top-logprobs-without-logprobs", CHAT, chat(top_logprobs=3), 400, "top_logprobs", "invalid_value"),
     ("chat-top-logprobs-too-many", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "invalid_value"),
     (
-        "chat-tools",
+        "chat-tools-bad-name",
         CHAT,
-        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        chat(tools=[{"type": "function", "function": {"name": "a b", "parameters": {}}}]),
         400,
-        "tools",
-        "unsupported_parameter",
+        "tools[0].function.name",
+        "invalid_value",
     ),
-    ("chat-tool-choice-required", CHAT, chat(tool_choice="required"), 400, "tool_choice", "unsupported_parameter"),
+    ("chat-tool-choice-without-tools", CHAT, chat(tool_choice="required"), 400, "tool_choice", "invalid_value"),
     (
-        "chat-json-schema",
+        "chat-tool-choice-unknown-function",
         CHAT,
-        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}),
         400,
-        "response_format",
-        "unsupported_parameter",
+        "tool_choice",
+        "invalid_value",
     ),
+    ("chat-functions", CHAT, chat(functions=[{"name": "f"}]), 400, "functions", "unsupported_parameter"),
     (
-        "chat-json-object",
+        "chat-json-schema-not-an-object",
         CHAT,
-        chat(response_format={"type": "json_object"}),
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}),
         400,
-        "response_format",
-        "unsupported_parameter",
+        "response_format.json_schema.schema",
+        "invalid_value",
     ),
-    ("chat-logit-bias", CHAT, chat(logit_bias={"50": 10}), 400, "logit_bias", "unsupported_parameter"),
-    ("chat-presence-penalty", CHAT, chat(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
-    ("chat-frequency-penalty", CHAT, chat(frequency_penalty=-1), 400, "frequency_penalty", "unsupported_parameter"),
+    ("chat-response-format-unknown", CHAT, chat(response_format={"type": "xml"}), 400, "response_format", None),
+    ("chat-logit-bias-value", CHAT, chat(logit_bias={"50": 101}), 400, "logit_bias.50", "invalid_value"),
+    ("chat-logit-bias-key", CHAT, chat(logit_bias={"hello": 1}), 400, "logit_bias", "invalid_value"),
+    ("chat-logit-bias-vocab", CHAT, chat(logit_bias={"49152": 1}), 400, "logit_bias", "invalid_value"),
+    ("chat-presence-penalty", CHAT, chat(presence_penalty=2.5), 400, "presence_penalty", "invalid_value"),
+    ("chat-frequency-penalty", CHAT, chat(frequency_penalty=-3), 400, "frequency_penalty", "invalid_value"),
+    ("chat-stop-too-many", CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "invalid_value"),
     ("chat-audio", CHAT, chat(modalities=["text", "audio"]), 400, "modalities", "unsupported_parameter"),
-    ("chat-vllm-min-tokens", CHAT, chat(min_tokens=5), 400, "min_tokens", "unsupported_parameter"),
+    ("chat-vllm-min-tokens", CHAT, chat(min_tokens=5), 400, "min_tokens", "unknown_parameter"),
+    ("chat-unknown-field", CHAT, chat(some_future_field={"x": 1}), 400, "some_future_field", "unknown_parameter"),
     (
         "chat-stream-options-without-stream",
         CHAT,
@@ -170,6 +178,8 @@ CASES = [
     ("completion-suffix", COMPLETIONS, completion(suffix="!"), 400, "suffix", "unsupported_parameter"),
     ("completion-best-of", COMPLETIONS, completion(best_of=3), 400, "best_of", "unsupported_parameter"),
     ("completion-logprobs-too-many", COMPLETIONS, completion(logprobs=6), 400, "logprobs", "invalid_value"),
+    ("completion-logit-bias-vocab", COMPLETIONS, completion(logit_bias={"10000000": -1}), 400, "logit_bias", None),
+    ("completion-unknown-field", COMPLETIONS, completion(unknown_knob=3), 400, "unknown_knob", "unknown_parameter"),
     ("completion-n-too-large", COMPLETIONS, completion(n=100), 400, "n", "invalid_value"),
 ]
 
@@ -219,10 +229,23 @@ def test_streaming_request_errors_before_the_stream_starts(client):
                 service_tier="auto",
                 parallel_tool_calls=False,
                 prediction={"type": "content", "content": "x"},
-                some_future_field={"x": 1},
+                prompt_cache_key="k",
+                safety_identifier="s",
+                reasoning_effort="low",
+                verbosity="medium",
+                speculative=False,
+                workload="w",
+                top_k=5,
+                ignore_eos=False,
+                stop_token_ids=[2],
             ),
         ),
-        (COMPLETIONS, completion(echo=False, best_of=1, logprobs=None, suffix=None, user="u1", unknown_knob=3)),
+        (
+            COMPLETIONS,
+            completion(
+                echo=False, best_of=1, logprobs=None, suffix=None, user="u1", logit_bias={"50": -1}, stop=["a"] * 4
+            ),
+        ),
         (CHAT, chat(n=None, stream=None, temperature=None, top_p=None, stop=None, seed=None, stream_options=None)),
     ],
 )

@@ -80,8 +80,11 @@ def test_errors_raise_the_clients_exceptions(oai):
         oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=3)
     assert err.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logit_bias={"1": 5})
-    assert err.value.code == "unsupported_parameter"
+        oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, web_search_options={})
+    assert err.value.code == "unsupported_parameter" and err.value.param == "web_search_options"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, extra_body={"min_tokens": 5})
+    assert err.value.code == "unknown_parameter" and err.value.param == "min_tokens"
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model=MODEL_NAME, messages=[])
     assert err.value.param == "messages"
