@@ -53,7 +53,7 @@ function renderKpis(d) {
     kpi("Running", v("fleet.running", d.fleet.running), `${v("fleet.waiting", d.fleet.waiting)} waiting`),
     kpi("Acceptance", v("history.acceptance_rate", last.acceptance_rate, "pct"), `accept length ${v("history.accept_length", last.accept_length, "f2")}`),
     kpi("γ", v("history.mean_gamma", last.mean_gamma, "f2"), "mean, last interval"),
-    kpi("Effective draft", reg.available ? `<span data-k="registry.pointer.effective" data-f="str">${fmt(p.effective || "none")}</span>` : tag("registry down", "bad"),
+    kpi("Effective draft", reg.available ? `<span class="name" data-k="registry.pointer.effective" data-f="str">${fmt(p.effective || "none")}</span>` : tag("registry down", "bad"),
         reg.available ? (p.is_pinned ? tag("pinned", "warn") : tag("not pinned", "info")) : ""),
     kpi("Collection", ctl.available && coll ? (coll.enabled ? tag("on", "ok") : tag("off", "")) : tag(ctl.available ? "—" : "controller down", ctl.available ? "" : "bad"),
         ctl.available && coll ? esc(coll.reason) : ""),
@@ -166,8 +166,9 @@ function renderServices(d) {
 
 // ------------------------------------------------------------------ charts (inline SVG)
 
-const W = 600, H = 150, L = 44, R = 10, T = 10, B = 22;
+const H = 160, L = 44, R = 10, T = 12, B = 22;
 function chart(el, series, opts = {}) {
+  const W = Math.max(300, Math.round(el.clientWidth || 600)); // drawn at the element's size: text never scales
   const now = Date.now() / 1000, span = opts.span || 3600;
   const t0 = Math.max(now - span, Math.min(now - 60, ...series.flatMap((s) => s.points.map((p) => p[0]))));
   const pts = series.flatMap((s) => s.points.filter((p) => p[1] !== null && p[1] !== undefined));
@@ -181,7 +182,7 @@ function chart(el, series, opts = {}) {
     svg += `<line class="axis" x1="${L}" x2="${W - R}" y1="${yy}" y2="${yy}" stroke-dasharray="${i ? "2 3" : ""}"/><text x="${L - 6}" y="${yy + 3}" text-anchor="end">${opts.yfmt ? opts.yfmt(val) : val.toFixed(val < 10 ? 1 : 0)}</text>`;
   }
   const mins = (now - t0) / 60;
-  for (let i = 0; i <= 4; i++) {
+  for (let i = 0; i <= 4; i += 2) {
     const t = t0 + ((now - t0) * i) / 4;
     svg += `<text x="${x(t)}" y="${H - 6}" text-anchor="${i === 0 ? "start" : i === 4 ? "end" : "middle"}">${i === 4 ? "now" : "−" + (mins * (1 - i / 4)).toFixed(mins < 8 ? 1 : 0) + " min"}</text>`;
   }
@@ -201,8 +202,8 @@ function chart(el, series, opts = {}) {
   series.forEach((s) => {
     const last = [...s.points].reverse().find((p) => p[1] !== null && p[1] !== undefined);
     const label = `${s.name}${last ? ": " + (opts.yfmt ? opts.yfmt(last[1]) : last[1].toFixed(2)) : ""}`;
-    svg += `<rect x="${lx}" y="${T + 2}" width="10" height="3" fill="${s.color}"/><text x="${lx + 14}" y="${T + 7}" style="fill:#e6eaf2">${esc(label)}</text>`;
-    lx += 24 + label.length * 5.6;
+    svg += `<rect x="${lx}" y="${T - 2}" width="10" height="3" fill="${s.color}"/><text x="${lx + 14}" y="${T + 2}" style="fill:#e6eaf2">${esc(label)}</text>`;
+    lx += 24 + label.length * 6;
   });
   el.innerHTML = svg + "</svg>";
 }
@@ -218,7 +219,7 @@ function renderCharts() {
   chart($("chart-acceptance"), [{ name: "acceptance", color: COLORS[4], points: pts("acceptance_rate"), fill: true }], { ymax: 1, yfmt: (x) => (100 * x).toFixed(0) + "%" });
   chart($("chart-gamma"), [{ name: "mean γ", color: COLORS[1], points: pts("mean_gamma"), fill: true }], { yfmt: (x) => x.toFixed(1) });
   chart($("chart-backlog"), [{ name: "buffered chunks", color: COLORS[3], points: pts("buffered_chunks"), fill: true },
-                             { name: "dead letters", color: COLORS[5], points: pts("dead_letters") }], { yfmt: (x) => x.toFixed(0) });
+                             { name: "dead letters", color: COLORS[5], points: pts("dead_letters") }], { ymin: 4, yfmt: (x) => x.toFixed(0) });
 }
 
 // ------------------------------------------------------------------ polling
@@ -267,3 +268,4 @@ async function pollHistory() {
 pollStatus(); pollHistory();
 setInterval(pollStatus, STATUS_EVERY_MS);
 setInterval(pollHistory, HISTORY_EVERY_MS);
+window.addEventListener("resize", () => { if (state.history.length) renderCharts(); });
