@@ -38,7 +38,8 @@ from tide.decisions import Decision, PolicySpec, SpeculationBucket, SpeculationS
 from tide.policies.registry import POLICY_NAMES
 
 DRAFTERS = ("ngram", "none", "eagle3")
-DEFAULT_DECISION_JSON = '{"speculation": true, "gamma_policy": {"name": "static", "params": {"gamma": 3}}}'
+# Speculation allowed at every batch size; each worker keeps its own γ policy (TIDE_POLICY, adaptive).
+DEFAULT_DECISION_JSON = '{"speculation": true}'
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class StaticDecision:
     """The configured decision, validated; `for_target` makes the Decision pushed for a target."""
 
     speculation: tuple[SpeculationBucket, ...] | None = (SpeculationBucket(1, 0, True),)  # sorted, valid
-    policy: PolicySpec | None = PolicySpec("static", MappingProxyType({"gamma": 3.0}))
+    policy: PolicySpec | None = None  # None: each worker keeps its own γ policy
     collection_enabled: bool | None = None
     drafter: str | None = None
     reason: str = "static decision (TIDE_CONTROLLER_DECISION)"

@@ -69,9 +69,10 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
                                description='draft registry gRPC host:port (watched while "eagle3" is used)')
     draft_cache_dir: str = Field("", json_schema_extra=shown_default("`$TIDE_CACHE_DIR/drafts`"),
                                  description="where registry drafts are downloaded")
-    policy: str = Field("static", description="γ policy name (tide.policies.registry.POLICY_NAMES)")
-    policy_params: JsonObject = Field(default_factory=lambda: {"gamma": 3},
-                                      description="the policy's keyword arguments")
+    # adaptive: per batch bucket, the γ the latency profile and the live acceptance predict fastest,
+    # 0 where no γ pays (a weak draft is then not used); 1.7x static γ = 3 in `tide bench policies`.
+    policy: str = Field("adaptive", description="γ policy name (tide.policies.registry.POLICY_NAMES)")
+    policy_params: JsonObject = Field(default_factory=dict, description="the policy's keyword arguments")
     latency_profile: str = Field("", description="path of a LatencyProfile JSON for policies that need one")
     profile_at_start: Annotated[str, check(lambda v: v.strip().lower() in PROFILE_AT_START, "auto, 1 or 0")] = Field(
         "auto", description="auto | 1 | 0: measure T(b, n), D(b) at start when no profile file is given (auto: for "

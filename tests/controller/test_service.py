@@ -57,7 +57,7 @@ def test_health_state_and_admin_auth(make_controller):
     current = stub(svc, ADMIN_TOKEN).RegisterWorker(req, timeout=5).current
     assert current.target_model == "tiny" and current.decision_id.startswith("ctl-")
     assert stub(svc, ADMIN_TOKEN).RegisterWorker(req, timeout=5).current == current  # the same decision again
-    assert current.gamma_policy.name == "static" and current.gamma_policy.params["gamma"] == 3
+    assert not current.HasField("gamma_policy")  # the default decision leaves each worker's own γ policy
     assert not current.HasField("collection_enabled")  # no telemetry yet: collection left to the worker
     assert [b.enabled for b in current.speculation.buckets] == [True]
     with pytest.raises(grpc.RpcError) as err:

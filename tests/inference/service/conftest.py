@@ -30,7 +30,8 @@ def make_service(tiny_model, real_storage, tmp_path) -> Callable[..., InferenceS
         kw = dict(target="tiny", dtype="fp32", max_batch=4, max_seq_len=256, max_tokens_per_step=64, max_queue=8,
                   listen="127.0.0.1:0", metrics_port=0, worker_id="test-worker", telemetry_interval_s=0.05,
                   telemetry_batch=8, flush_interval_s=0.3, chunk_tokens=64, admin_token=ADMIN_TOKEN,
-                  storage=real_storage, chunk_spool_dir=str(tmp_path / f"spool-{len(started)}"))
+                  storage=real_storage, chunk_spool_dir=str(tmp_path / f"spool-{len(started)}"),
+                  policy="static", policy_params={"gamma": 3})  # the default, adaptive, profiles at start
         kw.update(overrides)
         svc = build(InferenceSettings(**kw), model=tiny_model, tokenizer=None, model_id="tiny-llama-0")
         started.append(svc)
