@@ -104,10 +104,10 @@ def test_refused_and_timed_out_requests_count_as_failed(gateway, prompt_file, tm
     assert [m[:8] for m in r["errors"]] == ["HTTP 400"] and sum(r["errors"].values()) == 1
     assert r["ttft_ms"]["p50"] > 0 and r["output_tokens"] > 0  # the good ones still measured
 
-    refused = '{"logit_bias": {"1": 5}}'  # the server answers 400
+    refused = '{"web_search_options": {}}'  # the server answers 400
     r = bench(gateway, tmp_path / "b.json", f"{prompt_file}[:3]", "--concurrency 3", refused)["results"][0]
     assert (r["requests_ok"], r["requests_failed"]) == (0, 3)
-    assert "logit_bias" in next(iter(r["errors"]))
+    assert "web_search_options" in next(iter(r["errors"]))
     assert r["output_tok_s"] == 0 and r["accept_length"] is None and r["ttft_ms"]["p50"] is None
 
     args = "--concurrency 2 --max-tokens 3000 --timeout 0.3"
