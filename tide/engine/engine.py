@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from tide.engine.constraints import CompiledGrammar, GrammarCompiler
 from tide.engine.detokenizer import IncrementalText
 from tide.engine.drafters.base import DraftAlgorithm, Drafter
 from tide.engine.features import FeatureStore
 from tide.engine.llama import LlamaModel
+from tide.engine.logits import has_penalties, needs_processing, process
 from tide.engine.model_runner import ModelRunner
 from tide.engine.sampling import (
     greedy_tokens,
@@ -27,7 +30,14 @@ from tide.engine.sampling import (
     verify_sampling,
 )
 from tide.engine.scheduler import Scheduler
-from tide.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
+from tide.engine.sequence import (
+    FinishReason,
+    GrammarSpec,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    TokenLogprob,
+)
 from tide.policies import DraftAware, FixedGamma, GammaPolicy, RequestView, StepContext, StepFeedback
 from tide.telemetry import StepRecord
 
@@ -122,6 +132,11 @@ class LLMEngine:
         # Requests with logprobs and a tokenizer: [chars of text emitted, entries not yet released as
         # (offset in the text where the token's text starts, entry)]; see RequestOutput.
         self._held: dict[str, tuple[list[int], list[tuple[int, TokenLogprob]]]] = {}
+        # Output-token counts of requests with presence / frequency penalties (tide.engine.logits).
+        self._counts: dict[str, Counter[int]] = {}
+        # Output constraints: compiled against the target's tokenizer (none without one).
+        self.grammars = (GrammarCompiler(tokenizer, model.cfg.vocab_size, sorted(self.eos_ids))
+                         if tokenizer is not None else None)
         self._step = 0
         self._default_rng = torch.Generator().manual_seed(config.seed)
         if drafter is not None:
@@ -136,16 +151,27 @@ class LLMEngine:
         params: SamplingParams,
         speculative: bool | None = None,
         workload: str = "",
+        grammar: CompiledGrammar | None = None,
     ) -> Sequence:
         """Queue a request. `speculative`: None = the γ policy decides; True = it drafts every step
-        (at least `config.forced_gamma` where the policy says 0); False = it never drafts."""
+        (at least `config.forced_gamma` where the policy says 0); False = it never drafts.
+        `grammar`: `params.grammar` already compiled (the worker compiles off the engine thread);
+        compiled here (cached) when not given. Raises ValueError for a bad prompt or constraint."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         if max(prompt_ids) >= self.model.cfg.vocab_size or min(prompt_ids) < 0:
             raise ValueError("prompt has token ids outside the vocabulary")
+        matcher = None
+        if params.grammar is not None:
+            if grammar is None or grammar.spec != params.grammar:
+                grammar = self.compile_grammar(params.grammar)
+            matcher = grammar.matcher()
         seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt=len(prompt_ids),
-                       params=params, speculative=speculative, workload=workload, arrival_s=time.monotonic())
+                       params=params, speculative=speculative, workload=workload, arrival_s=time.monotonic(),
+                       matcher=matcher)
         self.scheduler.add(seq)
+        if has_penalties(params):
+            self._counts[request_id] = Counter()
         if not params.greedy:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(params.seed if params.seed is not None else
@@ -156,6 +182,13 @@ class LLMEngine:
             if params.logprobs is not None:
                 self._held[request_id] = ([0], [])
         return seq
+
+    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile an output constraint for this engine's tokenizer (thread-safe, cached); raises
+        ValueError for an invalid one or when the engine has no tokenizer."""
+        if self.grammars is None:
+            raise ValueError("output constraints need the target's tokenizer, and this engine has none")
+        return self.grammars.compile(spec)
 
     def cancel(self, request_id: str) -> bool:
         seq = self.scheduler.get(request_id)
@@ -251,10 +284,13 @@ class LLMEngine:
             seq.num_cached += n
             if not completes:
                 continue
+            last = out.logits[-1:]
+            if needs_processing(seq.params):
+                last = process(last, seq.params, self._counts.get(seq.request_id), [], seq.matcher)
             if seq.params.greedy:
-                token = int(greedy_tokens(out.logits[-1:])[0])
+                token = int(greedy_tokens(last)[0])
             else:
-                token = sample(target_probs(out.logits[-1:].cpu(), seq.params)[0], self._generators[seq.request_id])
+                token = sample(target_probs(last.cpu(), seq.params)[0], self._generators[seq.request_id])
             seq.status = SequenceStatus.RUNNING
             logprobs = None
             if seq.params.logprobs is not None:
@@ -277,6 +313,12 @@ class LLMEngine:
             for j, i in enumerate(spec_idx):
                 drafts[i] = proposal.tokens[j][:gammas[i]]
                 probs = proposal.probs[j]
+                if probs is None and seqs[i].matcher is not None:
+                    # A one-hot draft the grammar refuses would be rejected anyway (its target
+                    # probability is 0, the residual is p itself): verify only the allowed prefix.
+                    # Not for a sampled q: there, cutting where the drawn token is refused would
+                    # change which distribution the next token comes from.
+                    drafts[i] = drafts[i][:seqs[i].matcher.validate(drafts[i])]
                 draft_probs[i] = None if probs is None else probs[:len(drafts[i])]
         t1 = time.perf_counter()
         new_tokens = [[seq.token_ids[-1], *d] for seq, d in zip(seqs, drafts, strict=True)]
@@ -286,11 +328,16 @@ class LLMEngine:
         results: list[_Decoded] = []
         for i, seq in enumerate(seqs):
             lo, hi = out.row_offsets[i], out.row_offsets[i + 1]
+            logits = out.logits[lo:hi]
+            processed = needs_processing(seq.params)
+            if processed:  # the raw rows stay in `out` for logprobs
+                logits = process(logits, seq.params, self._counts.get(seq.request_id), drafts[i], seq.matcher)
             if seq.params.greedy:
-                k, nxt = verify_greedy(greedy_rows[lo:hi], drafts[i])
+                rows = greedy_tokens(logits).tolist() if processed else greedy_rows[lo:hi]
+                k, nxt = verify_greedy(rows, drafts[i])
             else:
                 # Sampling runs on the CPU, where the per-request generators live (small rows).
-                probs = target_probs(out.logits[lo:hi].cpu(), seq.params)
+                probs = target_probs(logits.cpu(), seq.params)
                 k, nxt = verify_sampling(probs, drafts[i], draft_probs[i], self._generators[seq.request_id])
             results.append(_Decoded(seq, len(drafts[i]), k, drafts[i][:k] + [nxt]))
         self._hand_off(seqs, starts, [d.accepted + 1 for d in results], new_tokens, out)
@@ -354,16 +401,23 @@ class LLMEngine:
         text = self._texts.get(seq.request_id)
         held = self._held.get(seq.request_id)
         delta = ""
+        counts = self._counts.get(seq.request_id)
         for j, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             added.append(tok)
+            if counts is not None:
+                counts[tok] += 1
+            if seq.matcher is not None and not seq.matcher.accept(tok):  # only allowed tokens are emitted
+                raise RuntimeError(f"request {seq.request_id}: the grammar refused emitted token {tok}: "
+                                   f"{seq.matcher.error}")
             if logprobs is not None:
                 seq.logprobs.append(logprobs[j])
                 if held is not None:
                     held[1].append((len(text.text), logprobs[j]))
             if tok in seq.params.stop_token_ids:
                 reason, seq.matched_stop = FinishReason.STOP, tok
-            elif tok in self.eos_ids and not seq.params.ignore_eos:
+            elif ((tok in self.eos_ids and not seq.params.ignore_eos)
+                  or (seq.matcher is not None and seq.matcher.is_terminated)):  # EOS, or complete: only EOS may follow
                 reason = FinishReason.STOP
             elif seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.config.max_seq_len:
                 reason = FinishReason.LENGTH
@@ -413,6 +467,8 @@ class LLMEngine:
         self._generators.pop(seq.request_id, None)
         self._texts.pop(seq.request_id, None)
         self._held.pop(seq.request_id, None)
+        self._counts.pop(seq.request_id, None)
+        seq.matcher = None
 
     # ---- convenience -------------------------------------------------------------------------
 

@@ -141,6 +141,9 @@ class Sequence:
     # token after the first (filled as the prompt is prefilled).
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With params.grammar: its tide.engine.constraints.GrammarMatcher at the output so far (set by the
+    # engine; the EAGLE-3 drafter walks it to mask its proposals and rolls it back).
+    matcher: object | None = None
 
     RECENT_STEPS = 16  # how many steps of history a policy sees per request
 

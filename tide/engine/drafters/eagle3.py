@@ -11,6 +11,12 @@ positions [0, n) and whose last token x_n is pending, a proposal is:
    draft's own stand-in for the target's features), input id = the previous draft token.
 Only rows from target features are committed (`consumed` = n); the speculative rows at positions
 >= n are overwritten by the next extend, so rejected drafts need no rollback.
+
+Constrained requests (a grammar matcher on the sequence): each draft step's logits are masked to
+the tokens the grammar allows after the drafts so far, so drafts follow the grammar; a sampled
+request's q is that masked distribution, exactly what its draft was drawn from. A chain stops
+where the grammar allows nothing in the draft vocabulary (decided before drawing, so lossless).
+The matcher is rolled back to the committed output before returning.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class Eagle3Drafter:
         self._consumed: dict[str, int] = {}
         # Draft id -> target id as a plain tensor; target ids for sampled q rows.
         self._d2t_ids = torch.arange(cfg.draft_vocab_size, device=p.device) + draft.d2t
+        self._d2t_cpu = self._d2t_ids.cpu()  # indexes grammar masks (built on the CPU)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, target: LlamaModel, version: str, max_batch: int,
@@ -96,25 +103,49 @@ class Eagle3Drafter:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         hidden = last.unsqueeze(1)  # [B, 1, H]
-        for j in range(gmax):
-            logits = self.draft.logits(hidden[:, 0]).float()  # [B, Vd]
-            chosen = self._choose(seqs, logits, generators, probs)
-            for i in range(B):
-                if j < gammas[i]:
-                    tokens[i].append(int(chosen[i]))
-            if j == gmax - 1:
-                break
-            step_pos = torch.tensor([[e + j] for e in ends], dtype=torch.long, device=device)
-            hidden = self.draft.step(chosen.view(B, 1), hidden, step_pos, self._attend_fn(slots, step_pos))
-        q_rows = [None if seqs[i].params.greedy else torch.stack(probs[i][:gammas[i]]) for i in range(B)]
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        stopped = {i for i in constrained if gammas[i] <= 0}  # constrained chains that drafted their last
+        try:
+            for j in range(gmax):
+                logits = self.draft.logits(hidden[:, 0]).float()  # [B, Vd]
+                for i in constrained:
+                    if i not in stopped and not self._mask_to_grammar(seqs[i], logits[i]):
+                        stopped.add(i)
+                chosen = self._choose(seqs, logits, generators, probs, stopped)
+                for i in range(B):
+                    if j < gammas[i] and i not in stopped:
+                        tokens[i].append(int(chosen[i]))
+                        if seqs[i].matcher is not None:
+                            seqs[i].matcher.accept(int(chosen[i]))  # allowed: drawn from the masked row
+                            if j + 1 >= gammas[i]:
+                                stopped.add(i)
+                if j == gmax - 1:
+                    break
+                step_pos = torch.tensor([[e + j] for e in ends], dtype=torch.long, device=device)
+                hidden = self.draft.step(chosen.view(B, 1), hidden, step_pos, self._attend_fn(slots, step_pos))
+        finally:
+            for i in constrained:
+                seqs[i].matcher.rollback(len(tokens[i]))
+        q_rows = [None if seqs[i].params.greedy or not probs[i] else torch.stack(probs[i][:gammas[i]])
+                  for i in range(B)]
         return Proposal(tokens=tokens, probs=q_rows)
 
-    def _choose(self, seqs, logits, generators, probs) -> torch.Tensor:
+    def _mask_to_grammar(self, seq: Sequence, row: torch.Tensor) -> bool:
+        """Mask one draft-logits row [Vd] to the tokens the grammar allows next; False (row left
+        alone) when none of them is in the draft vocabulary: the chain stops there."""
+        allowed = seq.matcher.allowed()[self._d2t_cpu]
+        if not bool(allowed.any()):
+            return False
+        row.masked_fill_(~allowed.to(row.device), float("-inf"))
+        return True
+
+    def _choose(self, seqs, logits, generators, probs, skip: set[int]) -> torch.Tensor:
         """Next draft token per sequence (target ids): argmax for greedy requests; sampled from
-        q = softmax(logits / T) for sampled ones, whose q (over the target vocab) is recorded."""
+        q = softmax(logits / T) for sampled ones, whose q (over the target vocab) is recorded.
+        Sequences in `skip` (constrained chains that stopped) draw nothing."""
         chosen = self._d2t_ids[logits.argmax(-1)]
         for i, seq in enumerate(seqs):
-            if seq.params.greedy:
+            if seq.params.greedy or i in skip:
                 continue
             # On the CPU, like the target's sampling: the request's generator lives there.
             q = torch.softmax(logits[i].cpu() / seq.params.temperature, dim=-1)
