@@ -6,7 +6,7 @@ and the status call read; these module-level series are what `/metrics` exports.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter("tide_inference_requests", "Generate requests by outcome", ["outcome"])
 GENERATED_TOKENS = Counter("tide_inference_generated_tokens", "Tokens emitted to clients")
@@ -21,6 +21,9 @@ KV_USAGE = Gauge("tide_inference_kv_cache_usage", "Fraction of KV-cache slots in
 # about once a second; empty for a policy without estimates (static-γ).
 POLICY_ESTIMATE = Gauge("tide_inference_policy_estimate", "The γ policy's online estimates",
                         ["policy", "name", "scope"])
+# Output constraints compiled at submit (tide.engine.constraints; ~1 ms each on the reference CPU).
+GRAMMAR_COMPILE = Histogram("tide_inference_grammar_compile_seconds", "Output-constraint compile time",
+                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
 COLLECTION = Gauge("tide_inference_collection_enabled", "1 while hidden-state collection is on")
 
 TELEMETRY_PUBLISHED = Counter("tide_telemetry_records_published", "Step records written to the telemetry stream")

@@ -12,6 +12,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+from tide.engine.constraints import CompiledGrammar
 from tide.engine.sequence import FinishReason, GrammarSpec, SamplingParams, Sequence, TokenLogprob
 from tide.speculation import SpeculationStats
 
@@ -167,6 +168,7 @@ class RequestHandle:
     drafter: str = "none"
     draft_version: str = ""
     done: bool = False
+    grammar: CompiledGrammar | None = None  # params.grammar compiled by `Worker.submit` (off the loop)
 
     def speculation(self) -> SpeculationStats:
         s = self.seq

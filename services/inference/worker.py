@@ -37,9 +37,10 @@ from services.inference.requests import (
     prepare,
 )
 from tide.decisions import Decision, DecisionError, PolicySpec, SpeculationSchedule
+from tide.engine.constraints import CompiledGrammar
 from tide.engine.drafters import Drafter
 from tide.engine.engine import LLMEngine, RequestOutput
-from tide.engine.sequence import FinishReason
+from tide.engine.sequence import FinishReason, SamplingParams
 from tide.policies import Introspectable
 from tide.policies.profile import LatencyProfile
 from tide.telemetry import StepRecord
@@ -98,7 +99,8 @@ class Worker:
         """Validate and queue a request; raises RequestRejected (invalid, duplicate id, overloaded)."""
         cfg = self.engine.config
         prompt, params = prepare(req, self.tokenizer, self.engine.model.cfg.vocab_size, cfg.max_seq_len)
-        handle = RequestHandle(req.request_id, prompt, params, req.speculative, req.workload)
+        handle = RequestHandle(req.request_id, prompt, params, req.speculative, req.workload,
+                               grammar=self._compile_grammar(params))
         with self._lock:
             if self._stopping:
                 raise RequestRejected(ErrorKind.UNAVAILABLE, "the worker is shutting down")
@@ -111,6 +113,19 @@ class Worker:
             self._live[req.request_id] = handle
         self._commands.put(lambda: self._add(handle))
         return handle
+
+    def _compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """Compile the request's output constraint on the caller's thread (cached per spec), so a
+        bad schema / regex is refused as INVALID_ARGUMENT and the engine loop never compiles."""
+        if params.grammar is None:
+            return None
+        try:
+            compiled = self.engine.compile_grammar(params.grammar)
+        except ValueError as e:
+            raise RequestRejected(ErrorKind.INVALID_ARGUMENT, str(e)) from None
+        metrics.GRAMMAR_COMPILE.observe(compiled.compile_ms / 1e3)  # cache hits report the first compile
+        log.debug("%s constraint compiled in %.1f ms", params.grammar.kind.value, compiled.compile_ms)
+        return compiled
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a running or queued request (its stream ends with a CANCELLED final)."""
@@ -251,7 +266,7 @@ class Worker:
             return
         try:
             h.seq = self.engine.add_request(h.request_id, h.prompt_ids, h.params, speculative=h.speculative,
-                                            workload=h.workload)
+                                            workload=h.workload, grammar=h.grammar)
         except ValueError as e:
             self._end(h, ErrorEvent(ErrorKind.INVALID_ARGUMENT, str(e)), "invalid")
             return
