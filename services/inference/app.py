@@ -13,6 +13,7 @@ import json
 import logging
 import numbers
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,6 +192,11 @@ def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: 
     telemetry.start()
     exporter.start()
     worker.start()
+    if settings.drafter == DRAFTER_NAME and settings.draft_wait_s > 0:
+        t0 = time.monotonic()
+        settled = drafts.wait_settled(settings.draft_wait_s)
+        log.info("registry draft %s before serving (%.1f s): %s", "settled" if settled else "not settled",
+                 time.monotonic() - t0, drafts.version or "fallback drafter")
     server = serve(worker, settings.listen, settings.admin_token,
                    max_workers=settings.max_batch + settings.max_queue + 8, drafts=drafts, live=live)
     return InferenceService(settings, worker, server, telemetry, exporter, drafts)

@@ -112,6 +112,7 @@ class DraftWatcher:
         self._current: Drafter | None = None  # what "eagle3" means now
         self._current_version: str | None = None  # registry version of _current ("" = fallback, None = none yet)
         self._refused: dict[str, Refusal] = {}
+        self._settled = threading.Event()  # the registry's first assignment was acted on (see wait_settled)
         self.stats = {"loads": 0, "refusals": 0, "fetch_errors": 0, "watch_errors": 0, "assignments": 0}
 
     # ---- any thread ------------------------------------------------------------------------------
@@ -134,6 +135,13 @@ class DraftWatcher:
         for t in self._threads:
             t.start()
         return self
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Block until the registry's first assignment for the target has been acted on (its draft in
+        service, refused, or "no draft"), at most `timeout_s`; whether it was. A worker waits for
+        this before it serves, so its first request already runs the registry's draft."""
+        self.start()
+        return self._settled.wait(timeout_s)
 
     def drafter(self) -> Drafter | None:
         """The drafter "eagle3" means now (starts watching on first use): the latest loaded draft,
@@ -216,11 +224,14 @@ class DraftWatcher:
                 want = self._wanted
                 skip = want is None or want.version == self._current_version or want.version in self._refused
             if skip:
+                if want is not None:
+                    self._settled.set()
                 continue
             try:
                 drafter = self._load(want)
             except _Refused as r:
                 self._refuse(want.version, r.reason, r.detail)
+                self._settled.set()
                 continue
             except Exception as e:  # transient (S3 unreachable, ...): retry while it is still wanted
                 self.stats["fetch_errors"] += 1
@@ -231,6 +242,7 @@ class DraftWatcher:
                 continue
             backoff = self.retry_min_s
             self._put_in_service(want.version, drafter)
+            self._settled.set()
 
     def _load(self, want) -> Drafter | None:
         if not want.version:

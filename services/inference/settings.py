@@ -67,6 +67,9 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
         "ngram", description="the registry's current draft for the target (n-gram until one loads; see drafts.py)")
     registry_addr: str = Field(DEFAULT_REGISTRY_ADDR, validation_alias=REGISTRY_ADDR_ENV,
                                description='draft registry gRPC host:port (watched while "eagle3" is used)')
+    draft_wait_s: Seconds = Field(15.0, description='with TIDE_DRAFTER=eagle3: at start, wait up to this long for '
+                                  "the registry's draft to load before serving (the first request then runs it); "
+                                  "0 = serve at once with the fallback drafter")
     draft_cache_dir: str = Field("", json_schema_extra=shown_default("`$TIDE_CACHE_DIR/drafts`"),
                                  description="where registry drafts are downloaded")
     # adaptive: per batch bucket, the γ the latency profile and the live acceptance predict fastest,

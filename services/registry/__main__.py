@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+from services.registry import starter
 from services.registry.server import build_server
 from services.registry.settings import RegistrySettings
 from services.registry.store import RegistryStore
@@ -40,6 +42,8 @@ class RegistryService:
 def build(settings: RegistrySettings) -> RegistryService:
     s3 = wait_for_storage(settings.storage, logger=log)
     store = RegistryStore(s3, settings.storage.s3_bucket, settings.root, work_dir=settings.work_dir)
+    if settings.starter_drafts:  # before serving: a worker's first watch already sees the starter
+        starter.seed(store, s3, settings.storage.s3_bucket, settings.root, Path(settings.starter_drafts))
     hub = WatchHub(store, settings.poll_s).start()
     server = build_server(store, hub, settings.listen, settings.admin_token, settings.max_workers)
     server.start()

@@ -8,11 +8,13 @@ storage variables (`tide.blobs.StorageSettings`: TIDE_S3_*).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import AfterValidator, Field
 from pydantic_settings import SettingsConfigDict
 
+import tide
 from tide.blobs import StorageSettings
 from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.registry_client import DEFAULT_REGISTRY_ADDR, DEFAULT_ROOT
@@ -28,6 +30,7 @@ from tide.settings import (
     shown_default,
 )
 
+SHIPPED_STARTERS = Path(tide.__file__).parent / "starter_drafts"  # the repository's starter drafts
 Root = Annotated[str, AfterValidator(lambda v: v.strip("/") or DEFAULT_ROOT), Doc("S3 key prefix")]
 
 
@@ -47,4 +50,8 @@ class RegistrySettings(TideSettings):
                                                      "holds one")
     work_dir: str | None = Field(None, json_schema_extra=shown_default("the system temp directory"),
                                  description="where checkpoints are downloaded for validation")
+    starter_drafts: str = Field(
+        default_factory=lambda: str(SHIPPED_STARTERS), json_schema_extra=shown_default("`tide/starter_drafts`"),
+        description="directory of starter drafts (services/registry/starter.py): each is registered and promoted "
+        "at start for its target if that target has no version yet; empty = none")
     log_level: LogLevel = log_level_field()

@@ -244,3 +244,13 @@ class Flaky:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def test_a_worker_starting_with_a_draft_in_the_registry_serves_it_from_the_first_request(
+        make_service, registry, admin, tiny_model, tmp_path):
+    v1 = register(admin, registry, tmp_path, 1, fitting(tiny_model))
+    admin.promote(v1, TARGET, reason="test")
+    svc = start(make_service, registry, tmp_path, drafter="eagle3", draft_wait_s=30)
+    client = stub(svc)  # no waiting here: the worker waited for the registry's draft before serving
+    _, _, last = run_stream(client, request("first", PROMPT, max_tokens=8, speculative=True))
+    assert last.final.speculation.drafter == "eagle3" and last.final.speculation.draft_version == v1
