@@ -21,6 +21,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,12 +69,7 @@ class GrammarCompiler:
     def ll_tokenizer(self):
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
-
-                t0 = time.perf_counter()
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
-                                                               eos_token=self.eos_ids)
-                log.info("grammar tokenizer table built in %.0f ms", (time.perf_counter() - t0) * 1e3)
+                self._tokenizer = _ll_tokenizer(self._hf, self.vocab_size, tuple(self.eos_ids))
             return self._tokenizer
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -102,6 +98,26 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+
+# llguidance token tables per (HF tokenizer, vocab size, EOS ids): ~0.2 s each to build, shared by
+# every compiler (engine) over the same tokenizer object.
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TABLES_LOCK = threading.Lock()
+
+
+def _ll_tokenizer(hf_tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+    import llguidance.hf
+
+    with _TABLES_LOCK:
+        per = _TABLES.setdefault(hf_tokenizer, {})
+        table = per.get((vocab_size, eos_ids))
+        if table is None:
+            t0 = time.perf_counter()
+            table = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+            per[(vocab_size, eos_ids)] = table
+            log.info("grammar token table built in %.0f ms", (time.perf_counter() - t0) * 1e3)
+        return table
 
 
 def _grammar_text(spec: GrammarSpec) -> str:
@@ -181,6 +197,11 @@ class GrammarMatcher:
             n -= 1
         if n > 0 and not self._m.rollback(n):
             raise RuntimeError(f"grammar matcher could not roll back {n} tokens: {self._m.get_error()}")
+
+    @property
+    def ended(self) -> bool:
+        """An EOS was accepted: nothing may follow (the mask is empty)."""
+        return self._ended
 
     @property
     def is_complete(self) -> bool:

@@ -67,9 +67,9 @@ def _mask(out: torch.Tensor, matcher: GrammarMatcher, drafts: list[int]) -> None
     walked = 0
     try:
         for j in range(out.shape[0]):
-            allowed = matcher.allowed()
-            if not bool(allowed.any()):  # after an EOS draft: nothing may follow, the row is never read
+            if matcher.ended:  # after an EOS draft: nothing may follow, the row is never read
                 break
+            allowed = matcher.allowed()
             out[j].masked_fill_(~allowed.to(out.device), float("-inf"))
             # Check the mask before accepting: a refused token would leave the matcher in its error state.
             if j == len(drafts) or not bool(allowed[drafts[j]]):
