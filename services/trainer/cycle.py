@@ -33,9 +33,10 @@ from minio.error import S3Error
 
 from services.trainer.drafts import BaseDraft, DraftRegistry, PointerMoved, RegistryError
 from services.trainer.manifest import Manifest, ManifestEntry
-from services.trainer.promotion import NO_DRAFT, decide, served_at
+from services.trainer.promotion import NO_DRAFT, decide, served_at, step_costs
 from services.trainer.settings import TrainerSettings
 from tide import blobs
+from tide.engine.profiling import cache_dir as profile_cache_dir
 from tide.outcomes import TrainingOutcome
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,9 @@ class TrainingCycle:
         phase("evaluating", 0.8)
         candidate = served_at(summary.get("candidate"), s.eval_gamma)
         base_served = served_at(summary.get("baseline"), s.eval_gamma) if base.version else NO_DRAFT
+        costs = step_costs(s.latency_profile, target, profile_cache_dir())
         decision = decide(run_id, candidate, base_served, base.version, gamma=s.eval_gamma, margin=s.promote_margin,
-                          auto_promote=s.auto_promote)
+                          auto_promote=s.auto_promote, costs=costs)
         numbers = dict(base_version=base.version, eval_accept_length_candidate=candidate or 0.0,
                        eval_accept_length_base=base_served or 0.0, train_tokens=int(summary["train"]["tokens"]),
                        eval_tokens=int((summary.get("candidate") or {}).get("tokens", 0)))

@@ -110,6 +110,10 @@ class TrainerSettings(ListenHostMixin, CpuSetMixin, TideSettings):
                                                      "along the engine's walk)")
     promote_margin: Extent = Field(0.02, description="promote when candidate - base >= this (tokens per step; no "
                                    "base: against 1.0)")
+    latency_profile: str = Field(
+        "", json_schema_extra=shown_default("the newest EAGLE-3 profile cached here, else the reference CPU's"),
+        description="LatencyProfile JSON whose batch-1 step costs turn accept lengths into predicted speed-ups: a "
+        "candidate is promoted only if it predicts one over what serves now (promotion.py)")
     auto_promote: Flag = Field(True, description="1: promote a candidate that beats the margin; 0: register only "
                                "(promote by hand: `tidectl drafts promote VERSION`)")
     seed: int = Field(0, description="training seed")

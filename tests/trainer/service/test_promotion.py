@@ -12,7 +12,7 @@ import pytest
 
 from services.trainer import auto
 from services.trainer.cycle import TrainingOutcome
-from services.trainer.promotion import decide, served_at
+from services.trainer.promotion import StepCosts, decide, served_at, step_costs
 from services.trainer.runs import RunStats, TriggerResult
 from services.trainer.settings import TrainerSettings
 from tide.resources import parse_cpus
@@ -23,17 +23,45 @@ ev = importlib.import_module("services.trainer.training.evaluate")  # the packag
 def test_promote_only_by_the_margin_over_the_base_or_over_no_draft():
     kw = dict(gamma=3, margin=0.02, auto_promote=True)
     d = decide("run-1", 2.5, 2.47, "t/v0001", **kw)
-    assert d.promote and d.reason == "run run-1: served accept length at γ=3 2.500 vs 2.470 (t/v0001): +0.030, " \
-                                     "margin 0.020"
+    assert d.promote and d.reason.startswith("run run-1: served accept length at γ=3 2.500 vs 2.470 (t/v0001): "
+                                             "+0.030, margin 0.020; predicted speed-up at γ=3 1.7")
     assert not decide("run-1", 2.48, 2.47, "t/v0001", **kw).promote  # +0.01 < margin
     assert not decide("run-1", 2.0, 2.47, "t/v0001", **kw).promote  # worse
-    assert decide("run-1", 1.03, None, "", **kw).promote  # no base: against 1.0 token per step
+    assert decide("run-1", 1.6, None, "", **kw).promote  # no base: against plain decoding
     d = decide("run-1", 1.01, None, "", **kw)
     assert not d.promote and "vs 1.000 (no draft)" in d.reason
     off = decide("run-1", 3.0, 1.0, "t/v0001", gamma=3, margin=0.02, auto_promote=False)
     assert not off.promote and "TIDE_TRAINER_AUTO_PROMOTE=0" in off.reason
     assert not decide("run-1", None, None, "", **kw).promote  # nothing held out: nothing to judge by
     assert not decide("run-1", 3.0, None, "t/v0001", **kw).promote  # base not evaluated
+
+
+def test_a_draft_that_accepts_more_than_nothing_but_costs_more_than_it_saves_is_not_promoted():
+    """Issue #31: a from-scratch draft (1.3 tokens per step at γ = 3) was promoted over no draft, and
+    serving slowed down: three draft steps at 12 % of a target step each cost more than 0.3 tokens."""
+    kw = dict(gamma=3, margin=0.02, auto_promote=True)
+    d = decide("run-1", 1.3, None, "", **kw)
+    assert not d.promote and "drafting would not pay" in d.reason and "0.92" in d.reason
+    # the same accept length with nearly free draft steps (a GPU, say) pays
+    cheap = StepCosts(verify=(1.0, 1.0, 1.0, 1.0, 1.0, 1.0), draft=0.01, source="test")
+    assert decide("run-1", 1.3, None, "", costs=cheap, **kw).promote
+    # over a base draft: the candidate's predicted speed-up must beat the base's (here equal costs,
+    # so the margin rule and this agree)
+    assert decide("run-1", 2.5, 2.4, "t/v0001", costs=cheap, **kw).promote
+
+
+def test_step_costs_come_from_the_workers_eagle3_profile(tmp_path):
+    from tide.policies.profile import LatencyProfile
+
+    assert step_costs("", "m", tmp_path).source.startswith("defaults")
+    LatencyProfile(T_ms={1: {1: 10.0, 4: 11.0}}, D0_ms=2.0, meta={"drafter": {"algorithm": "ngram"}}).save(
+        tmp_path / "m-aaaa.json")
+    assert step_costs("", "m", tmp_path).source.startswith("defaults")  # an n-gram profile says nothing of EAGLE-3
+    LatencyProfile(T_ms={1: {1: 10.0, 4: 11.0}}, D0_ms=2.0, meta={"drafter": {"algorithm": "eagle3"}}).save(
+        tmp_path / "m-bbbb.json")
+    costs = step_costs("", "m", tmp_path)
+    assert costs.draft == pytest.approx(0.2) and costs.verify[3] == pytest.approx(1.1)
+    assert costs.speedup(2.0, 3) == pytest.approx(2.0 / (1.1 + 0.6))
 
 
 def test_served_not_all_rows_acceptance_decides():
