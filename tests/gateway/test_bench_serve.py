@@ -56,7 +56,9 @@ def bench(gateway: str, out: Path, prompts: str, args: str, extra_body: str | No
 
 def test_concurrency_sweep_reports_vllm_metrics_and_tide_accept_length(gateway, prompt_file, tmp_path, capsys):
     args = f"--concurrency 1 4 --max-tokens 24 --warmup 1 --slo ttft_ms=60000 tpot_ms=60000 --plots {tmp_path}/plots"
-    res = bench(gateway, tmp_path / "serve.json", f"{prompt_file}[:5]", args, '{"ignore_eos": true}')
+    # speculative: the workers' adaptive policy would leave the n-gram drafter off on this random model
+    extra = '{"ignore_eos": true, "speculative": true}'
+    res = bench(gateway, tmp_path / "serve.json", f"{prompt_file}[:5]", args, extra)
     rows = res["results"]
     assert [r["concurrency"] for r in rows] == [1, 4]
     for r in rows:
