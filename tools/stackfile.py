@@ -7,7 +7,7 @@ launcher's pid; it removes the file when it stops. A file left by a stack that w
 recognised by its dead pid and ignored.
 
 `tidectl` reads it through `find_stack()`: with no `--registry` / `$TIDE_REGISTRY_ADDR`, it talks to
-the stack started from the same directory (data dir `./var`, or `$TIDE_DATA_DIR`).
+the stack started from the same directory (data dir `./var`, or `$TIDE_STACK_DIR`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 POINTER = "current-stack.json"
-DATA_DIR_ENV = "TIDE_DATA_DIR"
+DATA_DIR_ENV = "TIDE_STACK_DIR"
 DEFAULT_DATA_DIR = Path("var")
 
 
@@ -57,7 +57,7 @@ def _alive(pid: int) -> bool:
 
 
 def find_stack(data_dir: Path | None = None) -> RunningStack | None:
-    """The stack running from `data_dir` (default $TIDE_DATA_DIR, else ./var), or None."""
+    """The stack running from `data_dir` (default $TIDE_STACK_DIR, else ./var), or None."""
     data_dir = Path(data_dir or os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR)
     try:
         pointer = json.loads((data_dir / POINTER).read_text())

@@ -125,7 +125,7 @@ def test_tide_up_serves_keeps_the_workers_cpus_and_ctrl_c_stops_everything(chat_
         # tidectl finds this stack (address and admin token) from the directory it was started in
         tidectl = [os.path.join(os.path.dirname(sys.executable), "tidectl"), "--json"]
         bare_env = {k: v for k, v in os.environ.items() if k not in ("TIDE_REGISTRY_ADDR", "TIDE_ADMIN_TOKEN",
-                                                                        "TIDE_DATA_DIR")}
+                                                                        "TIDE_STACK_DIR")}
         listed = subprocess.run([*tidectl, "drafts", "list"], cwd=tmp_path, env=bare_env, capture_output=True,
                                 text=True, timeout=60)
         assert listed.returncode == 0, listed.stderr

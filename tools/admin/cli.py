@@ -10,7 +10,7 @@
     tidectl drafts watch    TARGET                           print each assignment change (Ctrl-C stops)
 
 Common options (before or after the subcommand): `--registry host:port` (else $TIDE_REGISTRY_ADDR,
-else the registry of the `tide up` stack running from ./var or $TIDE_DATA_DIR — found through its
+else the registry of the `tide up` stack running from ./var or $TIDE_STACK_DIR — found through its
 current-stack.json, see tools.stackfile — else 127.0.0.1:50055), `--token` (else $TIDE_ADMIN_TOKEN,
 else that stack's admin-token file; needed for pin/unpin/promote/rollback),
 `--json` (machine-readable output on stdout), `--timeout` seconds. A target can also be given as
