@@ -49,6 +49,7 @@ class Eagle3Drafter:
         # Draft id -> target id as a plain tensor; target ids for sampled q rows.
         self._d2t_ids = torch.arange(cfg.draft_vocab_size, device=p.device) + draft.d2t
         self._d2t_cpu = self._d2t_ids.cpu()  # indexes grammar masks (built on the CPU)
+        self.mask_to_grammar = True  # False: unmasked drafts (benchmarks/features.py measures the gain)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, target: LlamaModel, version: str, max_batch: int,
@@ -103,7 +104,7 @@ class Eagle3Drafter:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         hidden = last.unsqueeze(1)  # [B, 1, H]
-        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None] if self.mask_to_grammar else []
         stopped = {i for i in constrained if gammas[i] <= 0}  # constrained chains that drafted their last
         try:
             for j in range(gmax):
