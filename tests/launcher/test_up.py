@@ -213,6 +213,8 @@ def test_readme_command_serves_the_reference_model(tmp_path):
             assert r.status_code == 200, r.text
             body = r.json()
             assert "Paris" in body["choices"][0]["message"]["content"]
+            # the registry started with the repository's starter draft: EAGLE-3 from the first request
+            assert body["speculation"]["drafter"] == "eagle3" and body["speculation"]["draft_version"]
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(90) == 0, up.text
         assert [p for p in up.pids() if alive(p)] == []

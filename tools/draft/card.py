@@ -73,7 +73,7 @@ def make_card(args) -> dict:
         print(f"γ={g}: accept length {metrics[f'accept_length_g{g}']:.3f}", flush=True)
     check = held_out[:CHECK_PROMPTS]
     check_len, _ = accept_length(model, out, encoded[:CHECK_PROMPTS], CHECK_GAMMA, CHECK_TOKENS)
-    bootstrap = Path(args.draft).parent / "bootstrap.json"
+    report = Path(args.draft).parent / "report.json"  # the bootstrap's report, beside its draft/
     card = {
         "target_model": target.model_id,
         "target_gguf_sha256": sha256(reference_gguf_path()) if args.target == "ref" else None,
@@ -85,12 +85,21 @@ def make_card(args) -> dict:
         "check": {"gamma": CHECK_GAMMA, "max_tokens": CHECK_TOKENS, "accept_length": round(check_len, 4),
                   "prompts": [{"text": p.text, "chat": p.chat} for p in check]},
         "files": {name: {"sha256": sha256(out / name), "bytes": (out / name).stat().st_size} for name in FILES},
-        "bootstrap": json.loads(bootstrap.read_text()).get("result") if bootstrap.exists() else None,
+        "bootstrap": bootstrap_summary(json.loads(report.read_text())) if report.exists() else None,
         "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__},
     }
     (out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
     (out / "README.md").write_text(readme(card))
     return card
+
+
+def bootstrap_summary(report: dict) -> dict:
+    """What the card keeps of a bootstrap report: its own held-out accept length (train-distribution
+    prompts it held out), data and time."""
+    gen, train = report.get("generation") or {}, report.get("training") or {}
+    return {"held_out_accept_length": {g: round(v, 4) for g, v in (report.get("accept_length") or {}).items()},
+            "output_tokens_train": gen.get("output_tokens_train"), "generation_tok_s": gen.get("tokens_per_s"),
+            "train_steps": train.get("steps"), "minutes": report.get("spent_minutes")}
 
 
 def readme(card: dict) -> str:
