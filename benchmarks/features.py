@@ -2,11 +2,13 @@
 
     .venv/bin/python -m benchmarks.features [--max-tokens 32] [--out docs/results/structured-outputs/features.json]
 
-Reference target (float32, as "auto" picks on a CPU without bf16), n-gram drafter at γ=3, greedy,
-the same chat prompts for every row; batch 1 and 16. Rows: none (the fast path), json_schema,
-logit_bias (20 tokens), presence + frequency penalties. Then what masking the EAGLE-3 draft to the
-grammar buys in accept length on the json_schema workload: a random draft of the production shape
-(no trained draft is shipped), so every accepted draft token is one the mask forced.
+Reference target (the dtype "auto" picks: bf16 where the CPU has it), greedy, the same chat prompts
+for every row, batch 1 and 16, plain decoding and n-gram speculation at γ=3; every row in each of
+`--rounds` rounds (order reversed every round), medians and the ratio to "none". Rows: none (the
+fast path), json_schema, logit_bias (20 tokens), presence + frequency penalties. Then what masking
+the EAGLE-3 draft to the grammar buys in accept length on the json_schema workload (`--draft`, e.g.
+the starter draft; else a random draft of the production shape, where every accepted draft token is
+one the mask forced).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from tide.engine.drafters import NgramDrafter
 from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.llama import LlamaModel
+from tide.precision import resolve_dtype
 from tide.engine.profiling import random_draft
 from tide.engine.sequence import GrammarKind, GrammarSpec, SamplingParams
 from tide.policies import FixedGamma
@@ -62,39 +66,55 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds; medians are reported [3]")
+    ap.add_argument("--draft", default="", help="an EAGLE-3 draft directory for the masking rows [a random one]")
     ap.add_argument("--out", default="docs/results/structured-outputs/features.json")
     args = ap.parse_args()
     target = resolve_target("ref")
     tok = load_tokenizer(target)
-    model = LlamaModel.load(target, dtype=torch.float32)
+    model = LlamaModel.load(target, dtype=resolve_dtype("auto"))
     prompts = [encode_prompt(tok, Prompt(f"Describe {t} as JSON with name, age, role and skills.", "json", "bench"))
                for t in TOPICS]
     features = _features(args.max_tokens)
-    results: dict = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-                     "max_tokens": args.max_tokens, "throughput": {}, "eagle3_masking": {}}
-    engine = LLMEngine(model, EngineConfig(max_batch=16, max_seq_len=512), tokenizer=tok,
-                       drafter=NgramDrafter(), policy=FixedGamma(3))
-    engine.compile_grammar(features["json_schema"].grammar)  # the worker compiles at submit, off the loop
-    _run(engine, prompts[:2], [features["none"]] * 2)  # warm-up
-    print(f"{'feature':12} " + " ".join(f"{'batch ' + b + ' tok/s':>16}" for b in args.batches.split(",")))
-    for name, params in features.items():
-        row = {}
-        for b in map(int, args.batches.split(",")):
-            batch = [prompts[i % len(prompts)] for i in range(b)]
-            tps, out, acc = _run(engine, batch, [params] * b)
-            row[b] = {"tokens_per_s": tps, "tokens": out, "accept_length": acc}
-        results["throughput"][name] = row
-        print(f"{name:12} " + " ".join(f"{r['tokens_per_s']:16.1f}" for r in row.values()))
+    batches = [int(b) for b in args.batches.split(",")]
+    results: dict = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                                 "dtype": str(model.dtype)}, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                     "throughput": {}, "eagle3_masking": {}}
+    modes = {"plain": FixedGamma(0), "ngram_g3": FixedGamma(3)}
+    for mode, policy in modes.items():
+        engine = LLMEngine(model, EngineConfig(max_batch=16, max_seq_len=512), tokenizer=tok,
+                           drafter=NgramDrafter(), policy=policy)
+        engine.compile_grammar(features["json_schema"].grammar)  # the worker compiles at submit, off the loop
+        _run(engine, prompts[:2], [features["none"]] * 2)  # warm-up
+        runs: dict = {(f, b): [] for f in features for b in batches}
+        for r in range(args.rounds):  # every feature in every round, order reversed each round: drift hits all
+            for name in (list(features) if r % 2 == 0 else list(features)[::-1]):
+                for b in batches:
+                    batch = [prompts[i % len(prompts)] for i in range(b)]
+                    runs[name, b].append(_run(engine, batch, [features[name]] * b))
+        table = {}
+        for name in features:
+            table[name] = {}
+            for b in batches:
+                tps = statistics.median(x[0] for x in runs[name, b])
+                table[name][b] = {"tokens_per_s": round(tps, 1), "vs_none": round(
+                    tps / statistics.median(x[0] for x in runs["none", b]), 3),
+                    "accept_length": round(statistics.median(x[2] for x in runs[name, b]), 3)}
+        results["throughput"][mode] = table
+        print(f"{mode}: " + "  ".join(f"{n}: " + ", ".join(f"b{b} {v['tokens_per_s']:.0f} tok/s ({v['vs_none']:.2f}x)"
+                                                         for b, v in row.items()) for n, row in table.items()))
 
-    drafter = Eagle3Drafter(random_draft(model, draft_vocab=model.cfg.vocab_size), "random", 16, 512)
+    drafter = (Eagle3Drafter.from_checkpoint(args.draft, model, "draft", 16, 512) if args.draft else
+               Eagle3Drafter(random_draft(model, draft_vocab=model.cfg.vocab_size), "random", 16, 512))
+    results["eagle3_masking"]["draft"] = args.draft or "random"
     engine = LLMEngine(model, EngineConfig(max_batch=16, max_seq_len=512), tokenizer=tok, drafter=drafter,
                        policy=FixedGamma(3))
     for masked in (False, True):
         drafter.mask_to_grammar = masked
         tps, out, acc = _run(engine, prompts, [features["json_schema"]] * len(prompts))
-        results["eagle3_masking"]["masked" if masked else "unmasked"] = {"tokens_per_s": tps, "tokens": out,
-                                                                         "accept_length": acc}
-        print(f"EAGLE-3 (random draft) json_schema, drafts {'masked' if masked else 'unmasked'}: "
+        results["eagle3_masking"]["masked" if masked else "unmasked"] = {"tokens_per_s": round(tps, 1), "tokens": out,
+                                                                         "accept_length": round(acc, 3)}
+        print(f"EAGLE-3 ({args.draft or 'random draft'}) json_schema, drafts {'masked' if masked else 'unmasked'}: "
               f"accept length {acc:.2f}, {tps:.1f} tok/s (batch {len(prompts)})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -157,6 +157,15 @@ def test_greedy_identity_batch_of_one(vocab_model, tokenizer, drafter_kind):
     assert seqs[0].draft_tokens > 0
 
 
+def test_unmasked_eagle3_drafts_leave_the_grammar_state_alone(vocab_model, tokenizer):
+    """mask_to_grammar off (benchmarks.features' baseline): drafts the grammar refuses are verified
+    and rejected like any other, and never walk the request's matcher (they once left it corrupt)."""
+    drafter = _drafter("eagle3", vocab_model)
+    drafter.mask_to_grammar = False
+    seqs = _check_identity(vocab_model, tokenizer, SPECS["json_schema"], drafter, batch=3)
+    assert sum(s.draft_tokens for s in seqs) > 0
+
+
 def test_constraint_and_unconstrained_requests_share_a_batch(vocab_model, tokenizer):
     prompts = _prompts(tokenizer, 3)
     mixed = [SamplingParams(max_tokens=16, grammar=SPECS["regex"]), SamplingParams(max_tokens=16, ignore_eos=True),

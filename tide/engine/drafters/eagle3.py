@@ -105,6 +105,7 @@ class Eagle3Drafter:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         hidden = last.unsqueeze(1)  # [B, 1, H]
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None] if self.mask_to_grammar else []
+        masked = set(constrained)  # only these walk their matcher (and roll it back below)
         stopped = {i for i in constrained if gammas[i] <= 0}  # constrained chains that drafted their last
         try:
             for j in range(gmax):
@@ -116,7 +117,7 @@ class Eagle3Drafter:
                 for i in range(B):
                     if j < gammas[i] and i not in stopped:
                         tokens[i].append(int(chosen[i]))
-                        if seqs[i].matcher is not None:
+                        if i in masked:
                             seqs[i].matcher.accept(int(chosen[i]))  # allowed: drawn from the masked row
                             if j + 1 >= gammas[i]:
                                 stopped.add(i)
