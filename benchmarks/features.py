@@ -26,10 +26,10 @@ from tide.engine.drafters import NgramDrafter
 from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.llama import LlamaModel
-from tide.precision import resolve_dtype
 from tide.engine.profiling import random_draft
 from tide.engine.sequence import GrammarKind, GrammarSpec, SamplingParams
 from tide.policies import FixedGamma
+from tide.precision import resolve_dtype
 from tide.prompts import Prompt, encode_prompt
 from tide.target import load_tokenizer, resolve_target
 
