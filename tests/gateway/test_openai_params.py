@@ -185,3 +185,43 @@ def test_tide_extensions_are_accepted(oai):
     assert set(extensions) == set(TIDE_EXTENSIONS)
     assert chat(oai, extra_body=extensions).choices[0].message.content
     assert oai.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body=extensions).choices
+
+
+FIVE_SCHEMAS = {  # nested objects, arrays, enums, required fields; strings and arrays bounded
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 999},
+            "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                        "required": ["city", "zip"], "additionalProperties": False}},
+            "required": ["id", "address"], "additionalProperties": False}},
+        "required": ["user"], "additionalProperties": False},
+    "array": {"type": "object", "properties": {
+        "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1,
+                  "maxItems": 4}}, "required": ["items"], "additionalProperties": False},
+    "enums": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L"]},
+        "ok": {"type": "boolean"}}, "required": ["color", "size", "ok"], "additionalProperties": False},
+    "array_of_objects": {"type": "object", "properties": {
+        "rows": {"type": "array", "maxItems": 2, "items": {
+            "type": "object", "properties": {"k": {"enum": ["a", "b"]}, "v": {"type": "number", "minimum": -1000, "maximum": 1000}},
+            "required": ["k"], "additionalProperties": False}}},
+        "required": ["rows"], "additionalProperties": False},
+}
+
+
+@pytest.mark.parametrize("name", list(FIVE_SCHEMAS))
+def test_fifty_seeded_sampled_runs_per_schema_all_parse_and_validate(oai, name):
+    schema = FIVE_SCHEMAS[name]
+    validator = jsonschema_rs.validator_for(schema)
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    outputs = []
+    for seed in range(5):  # 5 seeded requests of n = 10 (the gateway allows n <= 16): 50 sampled runs
+        r = chat(oai, response_format=fmt, temperature=1.0, seed=seed, n=10, max_tokens=160)
+        outputs += [c.message.content for c in r.choices if c.finish_reason == "stop"]
+        assert all(c.finish_reason == "stop" for c in r.choices), [c.finish_reason for c in r.choices]
+    assert len(outputs) == 50
+    assert all(validator.is_valid(json.loads(text)) for text in outputs), outputs
