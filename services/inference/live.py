@@ -3,7 +3,7 @@
 `LiveStats.observe` is an engine step listener (loop thread, O(batch) per step, no I/O). It keeps
 - the generated tokens of the last `window_s` seconds (one entry per step), for tokens/s;
 - per draft version: the (request, step) rows that speculated, draft tokens checked, accepted;
-- per running-batch bucket (1, 2, 3-4, 5-8, ...): steps, speculative steps, the γ chosen.
+- per running-batch bucket (the γ policies' buckets: 1, 2-3, 4-7, 8-15, ...): steps, speculative steps, the γ chosen.
 `snapshot()` (any thread) copies them under a lock; GetStatus sends them as WorkerStatus.live.
 """
 
@@ -14,17 +14,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tide.policies.estimators import batch_bucket as policy_bucket
 from tide.telemetry import StepRecord
 
 MAX_VERSIONS = 16  # draft versions kept (the least recently served is dropped first)
 
 
 def batch_bucket(batch: int) -> tuple[int, int]:
-    """The power-of-two bucket of a running-batch size: 1, 2, 3-4, 5-8, 9-16, ..."""
-    if batch <= 2:
-        return max(batch, 1), max(batch, 1)
-    hi = 1 << (batch - 1).bit_length()
-    return hi // 2 + 1, hi
+    """The (smallest, largest) running-batch size of `batch`'s bucket: the γ policies' own buckets
+    (tide.policies.estimators.batch_bucket: 1, 2, 4-7, 8-15, 16-31, ...), so the page shows γ per
+    the bucket the policy decided it for."""
+    lo = policy_bucket(batch)
+    return lo, 2 * lo - 1
 
 
 @dataclass

@@ -22,7 +22,8 @@ KV_USAGE = Gauge("tide_inference_kv_cache_usage", "Fraction of KV-cache slots in
 POLICY_ESTIMATE = Gauge("tide_inference_policy_estimate", "The γ policy's online estimates",
                         ["policy", "name", "scope"])
 # Output constraints compiled at submit (tide.engine.constraints; ~1 ms each on the reference CPU).
-GRAMMAR_COMPILE = Histogram("tide_inference_grammar_compile_seconds", "Output-constraint compile time",
+GRAMMAR_COMPILE = Histogram("tide_inference_grammar_compile_seconds",
+                            "Output-constraint compile time per constrained request (0: the grammar was cached)",
                             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
 COLLECTION = Gauge("tide_inference_collection_enabled", "1 while hidden-state collection is on")
 

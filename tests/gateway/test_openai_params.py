@@ -207,7 +207,8 @@ FIVE_SCHEMAS = {  # nested objects, arrays, enums, required fields; strings and 
         "ok": {"type": "boolean"}}, "required": ["color", "size", "ok"], "additionalProperties": False},
     "array_of_objects": {"type": "object", "properties": {
         "rows": {"type": "array", "maxItems": 2, "items": {
-            "type": "object", "properties": {"k": {"enum": ["a", "b"]}, "v": {"type": "number", "minimum": -1000, "maximum": 1000}},
+            "type": "object", "properties": {"k": {"enum": ["a", "b"]},
+                                             "v": {"type": "number", "minimum": -1000, "maximum": 1000}},
             "required": ["k"], "additionalProperties": False}}},
         "required": ["rows"], "additionalProperties": False},
 }

@@ -13,9 +13,9 @@ def record(batch: int, gammas: list[int], accepted: list[int], version: str = "v
                       draft_version=version)
 
 
-def test_buckets_are_powers_of_two():
-    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 17)] == [(1, 1), (2, 2), (3, 4), (3, 4), (5, 8), (5, 8),
-                                                                   (9, 16), (17, 32)]
+def test_buckets_are_the_gamma_policies_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 7, 8, 16, 17)] == [(1, 1), (2, 3), (2, 3), (4, 7), (4, 7), (8, 15),
+                                                                    (16, 31), (16, 31)]
 
 
 def test_totals_and_the_windowed_rate():
@@ -29,9 +29,9 @@ def test_totals_and_the_windowed_rate():
     assert s.tokens_total == 20 * 7 + 1 and s.steps_total == 21 and s.tokens_per_s == (20 * 7 + 1) / 10
     assert list(s.drafts) == ["v1"] and s.drafts["v1"].verify_rows == 40
     assert (s.drafts["v1"].draft_tokens, s.drafts["v1"].accepted_tokens) == (120, 80)
-    assert s.gamma[(3, 4)].steps == 20 and s.gamma[(3, 4)].gamma_sum == 120 and s.gamma[(3, 4)].last_gamma == 3
+    assert s.gamma[(2, 3)].steps == 20 and s.gamma[(2, 3)].gamma_sum == 120 and s.gamma[(2, 3)].last_gamma == 3
     assert s.gamma[(1, 1)].speculative_steps == 0 and s.gamma[(1, 1)].last_gamma == 0
     now[0] += 30  # nothing for longer than the window: no rate, the totals stay
     assert live.snapshot().tokens_per_s == 0 and live.snapshot().tokens_total == 141
     pb = live_pb(live.snapshot())
-    assert pb.drafts[0].draft_version == "v1" and [(g.min_batch, g.max_batch) for g in pb.gamma] == [(1, 1), (3, 4)]
+    assert pb.drafts[0].draft_version == "v1" and [(g.min_batch, g.max_batch) for g in pb.gamma] == [(1, 1), (2, 3)]

@@ -17,6 +17,7 @@ grammar allows without changing the state.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import threading
@@ -43,7 +44,7 @@ class CompiledGrammar:
 
     spec: GrammarSpec
     grammar: str  # llguidance's serialized grammar
-    compile_ms: float
+    compile_ms: float  # what compiling took for this request: 0 when it came from the cache
     _compiler: GrammarCompiler
 
     def matcher(self) -> GrammarMatcher:
@@ -79,7 +80,7 @@ class GrammarCompiler:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
-                return hit
+                return dataclasses.replace(hit, compile_ms=0.0)  # this request compiled nothing
         import llguidance
 
         tokenizer = self.ll_tokenizer
