@@ -11,6 +11,7 @@ Chromium comes from Debian (`chromium`, `chromium-driver`), installed here with 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -178,6 +179,8 @@ def test_dashboard_shows_the_live_stack(browser, spawn_worker, chat_target, toke
                 time.sleep(0.5)
             fresh = httpx.get(f"{url}/v1/status", timeout=30).json()
             history = httpx.get(f"{url}/v1/status/history", timeout=30).json()
+            for secret in (TOKEN, storage.s3_secret_key, storage.s3_access_key):  # every service has them
+                assert secret not in json.dumps(fresh) and secret not in json.dumps(history)
             height = browser.execute_script("return document.documentElement.scrollHeight")
             browser.set_window_size(1440, height)
             time.sleep(0.3)
