@@ -102,6 +102,18 @@ def bootstrap_summary(report: dict) -> dict:
             "train_steps": train.get("steps"), "minutes": report.get("spent_minutes")}
 
 
+def _bootstrap_lines(b: dict | None) -> str:
+    """The bootstrap's own numbers, from the card (empty when its report was not beside the draft)."""
+    if not b:
+        return ""
+    held = " / ".join(f"{v:.2f}" for _, v in sorted(b["held_out_accept_length"].items()))
+    minutes = b.get("minutes") or {}
+    spent = ", ".join(f"{k} {v:.1f}" for k, v in minutes.items())
+    return (f"\nIt generated {b['output_tokens_train']:,} training tokens ({b['generation_tok_s']:.0f} tokens/s) and "
+            f"trained {b['train_steps']:,} steps (minutes: {spent}); on its own held-out split (train-distribution "
+            f"prompts it did not train on) it reached {held} at γ = 1..{len(b['held_out_accept_length'])}.\n")
+
+
 def readme(card: dict) -> str:
     rows = "\n".join(f"| {k.rsplit('g', 1)[1]} | {v:.3f} |" for k, v in card["eval_metrics"].items())
     files = "\n".join(f"| `{n}` | {f['bytes'] / 1e6:.1f} MB | `{f['sha256']}` |" for n, f in card["files"].items())
@@ -114,7 +126,7 @@ first request; the online loop then adapts it to the traffic it serves.
 Made with the project's own bootstrap from the train splits under ../shared/data:
 
     {card['command']}
-
+{_bootstrap_lines(card.get("bootstrap"))}
 ## Held-out accept length
 
 {card['eval']['count']} prompts the bootstrap never saw (`{card['eval']['prompts']}`), {card['eval']['max_tokens']}
