@@ -1,8 +1,8 @@
 """`tide bench serve`: a serving benchmark for any OpenAI-compatible endpoint (TIDE, vLLM, SGLang, ...).
 
-    tide bench serve --base-url URL [--model NAME] --prompts FILE [FILE ...]
+    tide bench serve --base-url URL [URL ...] [--label NAME ...] [--model NAME ...] --prompts FILE [FILE ...]
                      (--concurrency C [C ...] | --request-rate R [R ...]) [--max-concurrency N]
-                     [--max-tokens N] [--num-prompts N] [--json FILE] [--plots DIR]
+                     [--max-tokens N] [--num-prompts N] [--rounds N] [--json FILE] [--plots DIR]
 
 Every request streams (`stream: true`, `stream_options: {"include_usage": true}`), one HTTP
 connection per request in flight. Two load shapes, each run once per value given, in order:
@@ -45,6 +45,13 @@ A request that fails (HTTP error status, an SSE `error` event, a stream that end
 [DONE] nor a finish_reason, a transport error, `--timeout`) counts in requests_failed, is left out
 of every statistic (the most frequent error messages are kept under `errors`), and the run goes on.
 `--warmup N` requests are sent one at a time before the runs and counted nowhere.
+
+Several servers (`--base-url A B ...`, named by `--label`, default host:port) are measured in one
+command with the same client and prompts: every run (a concurrency or a rate) goes to each server in
+turn, `--rounds N` times, the servers' order reversed every other round (A B, B A, ...) so a drift of
+the machine hits them alike; rows carry `server` and `round`, and `comparison` gives per run and
+server the median over rounds of output tok/s, TTFT p50, TPOT p50, ITL p50 and the tok/s ratio to
+the first server. Compare servers on one machine, each with the same cores and threads.
 
 Output: a short table on stdout, a tqdm bar per run on stderr, `--json FILE`:
 {"results": [row per run], "config": {...}}; `--plots DIR`: serve_plots (throughput and latency
@@ -419,13 +426,18 @@ def check(args) -> tuple[Target, list[Prompt], dict[str, float]]:
         raise UsageError("--timeout must be > 0 seconds")
     if not args.temperature >= 0:
         raise UsageError("--temperature must be >= 0")
-    url = endpoint_url(args.base_url, args.api)
-    extra = parse_extra_body(args.extra_body)
+    if args.rounds < 1:
+        raise UsageError("--rounds must be >= 1")
+    urls = [endpoint_url(u, args.api) for u in args.base_url]
+    extras = [parse_extra_body(e) for e in args.extra_body or [None]]
+    if len(extras) not in (1, len(urls)):
+        raise UsageError(f"--extra-body: give one JSON object, or one per --base-url ({len(urls)})")
+    extra = extras[0]
     slo = parse_slo(args.slo)
     prompts = read_prompts(args.prompts, args.num_prompts)
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    target = Target(url, args.api, args.model or "", args.max_tokens, args.temperature, extra, headers, args.timeout)
+    target = Target(urls[0], args.api, "", args.max_tokens, args.temperature, extra, headers, args.timeout)
     return target, prompts, slo
 
 
@@ -440,49 +452,121 @@ def discover_model(target: Target) -> str:
 # ------------------------------------------------------------------------------------ driver
 
 
+@dataclass(frozen=True)
+class Server:
+    label: str
+    base_url: str
+    target: Target
+
+
+def servers(args, target: Target) -> list[Server]:
+    """One Server per --base-url (the same client settings; a model each, asked of the server when
+    --model does not name it); UsageError for mismatched --label / --model counts."""
+    urls = args.base_url
+    labels = args.label or [u.split("://", 1)[-1].rstrip("/").removesuffix("/v1") for u in urls]
+    models = args.model or [""]
+    if len(labels) != len(urls) or len(set(labels)) != len(labels):
+        raise UsageError(f"--label: give one distinct name per --base-url ({len(urls)})")
+    if len(models) not in (1, len(urls)):
+        raise UsageError(f"--model: give one name, or one per --base-url ({len(urls)})")
+    models = models * len(urls) if len(models) == 1 else models
+    extras = [parse_extra_body(e) for e in args.extra_body or [None]]
+    extras = extras * len(urls) if len(extras) == 1 else extras
+    out = []
+    for label, url, model, extra in zip(labels, urls, models, extras, strict=True):
+        t = dataclasses.replace(target, url=endpoint_url(url, args.api), model=model, extra_body=extra)
+        if not t.model:
+            try:
+                t = dataclasses.replace(t, model=discover_model(t))
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+                raise RuntimeError(f"{label}: no --model given and GET /v1/models failed: {e}") from None
+        out.append(Server(label, url, t))
+    return out
+
+
+_COMPARED = {"output_tok_s": lambda r: r["output_tok_s"], "ttft_ms_p50": lambda r: r["ttft_ms"]["p50"],
+             "tpot_ms_p50": lambda r: r["tpot_ms"]["p50"], "itl_ms_p50": lambda r: r["itl_ms"]["p50"],
+             "accept_length": lambda r: r["accept_length"]}
+
+
+def _median_of(rows: list[dict], get) -> float | None:
+    values = [v for v in map(get, rows) if v is not None]
+    return round(float(np.median(values)), 3) if values else None
+
+
+def comparison(rows: list[dict], labels: list[str]) -> list[dict]:
+    """Per run (concurrency or rate) and server: medians over the rounds, and tok/s vs the first server."""
+    out = []
+    runs = list(dict.fromkeys((r["concurrency"], r["request_rate"]) for r in rows))
+    for conc, rate in runs:
+        same = [r for r in rows if (r["concurrency"], r["request_rate"]) == (conc, rate)]
+        med = {}
+        for label in labels:
+            mine = [r for r in same if r["server"] == label]
+            med[label] = {key: _median_of(mine, get) for key, get in _COMPARED.items()}
+            med[label].update(rounds=len(mine), requests_failed=sum(r["requests_failed"] for r in mine))
+        first = med[labels[0]]["output_tok_s"]
+        for label in labels:
+            tok = med[label]["output_tok_s"]
+            out.append({"concurrency": conc, "request_rate": rate, "server": label, **med[label],
+                        "tok_s_vs_first": round(tok / first, 3) if tok is not None and first else None})
+    return out
+
+
 def run(args) -> dict:
-    """Every run of `args` (validated first: UsageError before anything is sent); the JSON document."""
+    """Every run of `args` on every server (validated first: UsageError before anything is sent)."""
     from tqdm import tqdm
 
     target, prompts, slo = check(args)
-    if not target.model:
-        try:
-            target = dataclasses.replace(target, model=discover_model(target))
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
-            raise RuntimeError(f"no --model given and GET /v1/models failed: {e}") from None
+    fleet = servers(args, target)
     runs = [("concurrency", c) for c in args.concurrency or []] + [("rate", r) for r in args.request_rate or []]
 
     async def all_runs() -> list[dict]:
-        if args.warmup:
-            async with _client(target, 1) as client:
-                warm = [await send(client, target, p) for p in itertools.islice(itertools.cycle(prompts), args.warmup)]
+        for srv in fleet if args.warmup else []:
+            async with _client(srv.target, 1) as client:
+                warm = [await send(client, srv.target, p)
+                        for p in itertools.islice(itertools.cycle(prompts), args.warmup)]
             bad = [o.error for o in warm if not o.ok]
             if bad:
-                print(f"warning: {len(bad)} of {len(warm)} warm-up requests failed: {bad[0]}", file=sys.stderr)
+                print(f"warning: {srv.label}: {len(bad)} of {len(warm)} warm-up requests failed: {bad[0]}",
+                      file=sys.stderr)
         rows = []
         for kind, value in runs:
-            label = f"concurrency {value}" if kind == "concurrency" else f"rate {value:g}/s"
-            with tqdm(total=len(prompts), desc=label, unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
-                if kind == "concurrency":
-                    outcomes, wall = await closed_loop(target, prompts, value, bar)
-                    head = {"concurrency": value, "request_rate": None}
-                else:
-                    outcomes, wall = await open_loop(target, prompts, value, args.max_concurrency, args.seed, bar)
-                    head = {"concurrency": args.max_concurrency, "request_rate": _json_rate(value)}
-            rows.append({**head, "num_prompts": len(prompts), **summarize(outcomes, wall, slo)})
+            for rnd in range(args.rounds):
+                for srv in fleet if rnd % 2 == 0 else fleet[::-1]:
+                    label = f"concurrency {value}" if kind == "concurrency" else f"rate {value:g}/s"
+                    if len(fleet) > 1 or args.rounds > 1:
+                        label = f"{srv.label} {label} round {rnd + 1}/{args.rounds}"
+                    with tqdm(total=len(prompts), desc=label, unit="req", file=sys.stderr,
+                              dynamic_ncols=True) as bar:
+                        if kind == "concurrency":
+                            outcomes, wall = await closed_loop(srv.target, prompts, value, bar)
+                            head = {"concurrency": value, "request_rate": None}
+                        else:
+                            outcomes, wall = await open_loop(srv.target, prompts, value, args.max_concurrency,
+                                                             args.seed, bar)
+                            head = {"concurrency": args.max_concurrency, "request_rate": _json_rate(value)}
+                    rows.append({**head, "server": srv.label, "round": rnd, "num_prompts": len(prompts),
+                                 **summarize(outcomes, wall, slo)})
         return rows
 
     results = asyncio.run(all_runs())
+    first = fleet[0].target
     config = {
-        "base_url": args.base_url, "endpoint": target.url, "api": args.api, "model": target.model,
+        "base_url": fleet[0].base_url, "endpoint": first.url, "api": args.api, "model": first.model,
+        "servers": [{"label": s.label, "base_url": s.base_url, "endpoint": s.target.url, "model": s.target.model,
+                     "extra_body": s.target.extra_body} for s in fleet],
         "prompts": [str(p) for p in args.prompts], "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-        "temperature": args.temperature, "extra_body": target.extra_body, "concurrency": args.concurrency,
+        "temperature": args.temperature, "extra_body": first.extra_body, "concurrency": args.concurrency,
         "request_rate": [_json_rate(r) for r in args.request_rate or []] or None,
-        "max_concurrency": args.max_concurrency, "seed": args.seed, "warmup": args.warmup,
+        "max_concurrency": args.max_concurrency, "seed": args.seed, "warmup": args.warmup, "rounds": args.rounds,
         "timeout_s": args.timeout, "slo": slo or None, "percentiles": list(PERCENTILES),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    return {"results": results, "config": config}
+    out = {"results": results, "config": config}
+    if len(fleet) > 1 or args.rounds > 1:
+        out["comparison"] = comparison(results, [s.label for s in fleet])
+    return out
 
 
 def _json_rate(rate: float) -> float | str:
@@ -497,27 +581,43 @@ def print_table(res: dict) -> None:
     cols = ("conc", "rate", "ok", "fail", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p50",
             "ITL p99", "E2E p50", "accept", "goodput")
     widths = (5, 6, 5, 5, 7, 10, 9, 9, 9, 8, 8, 9, 7, 8)
-    print(f"\n{res['config']['model']} at {res['config']['endpoint']} "
-          f"({res['config']['num_prompts']} prompts a run, max_tokens {res['config']['max_tokens']}; latencies in ms)")
-    print(" ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True)))
-    for r in res["results"]:
-        rate = r["request_rate"]
-        cells = (_fmt(r["concurrency"], "d"), "-" if rate is None else str(rate if rate == "inf" else f"{rate:g}"),
-                 str(r["requests_ok"]), str(r["requests_failed"]), _fmt(r["request_throughput"], ".2f"),
-                 _fmt(r["output_tok_s"]), _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p99"]),
-                 _fmt(r["tpot_ms"]["p50"]), _fmt(r["itl_ms"]["p50"]), _fmt(r["itl_ms"]["p99"]),
-                 _fmt(r["e2e_ms"]["p50"]), _fmt(r["accept_length"], ".2f"), _fmt(r["goodput"], ".2f"))
-        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
-    for r in res["results"]:
-        for message, count in r["errors"].items():
-            label = f"concurrency {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}"
-            print(f"  {label}: {count} x {message}")
+    cfg = res["config"]
+    for srv in cfg["servers"]:
+        rows = [r for r in res["results"] if r["server"] == srv["label"]]
+        rounds = f", {cfg['rounds']} rounds" if cfg["rounds"] > 1 else ""
+        print(f"\n{srv['label']}: {srv['model']} at {srv['endpoint']} ({cfg['num_prompts']} prompts a run, "
+              f"max_tokens {cfg['max_tokens']}{rounds}; latencies in ms)")
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True)))
+        for r in rows:
+            rate = r["request_rate"]
+            cells = (_fmt(r["concurrency"], "d"), "-" if rate is None else str(rate if rate == "inf" else f"{rate:g}"),
+                     str(r["requests_ok"]), str(r["requests_failed"]), _fmt(r["request_throughput"], ".2f"),
+                     _fmt(r["output_tok_s"]), _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p99"]),
+                     _fmt(r["tpot_ms"]["p50"]), _fmt(r["itl_ms"]["p50"]), _fmt(r["itl_ms"]["p99"]),
+                     _fmt(r["e2e_ms"]["p50"]), _fmt(r["accept_length"], ".2f"), _fmt(r["goodput"], ".2f"))
+            print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+        for r in rows:
+            for message, count in r["errors"].items():
+                label = f"concurrency {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}"
+                print(f"  {label}: {count} x {message}")
+    if res.get("comparison"):
+        print(f"\nmedians over {cfg['rounds']} round(s); ratio = output tok/s / {cfg['servers'][0]['label']}'s")
+        print(f"{'server':>16} {'conc':>5} {'rate':>6} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} "
+              f"{'ITL p50':>8} {'ratio':>6}")
+        for c in res["comparison"]:
+            rate = c["request_rate"]
+            print(f"{c['server']:>16} {_fmt(c['concurrency'], 'd'):>5} {'-' if rate is None else str(rate):>6} "
+                  f"{_fmt(c['output_tok_s']):>10} {_fmt(c['ttft_ms_p50']):>9} {_fmt(c['tpot_ms_p50']):>9} "
+                  f"{_fmt(c['itl_ms_p50']):>8} {_fmt(c['tok_s_vs_first'], '.3f'):>6}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", required=True,
-                        help="the server, e.g. http://127.0.0.1:8000 (a /v1 suffix is fine)")
-    parser.add_argument("--model", help="model name to request [the first of GET /v1/models]")
+    parser.add_argument("--base-url", required=True, nargs="+", metavar="URL",
+                        help="the server, e.g. http://127.0.0.1:8000 (a /v1 suffix is fine); several: each run "
+                             "goes to each in turn (compared side by side)")
+    parser.add_argument("--label", nargs="+", metavar="NAME", help="the servers' names in tables [host:port]")
+    parser.add_argument("--model", nargs="+", metavar="NAME",
+                        help="model name to request, one for all or one per server [the first of GET /v1/models]")
     parser.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
                         help="prompt files (tide.prompts formats; a name is also looked up in the data dir; "
                              "slices like file[:40])")
@@ -531,8 +631,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature [0: greedy]")
     parser.add_argument("--api", choices=tuple(ENDPOINTS), default="chat",
                         help="chat: /v1/chat/completions, completions: /v1/completions [chat]")
-    parser.add_argument("--extra-body", metavar="JSON", help="a JSON object merged into every request, "
-                                                             "e.g. '{\"speculative\": false}'")
+    parser.add_argument("--extra-body", nargs="+", metavar="JSON",
+                        help="a JSON object merged into every request, e.g. '{\"speculative\": false}'; "
+                             "one for all servers or one per server")
     parser.add_argument("--slo", nargs="+", metavar="METRIC=MS",
                         help="goodput SLOs, e.g. ttft_ms=500 tpot_ms=100 (metrics: ttft_ms, tpot_ms, e2e_ms)")
     parser.add_argument("--api-key", help="bearer token [$OPENAI_API_KEY]")
@@ -540,6 +641,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                               "counted nowhere [0]")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take in all [300]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals [0]")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="each run this many times per server, the servers' order reversed every other "
+                             "round; `comparison` gives the medians [1]")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plots", type=Path, metavar="DIR", help="write PNG plots into this directory")
 

@@ -118,6 +118,51 @@ def test_refused_and_timed_out_requests_count_as_failed(gateway, prompt_file, tm
     assert all(m.startswith("timeout") for m in r["errors"])
 
 
+def test_two_servers_in_one_command_alternate_rounds_and_compare(gateway, prompt_file, tmp_path, capsys):
+    """Two endpoints (here the same gateway under two names) measured by one command: each run goes to
+    both, the order reversed every other round; `comparison` holds the medians and the ratio to the first."""
+    argv = ["--base-url", gateway, gateway + "/v1", "--label", "a", "b", "--prompts", f"{prompt_file}[:3]",
+            "--concurrency", "1", "2", "--rounds", "2", "--max-tokens", "12", "--json", str(tmp_path / "c.json"),
+            "--plots", str(tmp_path / "plots"),
+            "--extra-body", '{"speculative": false}', '{"speculative": true, "ignore_eos": true}']
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "c.json").read_text())
+    order = [(r["concurrency"], r["round"], r["server"]) for r in res["results"]]
+    assert order == [(1, 0, "a"), (1, 0, "b"), (1, 1, "b"), (1, 1, "a"),
+                     (2, 0, "a"), (2, 0, "b"), (2, 1, "b"), (2, 1, "a")]
+    assert all(r["requests_ok"] == 3 and r["requests_failed"] == 0 for r in res["results"])
+    for r in res["results"]:  # each server got its own extra body
+        if r["server"] == "a":  # speculative: false
+            assert r["accept_length"] is None and r["speculation"]["verify_steps"] == 0
+        else:  # ignore_eos: true
+            assert r["output_tokens"] == 3 * 12
+    assert sum(r["speculation"]["verify_steps"] for r in res["results"] if r["server"] == "b") > 0
+    assert [s["label"] for s in res["config"]["servers"]] == ["a", "b"]
+    assert all(s["model"] == MODEL_NAME for s in res["config"]["servers"])  # asked of each server
+    comp = {(c["concurrency"], c["server"]): c for c in res["comparison"]}
+    assert set(comp) == {(1, "a"), (1, "b"), (2, "a"), (2, "b")}
+    for (conc, server), c in comp.items():
+        mine = sorted(r["output_tok_s"] for r in res["results"] if (r["concurrency"], r["server"]) == (conc, server))
+        assert c["rounds"] == 2 and c["output_tok_s"] == pytest.approx(sum(mine) / 2, abs=1e-3)
+        first = comp[(conc, "a")]["output_tok_s"]
+        assert c["tok_s_vs_first"] == pytest.approx(c["output_tok_s"] / first, abs=1e-3)
+    assert sorted(Path(p).name for p in res["plots"]) == ["latency.png", "throughput.png"]
+    out = capsys.readouterr().out
+    assert out.count("a: ") >= 1 and out.count("b: ") >= 1 and "ratio" in out
+
+
+def test_mismatched_labels_and_models_exit_2(prompt_file, capsys):
+    base = ["--base-url", "http://127.0.0.1:9", "http://127.0.0.1:10", "--prompts", str(prompt_file),
+            "--concurrency", "1"]
+    assert main([*base, "--label", "only-one"]) == 2
+    assert "--label" in capsys.readouterr().err
+    assert main([*base, "--label", "x", "x"]) == 2
+    assert main([*base, "--model", "a", "b", "c"]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert main([*base, "--extra-body", "{}", "{}", "{}"]) == 2
+    assert "--extra-body" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
