@@ -159,6 +159,15 @@ def run(args) -> dict:
     tok = load_tokenizer(target)
     prompts = [encode_prompt(tok, p) for p in load_prompts(args.prompts, limit=32)]
     quick = args.quick
+    serving = {}
+    if args.serve:  # first, while this process has not yet filled the caches with the tables below
+        from benchmarks.serve_breakdown import breakdown
+
+        serving = breakdown(model, args.serve, prompts[:8 if quick else 16], 64)
+        print(f"serving path at batch 1, ms per output token: {serving['serve_breakdown_ms']}", flush=True)
+        if args.serve_only:
+            return {"target": target.model_id, "dtype": dtype_name(dtype), "threads": torch.get_num_threads(),
+                    **serving, "wall_s": round(time.perf_counter() - t_start, 1)}
     reps = 5 if quick else 15
     batches, gammas = [1, 4, 16], list(range(6))
     max_tokens = 32 if quick else 96
@@ -197,11 +206,20 @@ def run(args) -> dict:
         capture = {b: capture_overhead(model, exporter, prompts, b, 64, 4 if quick else 8) for b in (1, 16)}
     res["capture_overhead"] = {b: c["overhead"] for b, c in capture.items()}
     res["capture_detail"] = capture
+    res.update(serving)
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
     return res
 
 
 def print_table(res: dict) -> None:
+    if "serve_breakdown_ms" in res:
+        print("\nserving path, batch 1 (median over requests; ms per output token after the first):")
+        for layer, v in res["serve_layers"].items():
+            print(f"  {layer:8s} TTFT {v['ttft_ms']:8.1f}  TPOT {v['tpot_ms']:7.2f}")
+        print("  parts: " + ", ".join(f"{k} {v:.2f}" for k, v in res["serve_breakdown_ms"].items())
+              + f"  (the engine is {res['serve_engine_share']:.0%} of the served token)")
+        if "T_ms" not in res:
+            return
     print(f"\nT(n) ms at {CONTEXT} cached tokens (rows: batch; cols: new tokens per sequence)")
     ns = list(next(iter(res["T_ms"].values())).keys())
     print("  b\\n " + "".join(f"{n:>8}" for n in ns))
@@ -231,6 +249,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="EAGLE-3 checkpoint dir or bootstrap dir (default: a random draft, "
                                         "latency only)")
     parser.add_argument("--prompts", default="spec_bench_questions.jsonl")
+    parser.add_argument("--serve", metavar="URL", help="also break a served token's time down layer by layer "
+                                                       "against the stack whose gateway is at URL (serve_breakdown)")
+    parser.add_argument("--serve-only", action="store_true", help="with --serve: only the breakdown")
 
 
 def run_cli(args) -> int:
