@@ -1,92 +1,198 @@
 """Does the default stack ever serve slower than no speculation? (issue #31's "defaults that never hurt")
 
     python -m benchmarks.experiments.defaults_ab --base-url http://127.0.0.1:8000 --minutes 15 \
-        --prompts spec_bench_questions.jsonl gsm8k_test.jsonl humaneval.jsonl.gz --json ab.json
+        --prompts spec_bench_questions.jsonl "gsm8k_test.jsonl[40:]" humaneval.jsonl.gz --json ab.json
 
-Against a running stack (`make run`: the default settings, the online loop collecting and training),
-rounds of `tide bench serve` runs at each concurrency, each run twice back to back — the default
-request, and the same with `speculative: false` — order flipped every round, until `--minutes` have
-passed. The ratio default / plain of output tokens/s is taken within each pair, so a drift of the
-machine or a promotion of the loop hits both sides of a ratio alike. Prompts advance through the
-files round by round (each request a prompt not sent before in this run, while they last).
-Prints and writes per concurrency: every round's ratio with its time, the minimum and the median.
+Against a running stack (`make run`: the default settings, the online loop collecting and training).
+The two kinds of traffic alternate at the request level: a *phase* is `c` concurrent clients each
+sending one streamed request (128 tokens, greedy) of one mode — the default request, or the same
+with `speculative: false` — and phases of the two modes alternate (A B, then B A), at one
+concurrency until `--seconds-per-concurrency` have passed, then at the next, round after round,
+until `--minutes` have passed. So a training cycle of the loop (~80 s) or a promotion spans many
+phases of both modes, and no request of one mode shares a batch with the other's. Prompts advance
+through the files, mixed, and never repeat within the run while they last.
+
+The criterion is per 5-minute window of the run (tumbling, and sliding by one minute) and per
+concurrency: the median over the window's requests of each request's output tokens/s (tokens over
+its end-to-end time), default / plain. Also reported: each window's throughput ratio (tokens over
+phase wall time, summed per mode) and, per round, what the loop was doing (`/v1/status`: the
+serving draft, collection, the trainer's state and chunks consumed).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from benchmarks import serve
-from tide.prompts import load_prompts
+from tide.prompts import Prompt, load_prompts
+
+MODES = {"default": {}, "plain": {"speculative": False}}
+WINDOW_S = 300.0  # the issue's window: 5 minutes
+SLIDE_S = 60.0  # sliding windows start every minute
 
 
-def one_run(base_url: str, prompts: Path, concurrency: int, n: int, max_tokens: int, extra: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "r.json"
-        argv = ["--base-url", base_url, "--prompts", str(prompts), "--concurrency", str(concurrency),
-                "--num-prompts", str(n), "--max-tokens", str(max_tokens), "--json", str(out)]
-        if extra:
-            argv += ["--extra-body", json.dumps(extra)]
-        assert serve.main(argv) == 0
-        return json.loads(out.read_text())["results"][0]
+@dataclass
+class Phase:
+    """One phase: `c` concurrent requests of one mode (times in seconds from the run's start)."""
+
+    round: int
+    concurrency: int
+    mode: str
+    t0: float
+    t1: float
+    per_request_tok_s: list[float]
+    tokens: int
+    failed: int
+    accept_lengths: list[float]
+
+    def summary(self) -> dict:
+        return {"round": self.round, "c": self.concurrency, "mode": self.mode, "t0": round(self.t0, 1),
+                "t1": round(self.t1, 1), "requests": len(self.per_request_tok_s), "failed": self.failed,
+                "tokens": self.tokens, "tok_s": round(self.tokens / max(self.t1 - self.t0, 1e-9), 2),
+                "median_request_tok_s": _median(self.per_request_tok_s),
+                "accept_length": _median(self.accept_lengths)}
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def mixed_prompts(files: list[str]) -> list[Prompt]:
+    """The files' prompts interleaved one from each file in turn, so every phase mixes domains."""
+    by_file: dict[str, list[Prompt]] = {}
+    for q in (q for f in files for q in load_prompts(f)):
+        by_file.setdefault(q.source, []).append(q)
+    longest = max(len(v) for v in by_file.values())
+    return [v[i] for i in range(longest) for v in by_file.values() if i < len(v)]
+
+
+async def run_phase(client: httpx.AsyncClient, base: serve.Target, mode: str, prompts: list[Prompt],
+                    rnd: int, t_start: float) -> Phase:
+    target = serve.Target(**{**base.__dict__, "extra_body": {**base.extra_body, **MODES[mode]}})
+    t0 = time.monotonic() - t_start
+    outcomes = await asyncio.gather(*(serve.send(client, target, p) for p in prompts))
+    t1 = time.monotonic() - t_start
+    ok = [o for o in outcomes if o.ok]
+    accept = [float(o.speculation["accept_length"]) for o in ok
+              if o.speculation and o.speculation.get("accept_length") is not None]
+    return Phase(rnd, len(prompts), mode, t0, t1, [o.output_tokens / o.e2e for o in ok if o.e2e > 0],
+                 sum(o.output_tokens for o in ok), len(outcomes) - len(ok), accept)
+
+
+async def loop_state(client: httpx.AsyncClient, base_url: str) -> dict:
+    """What the loop is doing now, from the gateway's /v1/status (empty when unavailable)."""
+    try:
+        doc = (await client.get(base_url.rstrip("/") + "/v1/status", timeout=10)).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    reg, ctl, tr = doc.get("registry") or {}, doc.get("controller") or {}, doc.get("trainer") or {}
+    return {"draft": (reg.get("pointer") or {}).get("effective"),
+            "collection": (ctl.get("collection") or {}).get("enabled"),
+            "trainer": tr.get("state"), "chunks_consumed": tr.get("chunks_consumed"),
+            "versions": len(reg.get("versions") or [])}
+
+
+def windows(phases: list[Phase], concurrency: list[int], end_s: float) -> list[dict]:
+    """Per window [start, start + WINDOW_S) and concurrency: the request-median ratio and the
+    throughput ratio over the phases that started in it. Tumbling windows first, then sliding."""
+    starts = sorted({*(k * WINDOW_S for k in range(max(1, int(end_s // WINDOW_S)))),
+                     *(k * SLIDE_S for k in range(max(1, int((end_s - WINDOW_S) // SLIDE_S) + 1)))})
+    out = []
+    for s in starts:
+        row = {"start_s": s, "tumbling": s % WINDOW_S == 0, "by_concurrency": {}}
+        for c in concurrency:
+            inside = [p for p in phases if p.concurrency == c and s <= p.t0 < s + WINDOW_S]
+            per = {m: [x for p in inside if p.mode == m for x in p.per_request_tok_s] for m in MODES}
+            thr = {m: sum(p.tokens for p in inside if p.mode == m) /
+                   max(sum(p.t1 - p.t0 for p in inside if p.mode == m), 1e-9) for m in MODES}
+            if not per["default"] or not per["plain"]:
+                continue
+            row["by_concurrency"][c] = {
+                "requests": {m: len(v) for m, v in per.items()},
+                "median_request_tok_s": {m: _median(v) for m, v in per.items()},
+                "ratio": round(statistics.median(per["default"]) / statistics.median(per["plain"]), 3),
+                "throughput_ratio": round(thr["default"] / thr["plain"], 3) if thr["plain"] else None}
+        out.append(row)
+    return out
+
+
+async def run(args) -> dict:
+    pool = mixed_prompts(args.prompts)
+    base = serve.Target(url=serve.endpoint_url(args.base_url, "chat"), api="chat", model=args.model or "",
+                        max_tokens=args.max_tokens, temperature=0.0, extra_body={}, headers={}, timeout=600.0)
+    if not base.model:
+        base = serve.Target(**{**base.__dict__, "model": serve.discover_model(base)})
+    phases: list[Phase] = []
+    rounds: list[dict] = []
+    cursor = 0
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 2)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
+        t_start = time.monotonic()
+        deadline = t_start + args.minutes * 60
+        while time.monotonic() < deadline:
+            rnd = len(rounds)
+            rounds.append({"round": rnd, "t_s": round(time.monotonic() - t_start, 1),
+                           "loop": await loop_state(client, args.base_url)})
+            for c in args.concurrency:
+                c_end = time.monotonic() + args.seconds_per_concurrency
+                flip = rnd % 2
+                while time.monotonic() < min(c_end, deadline):
+                    order = list(MODES) if flip % 2 == 0 else list(MODES)[::-1]
+                    flip += 1
+                    for mode in order:  # a pair: both modes, back to back
+                        batch = [pool[(cursor + i) % len(pool)] for i in range(c)]
+                        cursor += c
+                        phase = await run_phase(client, base, mode, batch, rnd, t_start)
+                        phases.append(phase)
+                got = {m: _median([x for p in phases if (p.round, p.concurrency, p.mode) == (rnd, c, m)
+                                   for x in p.per_request_tok_s]) for m in MODES}
+                print(f"round {rnd} t={rounds[-1]['t_s']:6.0f}s c={c:2d}: median tok/s per request "
+                      f"default {got['default']} plain {got['plain']}  loop {rounds[-1]['loop']}", flush=True)
+        end_s = time.monotonic() - t_start
+    wins = windows(phases, args.concurrency, end_s)
+    summary = {}
+    for c in args.concurrency:
+        tumbling = [w["by_concurrency"][c]["ratio"] for w in wins if w["tumbling"] and c in w["by_concurrency"]]
+        sliding = [w["by_concurrency"][c]["ratio"] for w in wins if c in w["by_concurrency"]]
+        every = {m: [x for p in phases if p.concurrency == c and p.mode == m for x in p.per_request_tok_s]
+                 for m in MODES}
+        summary[c] = {"ratio_whole_run": round(statistics.median(every["default"]) /
+                                               statistics.median(every["plain"]), 3),
+                      "min_tumbling_window": min(tumbling, default=None),
+                      "min_sliding_window": min(sliding, default=None),
+                      "requests": {m: len(v) for m, v in every.items()},
+                      "failed": sum(p.failed for p in phases if p.concurrency == c)}
+        print(f"c={c:2d}: default/plain (median per-request tok/s) whole run {summary[c]['ratio_whole_run']:.3f}"
+              f"  min over 5-min windows: tumbling {summary[c]['min_tumbling_window']}"
+              f" sliding {summary[c]['min_sliding_window']}", flush=True)
+    return {"config": vars(args), "duration_s": round(end_s, 1), "summary": summary, "windows": wins,
+            "rounds": rounds, "phases": [p.summary() for p in phases]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base-url", required=True)
+    p.add_argument("--model", help="the model name sent [the first of GET /v1/models]")
     p.add_argument("--prompts", nargs="+", required=True)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--requests-per-client", type=int, default=2, help="requests per client in each run [2]")
+    p.add_argument("--seconds-per-concurrency", type=float, default=30.0,
+                   help="pairs of phases at one concurrency per round, until this many seconds [30]")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--minutes", type=float, default=15.0)
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
-    pool = [q for f in args.prompts for q in load_prompts(f)]
-    # interleave the files so every run mixes domains
-    by_file: dict[str, list] = {}
-    for q in pool:
-        by_file.setdefault(q.source, []).append(q)
-    mixed = [q for group in zip(*by_file.values(), strict=False) for q in group]
-    cursor, rounds, t0 = 0, [], time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        while time.monotonic() - t0 < args.minutes * 60:
-            r = len(rounds)
-            row = {"round": r, "t_s": round(time.monotonic() - t0, 1), "runs": {}}
-            for c in args.concurrency:
-                n = c * args.requests_per_client
-                batch = [mixed[(cursor + i) % len(mixed)] for i in range(n)]
-                cursor += n
-                path = Path(tmp) / f"r{r}-c{c}.jsonl"
-                path.write_text("".join(json.dumps({"prompt": q.text}) + "\n" for q in batch))
-                modes = [("default", {}), ("plain", {"speculative": False})]
-                res = {name: one_run(args.base_url, path, c, n, args.max_tokens, extra)
-                       for name, extra in (modes if r % 2 == 0 else modes[::-1])}
-                ratio = res["default"]["output_tok_s"] / res["plain"]["output_tok_s"]
-                row["runs"][c] = {"default_tok_s": res["default"]["output_tok_s"],
-                                  "plain_tok_s": res["plain"]["output_tok_s"], "ratio": round(ratio, 3),
-                                  "accept_length": res["default"]["accept_length"],
-                                  "failed": res["default"]["requests_failed"] + res["plain"]["requests_failed"]}
-                print(f"round {r} t={row['t_s']:6.0f}s c={c:2d}: default {res['default']['output_tok_s']:6.1f} "
-                      f"plain {res['plain']['output_tok_s']:6.1f} tok/s  ratio {ratio:.3f}  accept "
-                      f"{res['default']['accept_length']}", flush=True)
-            rounds.append(row)
-    summary = {}
-    for c in args.concurrency:
-        ratios = [row["runs"][c]["ratio"] for row in rounds]
-        med = {k: round(statistics.median(row["runs"][c][k] for row in rounds), 1) for k in ("default_tok_s",
-                                                                                             "plain_tok_s")}
-        summary[c] = {"min": min(ratios), "median": round(statistics.median(ratios), 3), "rounds": len(ratios),
-                      **{f"{k}_median": v for k, v in med.items()}}
-        print(f"c={c:2d}: ratio min {summary[c]['min']:.3f} median {summary[c]['median']:.3f} "
-              f"over {len(ratios)} rounds", flush=True)
-    Path(args.json).write_text(json.dumps({"config": vars(args), "summary": summary, "rounds": rounds}, indent=1))
-    return 0
+    res = asyncio.run(run(args))
+    Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0 if all(s["failed"] == 0 for s in res["summary"].values()) else 1
 
 
 if __name__ == "__main__":
