@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from services.inference.app import InferenceService, build
+from services.inference.app import InferenceService, build_on_engine_thread
 from services.inference.settings import InferenceSettings
 from tide.allocator import keep_freed_memory
 from tide.resources import pin_process
@@ -31,7 +31,7 @@ def _before_start(settings: InferenceSettings) -> None:
 
 def _build(settings: InferenceSettings) -> InferenceService:
     t0 = time.monotonic()
-    service = build(settings)
+    service = build_on_engine_thread(settings)  # the model loads on the thread that runs it
     log.info("worker %s serving %s on %s (ready in %.1f s)", settings.worker_id, settings.target, service.target,
              time.monotonic() - t0)
     return service

@@ -8,11 +8,13 @@ telemetry.py and exporter.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import logging
 import numbers
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,9 +145,47 @@ class InferenceService:
         self.exporter.stop()
 
 
+@dataclass
+class _Prepared:
+    """What `prepare` built on the engine thread, for `finish` to start serving from."""
+
+    worker: Worker
+    telemetry: TelemetryPublisher
+    exporter: ChunkExporter
+    drafts: DraftWatcher
+    live: LiveStats
+
+
 def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: str | None = None) -> InferenceService:
-    """Build and start everything. `model`/`tokenizer`/`model_id` may be passed in (tests reuse a
-    loaded model); otherwise the target named by the settings is loaded."""
+    """Build and start everything, the engine loop on a thread of its own. `model`/`tokenizer`/
+    `model_id` may be passed in (tests reuse a loaded model); otherwise the target named by the
+    settings is loaded. The service process uses `build_on_engine_thread` instead."""
+    parts = prepare(settings, model=model, tokenizer=tokenizer, model_id=model_id)
+    parts.worker.start()
+    return finish(settings, parts)
+
+
+def build_on_engine_thread(settings: InferenceSettings) -> InferenceService:
+    """`build`, with the model loaded and profiled on the thread that then runs the engine loop
+    (see `Worker.run`: one thread does all of the model's work); returns once serving."""
+    ready: concurrent.futures.Future[_Prepared] = concurrent.futures.Future()
+
+    def engine_thread() -> None:
+        try:
+            parts = prepare(settings)
+        except BaseException as e:  # reported by the caller (start-up failed)
+            ready.set_exception(e)
+            return
+        ready.set_result(parts)
+        parts.worker.run()
+
+    threading.Thread(target=engine_thread, name="engine-loop", daemon=True).start()
+    return finish(settings, ready.result())
+
+
+def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: str | None = None) -> _Prepared:
+    """Everything that touches the model (load, latency profile, engine) and the parts around the
+    worker; nothing serves yet and the engine loop does not run."""
     if model is None:
         model, tokenizer, model_id = load_target(settings)
     model_id = model_id or settings.target
@@ -189,9 +229,14 @@ def build(settings: InferenceSettings, *, model=None, tokenizer=None, model_id: 
     engine.step_listeners.append(telemetry.publish)
     live = LiveStats()
     engine.step_listeners.append(live.observe)
+    return _Prepared(worker, telemetry, exporter, drafts, live)
+
+
+def finish(settings: InferenceSettings, parts: _Prepared) -> InferenceService:
+    """Start the publishers, wait for the registry's draft (the engine loop is running) and serve."""
+    worker, telemetry, exporter, drafts, live = parts.worker, parts.telemetry, parts.exporter, parts.drafts, parts.live
     telemetry.start()
     exporter.start()
-    worker.start()
     if settings.drafter == DRAFTER_NAME and settings.draft_wait_s > 0:
         t0 = time.monotonic()
         settled = drafts.wait_settled(settings.draft_wait_s)

@@ -42,6 +42,7 @@ from tide.eagle3 import DraftIncompatible
 from tide.engine.drafters import Drafter, NgramDrafter
 from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.registry_client import RegistryClient, fetch_version
+from tide.resources import one_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,8 @@ class DraftWatcher:
                     self._settled.set()
                 continue
             try:
-                drafter = self._load(want)
+                with one_torch_thread():  # the engine's thread keeps the cores' OpenMP pool to itself
+                    drafter = self._load(want)
             except _Refused as r:
                 self._refuse(want.version, r.reason, r.detail)
                 self._settled.set()

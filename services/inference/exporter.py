@@ -43,6 +43,7 @@ import redis
 from services.inference import metrics
 from tide import blobs, streams
 from tide.chunks import ChunkBuilder, ChunkInvalid, encode_chunk, learnable_rows
+from tide.resources import one_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -428,8 +429,9 @@ class ChunkExporter:
                     self._rotate_locked()
                 ready = list(self._full)
                 self._full.clear()
-            for buf in ready:
-                self._write(buf)
+            with one_torch_thread():  # copying and checking rows: never a second OpenMP pool beside the engine's
+                for buf in ready:
+                    self._write(buf)
             self._announce_pending()
             with self._lock:
                 if not self._full and not self._flush_now:

@@ -91,9 +91,19 @@ class Worker:
     # ---- any thread ------------------------------------------------------------------------
 
     def start(self) -> Worker:
+        """Run the loop on a new thread (`run` runs it on the caller's)."""
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         return self
+
+    def run(self) -> None:
+        """Run the loop on this thread until `stop`. The service runs it on the thread that loaded
+        and profiled the model: torch's OpenMP threads belong to the thread that starts a parallel
+        region, and a second thread running the model starts a second pool, which makes libgomp
+        throttle its spin-waits on a machine with as many cores as one pool's threads (on 2 cores:
+        a batch-1 step 25 ms on the loading thread, 35 ms on another)."""
+        self._thread = threading.current_thread()
+        self._run()
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Validate and queue a request; raises RequestRejected (invalid, duplicate id, overloaded)."""
