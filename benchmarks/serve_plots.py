@@ -50,7 +50,8 @@ def plot(res: dict, out_dir: Path) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = res["config"]
     model = " vs ".join(s["label"] for s in cfg["servers"]) if len(cfg.get("servers") or []) > 1 else cfg["model"]
-    title = f"tide bench serve: {model}, {cfg['num_prompts']} requests a run, max_tokens {cfg['max_tokens']}"
+    sep = "\n" if len(cfg.get("servers") or []) > 1 else ", "  # several servers' names: the title's own line
+    title = f"tide bench serve: {model}{sep}{cfg['num_prompts']} requests a run, max_tokens {cfg['max_tokens']}"
     shapes = (("", [r for r in res["results"] if r["request_rate"] is None], "concurrency", "concurrency"),
               ("_rate", [r for r in res["results"] if r["request_rate"] is not None], "request_rate",
                "request rate (requests/s, Poisson arrivals)"))
