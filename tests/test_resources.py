@@ -109,3 +109,45 @@ def test_two_busy_processes_on_one_cpu_each_wait_for_it_about_half_the_time():
         assert 0.3 < (wait1 - wait0) / (run1 - run0 + wait1 - wait0) < 0.8, (before, after)
         assert 0.8 < run1 - run0 + wait1 - wait0 < 2.0  # ≈ the second it was alive and runnable
     assert run_and_wait_s(procs[0].pid) is None  # gone
+
+
+def test_one_torch_thread_runs_helpers_single_threaded_and_restores_the_default():
+    """Overlapping helpers each run torch on one thread; the model's thread keeps its count, and
+    once the last helper leaves, threads that start torch later get the process's count again."""
+    import threading
+
+    import torch
+
+    from tide.resources import one_torch_thread
+
+    before = torch.get_num_threads()
+    seen: dict[str, int] = {}
+    a_inside, b_inside, a_again = threading.Event(), threading.Event(), threading.Event()
+
+    def helper_a() -> None:
+        with one_torch_thread():
+            seen["a"] = torch.get_num_threads()
+            a_inside.set()
+            b_inside.wait(10)
+        a_again.wait(10)
+        with one_torch_thread():  # entered again after leaving while b was still inside
+            seen["a again"] = torch.get_num_threads()
+
+    def helper_b() -> None:
+        a_inside.wait(10)
+        with one_torch_thread():
+            seen["b"] = torch.get_num_threads()
+            b_inside.set()
+        a_again.set()
+
+    threads = [threading.Thread(target=helper_a), threading.Thread(target=helper_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    later: list[int] = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join(30)
+    assert (seen["a"], seen["b"], seen["a again"]) == (1, 1, 1)
+    assert torch.get_num_threads() == before and later == [before]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,11 @@ def pin_process(cpus: frozenset[int], nice: int = 0, variable: str = "CPUs") -> 
              sorted(os.sched_getaffinity(0)))
 
 
+_one_thread_lock = threading.Lock()
+_one_thread_users = 0  # threads inside one_torch_thread (guarded by the lock)
+_one_thread_restore = 0  # the process's torch thread count, read at the first use; restored by the last to leave
+
+
 @contextlib.contextmanager
 def one_torch_thread():
     """Run the torch work inside on this thread alone, without starting an OpenMP pool for it.
@@ -119,12 +125,20 @@ def one_torch_thread():
     waking them. On 2 cores one helper that had once copied a large tensor, and lived on, made a
     batch-1 decode step 42 ms instead of 26 (the same step in the same process once it ended).
     `torch.set_num_threads` sets the calling thread's OpenMP setting (threads already running torch
-    keep theirs) and the default of threads that start torch later, so it is restored on exit."""
+    keep theirs) and the default of threads that start torch later: the last helper to leave
+    restores the count found at the first use, so overlapping helpers cannot leave it at 1."""
     import torch
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    global _one_thread_users, _one_thread_restore
+    with _one_thread_lock:
+        if not _one_thread_restore:  # the first use ever: nobody has lowered anything yet
+            _one_thread_restore = torch.get_num_threads()
+        _one_thread_users += 1
+        torch.set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        with _one_thread_lock:
+            _one_thread_users -= 1
+            if _one_thread_users == 0:
+                torch.set_num_threads(_one_thread_restore)
