@@ -164,6 +164,15 @@ _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, 
                     "os.execv(sys.argv[3], sys.argv[3:])")
 
 
+# Children get a process group of their own, not a session: Ctrl-C in a terminal goes to the
+# foreground group (ours), and we stop them cleanly. A new session (setsid) would also give each one
+# its own scheduler autogroup (Linux with sched_autogroup_enabled = 1, the default on desktops and
+# many VMs), and autogroups share CPU time fairly whatever their threads' policies: a SCHED_IDLE
+# trainer in its own session took one of two vCPUs from the worker while it trained, and the worker's
+# two OpenMP threads, left one vCPU, decoded 10-20x slower (docs/results/defaults, run 3).
+OWN_PROCESS_GROUP = {"process_group": 0}
+
+
 def die_with_parent_command(cmd: list[str], idle_priority: bool = False) -> list[str]:
     """`cmd` wrapped so that it dies with this process (Linux; elsewhere `cmd` itself).
 
@@ -273,7 +282,7 @@ class _ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C in a terminal goes to us, we stop it cleanly
+                **OWN_PROCESS_GROUP,  # Ctrl-C in a terminal goes to us; the same autogroup as us
             )
         atexit.register(self.stop)
         deadline = t0 + self.startup_timeout_s

@@ -36,7 +36,15 @@ from pathlib import Path
 from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.probe import grpc_serving, http_ok
 from tide.resources import cpus_left, parse_cpus, started_on
-from tide.servers import LOOPBACK, RedisServer, S3Server, ServerError, die_with_parent_command, free_port
+from tide.servers import (
+    LOOPBACK,
+    OWN_PROCESS_GROUP,
+    RedisServer,
+    S3Server,
+    ServerError,
+    die_with_parent_command,
+    free_port,
+)
 from tools.stackfile import remove_pointer, write_pointer
 from tools.supervisor import Supervisor, Unit
 
@@ -169,7 +177,7 @@ def spawn_command(cmd: list[str], idle_priority: bool = False) -> list[str]:
 
 
 class ServiceProcess:
-    """One service: a subprocess in its own session (Ctrl-C reaches only the launcher), logging to a file."""
+    """One service: a subprocess in its own process group (Ctrl-C reaches only the launcher), logging to a file."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, address: str, probe,
                  idle_priority: bool = False) -> None:
@@ -183,7 +191,7 @@ class ServiceProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(spawn_command(self.cmd, self.idle_priority), env={**os.environ, **self.env},
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         **OWN_PROCESS_GROUP)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -76,6 +76,12 @@ def cpus_of(pid: int) -> set[frozenset[int]]:
     return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
+def autogroup(pid: int) -> str:
+    """The scheduler autogroup a process is in ("/autogroup-85 nice 0" -> "/autogroup-85")."""
+    with open(f"/proc/{pid}/autogroup") as f:
+        return f.read().split()[0]
+
+
 @pytest.mark.timeout(600)
 def test_tide_up_serves_keeps_the_workers_cpus_and_ctrl_c_stops_everything(chat_target, tmp_path):
     port, data = free_port(), tmp_path / "var"
@@ -141,6 +147,11 @@ def test_tide_up_serves_keeps_the_workers_cpus_and_ctrl_c_stops_everything(chat_
             policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
             expected = os.SCHED_OTHER if name in ("inference-0", "gateway") else os.SCHED_IDLE
             assert policies == {expected}, name
+            # ...and in the launcher's scheduler autogroup: autogroups share CPU time fairly whatever
+            # their threads' policies, so a SCHED_IDLE trainer in a group of its own takes a whole vCPU
+            # from the worker (docs/results/defaults, run 3)
+            if os.path.exists("/proc/self/autogroup"):
+                assert autogroup(pid) == autogroup(up.proc.pid), name
         if worker_cpu:  # every thread of the worker on its CPU, every other process's off it
             rest = frozenset(cpus[1:])
             assert state["service_cpus"] == sorted(rest)
