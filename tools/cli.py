@@ -22,8 +22,8 @@ def add_up_parser(subparsers) -> None:
     p.add_argument("--no-collection", action="store_true", help="do not collect hidden states for training")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take to start")
     p.add_argument("--background-priority", choices=("idle", "normal"), default="idle",
-                   help="CPU priority of registry, trainer, controller, Redis and S3: idle (SCHED_IDLE) leaves "
-                        "every cycle serving wants to the workers and the gateway [idle]")
+                   help="CPU priority of the trainer: idle (SCHED_IDLE) leaves every cycle serving wants to "
+                        "the workers and the gateway [idle]")
     p.set_defaults(func=_up)
 
 

@@ -142,10 +142,10 @@ def test_tide_up_serves_keeps_the_workers_cpus_and_ctrl_c_stops_everything(chat_
         assert pinned.returncode == 3, pinned.stderr
         pids = list(state["pids"].values())
         assert all(alive(p) for p in pids)
-        # background services under SCHED_IDLE, every thread; serving at normal priority
+        # the trainer under SCHED_IDLE, every thread; serving and the loop's data path at normal priority
         for name, pid in state["pids"].items():
             policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
-            expected = os.SCHED_OTHER if name in ("inference-0", "gateway") else os.SCHED_IDLE
+            expected = os.SCHED_IDLE if name == "trainer" else os.SCHED_OTHER
             assert policies == {expected}, name
             # ...and in the launcher's scheduler autogroup: autogroups share CPU time fairly whatever
             # their threads' policies, so a SCHED_IDLE trainer in a group of its own takes a whole vCPU
