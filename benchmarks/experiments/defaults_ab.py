@@ -6,11 +6,12 @@
 Against a running stack (`make run`: the default settings, the online loop collecting and training).
 The two kinds of traffic alternate at the request level: a *phase* is `c` concurrent clients each
 sending one streamed request (128 tokens, greedy) of one mode — the default request, or the same
-with `speculative: false` — and phases of the two modes alternate (A B, then B A), at one
-concurrency until `--seconds-per-concurrency` have passed, then at the next, round after round,
-until `--minutes` have passed. So a training cycle of the loop (~80 s) or a promotion spans many
-phases of both modes, and no request of one mode shares a batch with the other's. Prompts advance
-through the files, mixed, and never repeat within the run while they last.
+with `speculative: false`. A pair is the two modes' phases on the same `c` prompts, back to back,
+in alternating order (A B, then B A), at one concurrency until `--seconds-per-concurrency` have
+passed, then at the next, round after round, until `--minutes` have passed. So a training cycle of
+the loop (~80 s) or a promotion spans many phases of both modes, and no request of one mode shares
+a batch with the other's. Prompts advance through the files, mixed, from pair to pair, and never
+repeat within the run (beyond their pair) while they last.
 
 The criterion is per 5-minute window of the run (tumbling, and sliding by one minute) and per
 concurrency: the median over the window's requests of each request's output tokens/s (tokens over
@@ -148,9 +149,12 @@ async def run(args) -> dict:
                 while time.monotonic() < min(c_end, deadline):
                     order = list(MODES) if flip % 2 == 0 else list(MODES)[::-1]
                     flip += 1
-                    for mode in order:  # a pair: both modes, back to back
-                        batch = [pool[(cursor + i) % len(pool)] for i in range(c)]
-                        cursor += c
+                    # a pair: the same c prompts in both modes, back to back (the engine keeps no
+                    # prefix cache, so the second phase gains nothing from the first). Different
+                    # prompts per mode made windows disagree by the prompts' lengths alone.
+                    batch = [pool[(cursor + i) % len(pool)] for i in range(c)]
+                    cursor += c
+                    for mode in order:
                         phase = await run_phase(client, base, mode, batch, rnd, t_start)
                         phases.append(phase)
                 got = {m: _median([x for p in phases if (p.round, p.concurrency, p.mode) == (rnd, c, m)
