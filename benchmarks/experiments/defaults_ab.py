@@ -7,8 +7,11 @@ Against a running stack (`make run`: the default settings, the online loop colle
 The two kinds of traffic alternate at the request level: a *phase* is `c` concurrent clients each
 sending one streamed request (128 tokens, greedy) of one mode — the default request, or the same
 with `speculative: false`. A pair is the two modes' phases on the same `c` prompts, back to back,
-in alternating order (A B, then B A), at one concurrency until `--seconds-per-concurrency` have
-passed, then at the next, round after round, until `--minutes` have passed. So a training cycle of
+in alternating order (A B, then B A), `--pairs` pairs at one concurrency, then at the next, round
+after round, until `--minutes` have passed. The same number of pairs at every concurrency: a
+concurrency-16 pair takes ~30 s and a concurrency-1 pair ~8 s, and a fixed time per concurrency
+left a 5-minute window two concurrency-16 pairs, too few to tell a 3 % difference from the ±2 %
+that two phases doing the same work differ by on this machine. So a training cycle of
 the loop (~80 s) or a promotion spans many phases of both modes, and no request of one mode shares
 a batch with the other's. Prompts advance through the files, mixed, from pair to pair, and never
 repeat within the run (beyond their pair) while they last.
@@ -144,9 +147,10 @@ async def run(args) -> dict:
             rounds.append({"round": rnd, "t_s": round(time.monotonic() - t_start, 1),
                            "loop": await loop_state(client, args.base_url)})
             for c in args.concurrency:
-                c_end = time.monotonic() + args.seconds_per_concurrency
                 flip = rnd % 2
-                while time.monotonic() < min(c_end, deadline):
+                for _ in range(args.pairs):
+                    if time.monotonic() >= deadline:
+                        break
                     order = list(MODES) if flip % 2 == 0 else list(MODES)[::-1]
                     flip += 1
                     # a pair: the same c prompts in both modes, back to back (the engine keeps no
@@ -188,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="the model name sent [the first of GET /v1/models]")
     p.add_argument("--prompts", nargs="+", required=True)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--seconds-per-concurrency", type=float, default=30.0,
-                   help="pairs of phases at one concurrency per round, until this many seconds [30]")
+    p.add_argument("--pairs", type=int, default=3, help="pairs of phases per concurrency per round [3]")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--minutes", type=float, default=15.0)
     p.add_argument("--json", required=True)
