@@ -17,9 +17,12 @@ a batch with the other's. Prompts advance through the files, mixed, from pair to
 repeat within the run (beyond their pair) while they last.
 
 The criterion is per 5-minute window of the run (tumbling, and sliding by one minute) and per
-concurrency: the median over the window's requests of each request's output tokens/s (tokens over
-its end-to-end time), default / plain. Also reported: each window's throughput ratio (tokens over
-phase wall time, summed per mode) and, per round, what the loop was doing (`/v1/status`: the
+concurrency: the median over the window's requests of each request's default / plain output tokens/s
+(tokens over its end-to-end time), a request's two runs being the same prompt in the two phases of
+its pair (`paired_ratio`). Also reported: the ratio of the two modes' medians over the window
+(`ratio`: prompts cancel out, but not a shift of the machine's pace between pairs: two pairs doing
+identical work at concurrency 16 gave it 0.88 and 1.02), each window's throughput ratio (tokens
+over phase wall time, summed per mode) and, per round, what the loop was doing (`/v1/status`: the
 serving draft, collection, the trainer's state and chunks consumed).
 """
 
@@ -49,18 +52,24 @@ class Phase:
     """One phase: `c` concurrent requests of one mode (times in seconds from the run's start)."""
 
     round: int
+    pair: int  # the pair's number in the run: its two phases served the same prompts
     concurrency: int
     mode: str
     t0: float
     t1: float
-    per_request_tok_s: list[float]
+    by_prompt: list[float | None]  # each prompt's output tok/s, in the pair's prompt order (None: failed)
     tokens: int
     failed: int
     accept_lengths: list[float]
 
+    @property
+    def per_request_tok_s(self) -> list[float]:
+        return [x for x in self.by_prompt if x is not None]
+
     def summary(self) -> dict:
-        return {"round": self.round, "c": self.concurrency, "mode": self.mode, "t0": round(self.t0, 1),
-                "t1": round(self.t1, 1), "requests": len(self.per_request_tok_s), "failed": self.failed,
+        return {"round": self.round, "pair": self.pair, "c": self.concurrency, "mode": self.mode,
+                "t0": round(self.t0, 1), "t1": round(self.t1, 1), "requests": len(self.per_request_tok_s),
+                "failed": self.failed,
                 "tokens": self.tokens, "tok_s": round(self.tokens / max(self.t1 - self.t0, 1e-9), 2),
                 "median_request_tok_s": _median(self.per_request_tok_s),
                 "accept_length": _median(self.accept_lengths)}
@@ -80,7 +89,7 @@ def mixed_prompts(files: list[str]) -> list[Prompt]:
 
 
 async def run_phase(client: httpx.AsyncClient, base: serve.Target, mode: str, prompts: list[Prompt],
-                    rnd: int, t_start: float) -> Phase:
+                    rnd: int, pair: int, t_start: float) -> Phase:
     target = serve.Target(**{**base.__dict__, "extra_body": {**base.extra_body, **MODES[mode]}})
     t0 = time.monotonic() - t_start
     outcomes = await asyncio.gather(*(serve.send(client, target, p) for p in prompts))
@@ -88,8 +97,19 @@ async def run_phase(client: httpx.AsyncClient, base: serve.Target, mode: str, pr
     ok = [o for o in outcomes if o.ok]
     accept = [float(o.speculation["accept_length"]) for o in ok
               if o.speculation and o.speculation.get("accept_length") is not None]
-    return Phase(rnd, len(prompts), mode, t0, t1, [o.output_tokens / o.e2e for o in ok if o.e2e > 0],
-                 sum(o.output_tokens for o in ok), len(outcomes) - len(ok), accept)
+    by_prompt = [o.output_tokens / o.e2e if o.ok and o.e2e > 0 else None for o in outcomes]
+    return Phase(rnd, pair, len(prompts), mode, t0, t1, by_prompt, sum(o.output_tokens for o in ok),
+                 len(outcomes) - len(ok), accept)
+
+
+def paired_ratios(phases: list[Phase]) -> list[float]:
+    """Each prompt's default / plain output tok/s, over the pairs among `phases` (both modes present)."""
+    by_pair: dict[int, dict[str, Phase]] = {}
+    for p in phases:
+        by_pair.setdefault(p.pair, {})[p.mode] = p
+    return [d / b for modes in by_pair.values() if len(modes) == 2
+            for d, b in zip(modes["default"].by_prompt, modes["plain"].by_prompt, strict=True)
+            if d is not None and b]
 
 
 async def loop_state(client: httpx.AsyncClient, base_url: str) -> dict:
@@ -114,7 +134,10 @@ def windows(phases: list[Phase], concurrency: list[int], end_s: float) -> list[d
     for s in starts:
         row = {"start_s": s, "tumbling": s % WINDOW_S == 0, "by_concurrency": {}}
         for c in concurrency:
-            inside = [p for p in phases if p.concurrency == c and s <= p.t0 < s + WINDOW_S]
+            pair_start = {}
+            for p in phases:
+                pair_start.setdefault(p.pair, p.t0)
+            inside = [p for p in phases if p.concurrency == c and s <= pair_start[p.pair] < s + WINDOW_S]
             per = {m: [x for p in inside if p.mode == m for x in p.per_request_tok_s] for m in MODES}
             thr = {m: sum(p.tokens for p in inside if p.mode == m) /
                    max(sum(p.t1 - p.t0 for p in inside if p.mode == m), 1e-9) for m in MODES}
@@ -124,6 +147,7 @@ def windows(phases: list[Phase], concurrency: list[int], end_s: float) -> list[d
                 "requests": {m: len(v) for m, v in per.items()},
                 "median_request_tok_s": {m: _median(v) for m, v in per.items()},
                 "ratio": round(statistics.median(per["default"]) / statistics.median(per["plain"]), 3),
+                "paired_ratio": _median(paired_ratios(inside)),
                 "throughput_ratio": round(thr["default"] / thr["plain"], 3) if thr["plain"] else None}
         out.append(row)
     return out
@@ -158,8 +182,9 @@ async def run(args) -> dict:
                     # prompts per mode made windows disagree by the prompts' lengths alone.
                     batch = [pool[(cursor + i) % len(pool)] for i in range(c)]
                     cursor += c
+                    pair = len(phases) // 2
                     for mode in order:
-                        phase = await run_phase(client, base, mode, batch, rnd, t_start)
+                        phase = await run_phase(client, base, mode, batch, rnd, pair, t_start)
                         phases.append(phase)
                 got = {m: _median([x for p in phases if (p.round, p.concurrency, p.mode) == (rnd, c, m)
                                    for x in p.per_request_tok_s]) for m in MODES}
@@ -169,19 +194,27 @@ async def run(args) -> dict:
     wins = windows(phases, args.concurrency, end_s)
     summary = {}
     for c in args.concurrency:
-        tumbling = [w["by_concurrency"][c]["ratio"] for w in wins if w["tumbling"] and c in w["by_concurrency"]]
-        sliding = [w["by_concurrency"][c]["ratio"] for w in wins if c in w["by_concurrency"]]
+        def window_min(key: str, tumbling_only: bool, c: int = c) -> float | None:
+            return min((w["by_concurrency"][c][key] for w in wins if c in w["by_concurrency"]
+                        and (w["tumbling"] or not tumbling_only) and w["by_concurrency"][c][key] is not None),
+                       default=None)
+
         every = {m: [x for p in phases if p.concurrency == c and p.mode == m for x in p.per_request_tok_s]
                  for m in MODES}
-        summary[c] = {"ratio_whole_run": round(statistics.median(every["default"]) /
+        summary[c] = {"paired_ratio_whole_run": _median(paired_ratios([p for p in phases if p.concurrency == c])),
+                      "min_tumbling_window_paired": window_min("paired_ratio", True),
+                      "min_sliding_window_paired": window_min("paired_ratio", False),
+                      "ratio_whole_run": round(statistics.median(every["default"]) /
                                                statistics.median(every["plain"]), 3),
-                      "min_tumbling_window": min(tumbling, default=None),
-                      "min_sliding_window": min(sliding, default=None),
+                      "min_tumbling_window": window_min("ratio", True),
+                      "min_sliding_window": window_min("ratio", False),
                       "requests": {m: len(v) for m, v in every.items()},
                       "failed": sum(p.failed for p in phases if p.concurrency == c)}
-        print(f"c={c:2d}: default/plain (median per-request tok/s) whole run {summary[c]['ratio_whole_run']:.3f}"
-              f"  min over 5-min windows: tumbling {summary[c]['min_tumbling_window']}"
-              f" sliding {summary[c]['min_sliding_window']}", flush=True)
+        print(f"c={c:2d}: default/plain, median over requests of each prompt's ratio: whole run "
+              f"{summary[c]['paired_ratio_whole_run']}  min over 5-min windows: tumbling "
+              f"{summary[c]['min_tumbling_window_paired']} sliding {summary[c]['min_sliding_window_paired']}  "
+              f"(ratio of the modes' medians: whole run {summary[c]['ratio_whole_run']}, windows "
+              f"{summary[c]['min_tumbling_window']} / {summary[c]['min_sliding_window']})", flush=True)
     return {"config": vars(args), "duration_s": round(end_s, 1), "summary": summary, "windows": wins,
             "rounds": rounds, "phases": [p.summary() for p in phases]}
 
