@@ -80,6 +80,16 @@ class S3Endpoint:
         return Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=self.secure)
 
 
+def port_in_use(port: int, host: str = LOOPBACK) -> bool:
+    """Whether something already listens on (host, port): a bind there fails."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that was free a moment ago (the OS picks it; a race with other processes is
     possible, which is why S3Server retries with fresh ports when a bind fails)."""
@@ -128,7 +138,7 @@ def _checked(binary: str | Path, what: str) -> Path:
     return _first_executable([str(binary)], what, "pass the path of an executable")
 
 
-def _listens_on(pid: int, port: int) -> bool:
+def listens_on(pid: int, port: int) -> bool:
     """Whether process `pid` owns a listening TCP socket on `port` (Linux /proc; True elsewhere).
 
     Readiness probes use it so that another server already on the port (a port race, or a
@@ -293,7 +303,7 @@ class _ManagedProcess:
                     f"log {self.log_path}:\n{self._log_tail()}"
                 )
             with contextlib.suppress(Exception):
-                if _listens_on(self._proc.pid, self.port) and self._probe():
+                if listens_on(self._proc.pid, self.port) and self._probe():
                     self.startup_s = time.monotonic() - t0
                     return
             if time.monotonic() > deadline:

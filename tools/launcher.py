@@ -44,6 +44,8 @@ from tide.servers import (
     ServerError,
     die_with_parent_command,
     free_port,
+    listens_on,
+    port_in_use,
 )
 from tools.stackfile import remove_pointer, write_pointer
 from tools.supervisor import Supervisor, Unit
@@ -245,6 +247,11 @@ class Stack:
 
     def start(self) -> Endpoints:
         """Start everything in order; on any failure stop what was started and raise StackError."""
+        if self.cfg.port and port_in_use(self.cfg.port, LOOPBACK):
+            # Before anything starts: the gateway would fail to bind and, worse, its readiness probe
+            # would have been answered by whatever holds the port (another stack, say).
+            raise StackError(f"port {self.cfg.port} is in use on {LOOPBACK} (another tide up?): stop what "
+                             f"listens there, or pass --port N (0 = any free port)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.service_cpus:
             self.say(f"workers keep CPUs {self.cfg.setting('inference', 'TIDE_CPUS')} to themselves; "
@@ -319,7 +326,8 @@ class Stack:
         label = f"{name}-{index}" if name == "inference" else name
         if name == "gateway":
             address = f"http://{ep.gateway_host}:{ep.gateway_port}"
-            probe = lambda: http_ok(f"{address}/ready")  # noqa: E731
+            # ready when *our* gateway answers: the port's listener must be its process
+            probe = lambda: listens_on(p.proc.pid, ep.gateway_port) and http_ok(f"{address}/ready")  # noqa: E731
         else:
             address = {"registry": ep.registry, "trainer": ep.trainer, "controller": ep.controller}.get(
                 name) or ep.workers[index]

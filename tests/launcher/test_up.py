@@ -187,6 +187,27 @@ def test_a_service_that_cannot_start_stops_the_others(tmp_path):
             up.proc.kill()
 
 
+@pytest.mark.timeout(120)
+def test_a_gateway_port_in_use_is_refused_before_anything_starts(tmp_path):
+    """Another server (a second stack, say) on the port: a clear error, nothing started — not a
+    stack that reports ready because the other server answered its gateway's probe."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        up = Up("--port", str(port), "--data-dir", str(tmp_path / "var"))
+        try:
+            assert up.proc.wait(60) == 1, up.text
+            time.sleep(0.2)
+            assert f"port {port} is in use" in up.text and "--port" in up.text
+            assert up.pids() == [] and "ready" not in up.text
+        finally:
+            if up.proc.poll() is None:
+                up.proc.kill()
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_launcher_leaves_nothing_behind(tmp_path):
     up = Up("--target", str(tmp_path / "unused"), "--port", str(free_port()), "--data-dir", str(tmp_path / "var"))
