@@ -81,8 +81,10 @@ class S3Endpoint:
 
 
 def port_in_use(port: int, host: str = LOOPBACK) -> bool:
-    """Whether something already listens on (host, port): a bind there fails."""
+    """Whether something already listens on (host, port): a bind there fails. SO_REUSEADDR as
+    servers set it, so the TIME_WAIT connections a stopped server leaves behind do not count."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
