@@ -455,8 +455,12 @@ def run(args, say=print) -> dict:
     data_dir = Path(tempfile.mkdtemp(prefix="tide-chaos-")) if own_dir else Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     target = str(tiny_target(data_dir / "chaos-tiny")) if args.target == "tiny" else args.target
+    # The trainer at normal priority: under SCHED_IDLE (tide up's default) it gets no CPU while the
+    # suite's traffic keeps the worker busy, so neither its own recovery nor the draining of the
+    # chunks written during a fault could be seen; the suite measures recovery, not priority.
     cfg = StackConfig(port=0, workers=args.workers, target=target, data_dir=data_dir / "stack",
-                      env=stack_env(args, data_dir), startup_timeout_s=args.startup_timeout)
+                      env=stack_env(args, data_dir), startup_timeout_s=args.startup_timeout,
+                      background_idle=False)
     stack = Stack(cfg)
     say(f"chaos: starting the stack ({args.workers} workers, target {args.target}) in {data_dir}")
     stack.start()
