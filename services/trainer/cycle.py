@@ -21,6 +21,7 @@ the next one. A registered candidate whose promotion fails is still recorded (pr
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -42,7 +43,11 @@ from tide.outcomes import TrainingOutcome
 log = logging.getLogger(__name__)
 
 PROMOTED, REGISTERED, FAILED = "promoted", "registered", "failed"  # a run's result
-MAX_PROVENANCE_CHUNK_IDS = 1000  # beyond this the provenance lists the count and the manifest's run record
+# The registry refuses a provenance_json longer than 4096 characters (its limit on every string
+# field). The chunk ids go in while they fit this budget; the full lists are in the run record
+# (`run_record`, S3). A cap of 1000 ids (~40 characters each) failed registration outright once a
+# run trained on ~100 chunks.
+MAX_PROVENANCE_CHARS = 3800
 
 
 @dataclass(frozen=True)
@@ -177,14 +182,12 @@ class TrainingCycle:
                     replay: list[ManifestEntry], summary: dict) -> dict:
         s, ids = self.settings, [e.chunk_id for e in entries]
         target = entries[0].target_model if entries else ""
-        return {
+        doc = {
             "run_id": run_id, "reason": reason, "trainer": s.consumer, "parent_version": base.version,
             "base_version": base.version, "base_pinned": base.pinned,
             "run_record": f"s3://{self.manifest.bucket}/{self.manifest.run_key(target, run_id)}",
-            "chunk_count": len(ids), "chunk_ids": ids[:MAX_PROVENANCE_CHUNK_IDS],
-            "replayed_chunk_count": len(replay),
-            "chunk_ids_truncated": len(ids) > MAX_PROVENANCE_CHUNK_IDS,
-            "eval_chunk_ids": summary.get("eval_chunk_ids", []),
+            "chunk_count": len(ids), "chunk_ids": [], "replayed_chunk_count": len(replay),
+            "chunk_ids_truncated": False, "eval_chunk_ids": [], "eval_chunk_ids_truncated": False,
             "train": {"tokens": summary["train"]["tokens"], "steps": summary["train"]["steps"],
                       "seconds": summary["train"]["seconds"]},
             "config": {"steps": s.steps, "epochs": s.epochs, "batch_rows": s.batch_rows, "max_len": s.max_len,
@@ -193,3 +196,22 @@ class TrainingCycle:
                        "max_epochs": s.max_epochs, "eval_gamma": s.eval_gamma,
                        "promote_margin": s.promote_margin, "auto_promote": s.auto_promote, "device": s.device},
         }
+        return _with_ids(doc, {"chunk_ids": ids, "eval_chunk_ids": list(summary.get("eval_chunk_ids", []))})
+
+
+def _with_ids(doc: dict, lists: dict[str, list[str]]) -> dict:
+    """`doc` with each list of ids under its key, as many ids as keep its JSON within
+    MAX_PROVENANCE_CHARS (in the order given); `<key>_truncated` says where some were left out."""
+    for key in lists:  # every key and flag in place first, so `room` counts them
+        doc[key], doc[f"{key}_truncated"] = [], False
+    room = MAX_PROVENANCE_CHARS - len(json.dumps(doc))
+    for key, ids in lists.items():
+        kept = []
+        for cid in ids:
+            cost = len(json.dumps(cid)) + 2  # the quoted id and ", "
+            if cost > room:
+                break
+            kept.append(cid)
+            room -= cost
+        doc[key], doc[f"{key}_truncated"] = kept, len(kept) < len(ids)
+    return doc

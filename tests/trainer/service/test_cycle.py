@@ -173,3 +173,18 @@ def test_unreachable_registry_fails_the_run_and_keeps_the_chunks(make_trainer, c
     assert svc.manifest.buffered_totals(TARGET) == (2, tokens) and TARGET not in svc.manifest.runs
     assert metric(svc, "tide_trainer_runs_total", result="failed") == 1
     assert trigger(svc, force=True).accepted  # the chunks are still there to train on
+
+
+def test_a_run_over_many_chunks_keeps_its_provenance_within_the_registrys_limit():
+    """A run over hundreds of chunks (the trainer at idle priority buffers many between runs) once
+    failed to register: its provenance listed up to 1000 chunk ids, past the registry's 4096
+    characters. The ids now go in while they fit; the run record in S3 keeps them all."""
+    from services.trainer.cycle import MAX_PROVENANCE_CHARS, _with_ids
+
+    ids = [f"run-20261126-095436-9785c7-chunk-{i:05d}" for i in range(438)]
+    doc = _with_ids({"run_id": "r", "chunk_count": len(ids)}, {"chunk_ids": ids, "eval_chunk_ids": ids[:3]})
+    text = json.dumps(doc)
+    assert len(text) <= MAX_PROVENANCE_CHARS < 4096
+    assert doc["chunk_ids"] == ids[:len(doc["chunk_ids"])] and doc["chunk_ids"] and doc["chunk_ids_truncated"]
+    few = _with_ids({"run_id": "r"}, {"chunk_ids": ids[:5], "eval_chunk_ids": []})
+    assert few["chunk_ids"] == ids[:5] and not few["chunk_ids_truncated"] and not few["eval_chunk_ids_truncated"]
