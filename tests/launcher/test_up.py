@@ -76,10 +76,12 @@ def cpus_of(pid: int) -> set[frozenset[int]]:
     return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
-def autogroup(pid: int) -> str:
-    """The scheduler autogroup a process is in ("/autogroup-85 nice 0" -> "/autogroup-85")."""
+def autogroup(pid: int) -> str | None:
+    """The scheduler autogroup a process is in ("/autogroup-85 nice 0" -> "/autogroup-85"); None where the
+    file is empty: a process in a cgroup of its own (a container, a CI job) is in no autogroup."""
     with open(f"/proc/{pid}/autogroup") as f:
-        return f.read().split()[0]
+        fields = f.read().split()
+    return fields[0] if fields else None
 
 
 @pytest.mark.timeout(600)

@@ -202,12 +202,18 @@ class _Training:
                          fit_total, self.t_step)
                 total = tr["schedule_steps"] = fit_total
                 bar.total = total
-            end = min(total, step + max(1, math.ceil((total - step) / n_seg)))
+            target = min(total, step + max(1, math.ceil((total - step) / n_seg)))
             n_seg = max(1, n_seg - 1)
-            end = self.steps_within(clock.left() - self.reserve() - self.per_segment(), end, total)
+            end = self.steps_within(clock.left() - self.reserve() - self.per_segment(), target, total)
             if end <= step:
                 stopped_early = True
                 break
+            if end < target == total:
+                # the last segment falls a few steps short of the deadline (the pace drifted since the
+                # re-plan above): the schedule ends where the time does, so its last step is the cosine's floor
+                log.info("schedule ends at step %d instead of %d: the pace drifted in the last segment", end, total)
+                total = tr["schedule_steps"] = end
+                bar.total = total
             self.segment(end, total)
             bar.update(self.step - bar.n)
             bar.set_postfix(acc3=f"{tr['curve'][-1]['acceptance'].get('3', 0):.3f}",
