@@ -268,3 +268,14 @@ def test_its_estimates_show_what_it_learnt():
     assert 0.1 < est[("alpha_global", "")] < 0.3
     assert est[("depth_ratio", "depth=1")] == pytest.approx(1.0, abs=0.2)
     assert all(0 < v < 16.01 for v in est.values())
+
+
+@pytest.mark.parametrize(("verify_2_ms", "min_gain", "drafts"), [
+    (72.5, 0.05, False),  # predicted 1.5 tokens for 72.5 ms against 1 for 50: +3 %, inside the margin
+    (72.5, 0.0, True),    # the same without a margin
+    (68.0, 0.05, True),   # +10 %: clears it
+])
+def test_drafts_only_where_the_predicted_gain_clears_the_margin(verify_2_ms, min_gain, drafts):
+    profile = LatencyProfile(T_ms={1: {1: 50.0, 2: verify_2_ms, 3: 2 * verify_2_ms}}, D0_ms=0.0)
+    pol = AdaptivePolicy(profile, alpha_prior=0.5, explore=0.0, probe_interval=0, min_gain=min_gain)
+    assert (pol.decide(StepContext(1, (RequestView("r"),))) != [0]) == drafts
