@@ -279,3 +279,15 @@ def test_drafts_only_where_the_predicted_gain_clears_the_margin(verify_2_ms, min
     profile = LatencyProfile(T_ms={1: {1: 50.0, 2: verify_2_ms, 3: 2 * verify_2_ms}}, D0_ms=0.0)
     pol = AdaptivePolicy(profile, alpha_prior=0.5, explore=0.0, probe_interval=0, min_gain=min_gain)
     assert (pol.decide(StepContext(1, (RequestView("r"),))) != [0]) == drafts
+
+
+def test_a_plain_step_measured_slow_does_not_make_a_wider_verify_look_cheaper():
+    """κ(B, 1) learnt in a slow spell above κ(B, 2): the 2-token verify still costs at least the
+    profile's ratio more than a plain step, so a weak draft (α = 0.25) is not played (taking the κs
+    as learnt, it would be: 1.25 tokens for 28.7 ms against 1 for 27.8)."""
+    profile = LatencyProfile(T_ms={2: {1: 14.5, 2: 16.2, 3: 18.0}}, D0_ms=1.8)
+    ctx = StepContext(2, (RequestView("a"), RequestView("b")))
+    for alpha, drafts in ((0.25, False), (0.8, True)):
+        pol = AdaptivePolicy(profile, alpha_prior=alpha, explore=0.0, probe_interval=0)
+        pol.kv, pol.kv_bucket, pol.kd = {(2, 1): 1.92, (2, 2): 1.56}, {2: 1.7}, {2: 1.9}
+        assert (min(pol.decide(ctx)) > 0) == drafts, alpha

@@ -220,7 +220,14 @@ class AdaptivePolicy:
         chains = {a: self.accept_chain(a, gmax, ratios) for a in groups}
         cum = {a: list(accumulate(ch)) for a, ch in chains.items()}  # E_i(m), tokens
         bucket = batch_bucket(b)
-        t = [self.verify_ratio(bucket, m + 1) * self.profile.target_ms(b, m + 1) for m in range(gmax + 1)]
+        # A wider verify is never cheaper, relative to the profile, than a plain step: each width's κ is
+        # learnt from the steps that played it, at other times and loads, and at batch 2 on the reference
+        # CPU a slow spell of plain steps left κ(2, 1) = 1.92 over κ(2, 2) = 1.56, which priced a 2-token
+        # verify below a plain step and kept the default stack drafting at a loss (docs/results/defaults,
+        # run 8). The profile's own width ratio, measured back to back, is the floor.
+        plain_ratio = self.verify_ratio(bucket, 1)
+        t = [max(self.verify_ratio(bucket, m + 1), plain_ratio) * self.profile.target_ms(b, m + 1)
+             for m in range(gmax + 1)]
         d = self.kd.get(bucket, 1.0) * self.profile.draft_ms(b)
         lag = max((r.lag for r in ctx.requests), default=0)
         switch = self.catchup_ratio(bucket) * self.profile.catchup_ms(lag, b) / self.switch_horizon if lag > 0 else 0.0
