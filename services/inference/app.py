@@ -108,7 +108,9 @@ def s3_client(settings: InferenceSettings, read_timeout_s: float = 30.0, read_re
     The exporter's waits at most 10 s for a hung S3 (a stopped process still accepts connections) and
     does not retry reads: its chunk goes to the spool instead."""
     st = settings.storage
-    http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=2.0, read=read_timeout_s),
+    # maxsize 4: the exporter's flusher and unspooler upload at once; at urllib3's default of one
+    # connection per host, every chunk logged "Connection pool is full, discarding connection"
+    http = urllib3.PoolManager(maxsize=4, timeout=urllib3.Timeout(connect=2.0, read=read_timeout_s),
                                retries=urllib3.Retry(total=2, read=read_retries, backoff_factor=0.2,
                                                      status_forcelist=[500, 502, 503, 504]))
     return Minio(st.s3_endpoint, access_key=st.s3_access_key, secret_key=st.s3_secret_key, secure=st.s3_secure,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from services.trainer.cycle import FAILED, TrainingCycle, TrainingOutcome
 from services.trainer.manifest import Manifest, ManifestEntry
 from services.trainer.settings import TrainerSettings
+from tide.resources import release_free_memory
 
 __all__ = ["RunStats", "RunnerStatus", "TargetNotReady", "TrainingOutcome", "TrainingRunner", "TrainingUnavailable",
            "TriggerResult", "WrongTarget", "load_library"]
@@ -172,6 +173,7 @@ class TrainingRunner:
                 st.last_candidate, st.last_base = (outcome.eval_accept_length_candidate,
                                                    outcome.eval_accept_length_base)
         log.info("training run %s %s in %.1f s: %s", run_id, result, outcome.duration_s, outcome.detail)
+        release_free_memory()  # the run's data and model are freed: their pages leave the idle trainer's RSS
         if self.report is not None:
             try:
                 self.report(outcome)
