@@ -62,14 +62,14 @@ class BootstrapConfig:
     def eval_len(self) -> int:
         return self.max_prompt_tokens + self.max_tokens + 1
 
-    def train_config(self, state_dir: Path, steps: int, schedule_steps: int | None):
+    def train_config(self, state_dir: Path, steps: int, schedule_steps: int | None, max_seconds: float | None = None):
         from services.trainer.training.loop import TrainConfig
 
         return TrainConfig(steps=steps, schedule_steps=schedule_steps, batch_rows=self.batch_rows,
                            max_len=self.max_len, lr=self.lr, warmup_steps=self.warmup_steps,
                            ttt_steps=self.ttt_steps, ttt_mask=self.ttt_mask, ttt_ramp=self.ttt_ramp, seed=self.seed,
                            freeze_head=self.freeze_head, feature_noise=self.feature_noise, aux_norm=self.aux_norm,
-                           checkpoint_dir=str(state_dir), autocast=self.autocast,
+                           checkpoint_dir=str(state_dir), autocast=self.autocast, max_seconds=max_seconds,
                            log_every=1, progress=False)  # segments start anywhere
 
 

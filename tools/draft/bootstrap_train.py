@@ -27,6 +27,10 @@ EXPORT_RESERVE_S = 8.0  # budget kept back for export, report and the process's 
 # where one evaluation is slow against the budget (boot21, a 2-core AVX2 CPU: 30 s each, 10 of them
 # were 5 of its 30 minutes), but never fewer than MIN_EVALS after the origin.
 EVAL_SHARE = 0.1
+# A segment stops once it has run PACE_SLACK x its predicted time + PACE_GRACE_S: the machine's pace
+# changed (another job, a slower unroll than the cost model says), and the schedule is re-planned at
+# once instead of at the segment's planned end, by which time the budget may be gone.
+PACE_SLACK, PACE_GRACE_S = 2.0, 1.0
 MIN_EVALS = 4  # the schedule is re-planned at each: too few and a drifting pace goes uncorrected
 
 
@@ -116,8 +120,11 @@ class _Training:
     def segment(self, end: int, schedule: int) -> None:
         """Train up to step `end` of a `schedule`-step schedule (measuring the pace), then evaluate."""
         tr = self.tr
+        # cut short when the pace falls well behind the one planned with (the loop re-plans after it)
+        cap = None if self.t_step is None else PACE_SLACK * self.seconds(self.step, end, schedule) + PACE_GRACE_S
         t = time.monotonic()
-        res = self._train(self.draft, self.head, self.train_set, self.cfg.train_config(self.state_dir, end, schedule))
+        res = self._train(self.draft, self.head, self.train_set,
+                          self.cfg.train_config(self.state_dir, end, schedule, max_seconds=cap))
         took = time.monotonic() - t
         self.clock.charge("train")
         tr["history"] += res.history

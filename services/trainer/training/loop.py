@@ -40,6 +40,10 @@ class TrainConfig:
     # -> 1.365 at γ = 3 (docs/results/2026-12-04).
     max_epochs: float | None = None
     schedule_steps: int | None = None  # length of the LR schedule; None = `steps` (lets a run stop early and resume)
+    # Stop after the first step that ends this many seconds after training began (None: no limit).
+    # One process only (ranks would stop at different steps). The bootstrap's segments use it to
+    # re-plan as soon as the pace departs from the one their length was planned with.
+    max_seconds: float | None = None
     epochs: float = 1.0
     batch_rows: int = 8  # packed rows per batch (per rank)
     max_len: int = 512  # tokens per packed row
@@ -222,8 +226,9 @@ def _steps(cfg: TrainConfig, data: Dataset, objective: Eagle3Objective, model, o
     bar = tqdm(total=total, initial=progress["step"], disable=not cfg.progress or rank != 0, desc="train", unit="step")
     window = torch.zeros(cfg.ttt_steps, 3)
     window_tokens, window_start = 0, time.perf_counter()
-    trimmed = time.monotonic()
-    while progress["step"] < total:
+    trimmed = began = time.monotonic()
+    out_of_time = False
+    while progress["step"] < total and not out_of_time:
         plan = epoch_plan(progress["epoch"])[progress["batch"]:]
         for batch in prefetch(plan, fn=lambda rows: collate(data.pieces, rows)):
             t0 = time.perf_counter()
@@ -264,7 +269,8 @@ def _steps(cfg: TrainConfig, data: Dataset, objective: Eagle3Objective, model, o
             bar.update(1)
             if cfg.checkpoint_dir and rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 checkpoint()
-            if progress["step"] >= total:
+            out_of_time = world == 1 and cfg.max_seconds is not None and time.monotonic() - began >= cfg.max_seconds
+            if progress["step"] >= total or out_of_time:
                 break
         else:
             progress.update(epoch=progress["epoch"] + 1, batch=0)
