@@ -15,7 +15,8 @@ one machine and sets TIDE_TRAINER_NICE=10; on a small machine also give the trai
 
 from __future__ import annotations
 
-import sys
+import logging
+import os
 
 from services.trainer.app import build
 from services.trainer.metrics import register
@@ -36,4 +37,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # A run in progress when the signal came is abandoned (TrainerService.stop) and its thread is
+    # still inside torch: finalising the interpreter under it aborts ("terminate called without an
+    # active exception", exit -6), which whoever stopped the trainer reads as a crash. The service
+    # has stopped and saved what it keeps; only the log handlers are left to flush.
+    logging.shutdown()
+    os._exit(code)
