@@ -152,23 +152,3 @@ def test_one_torch_thread_runs_helpers_single_threaded_and_restores_the_default(
     assert (seen["a"], seen["b"], seen["a again"]) == (1, 1, 1)
     assert torch.get_num_threads() == before and later == [before]
 
-
-def test_free_heap_pages_go_back_to_the_kernel():
-    """Blocks freed between live ones leave the heap's pages in RSS until release_free_memory (as the
-    trainer's freed batches did: 13.7 GB, 3.3 GB after one trim). In a process of its own, so that
-    this one's heap does not matter."""
-    code = """
-import json
-from tide.resources import release_free_memory
-def rss_mb():
-    return int(open('/proc/self/statm').read().split()[1]) * 4096 // 2**20
-blocks = [bytearray(64 * 1024) for _ in range(8000)]  # 512 MB from the heap, below the mmap threshold
-pins = blocks[::50]  # every 50th stays: the heap cannot shrink from its top
-del blocks
-before = rss_mb()
-print(json.dumps({"before": before, "released": release_free_memory(), "after": rss_mb()}))
-"""
-    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                    timeout=120).stdout)
-    assert out["released"] and out["before"] > 400
-    assert out["after"] < out["before"] / 4

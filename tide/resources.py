@@ -143,28 +143,3 @@ def one_torch_thread():
             if _one_thread_users == 0:
                 torch.set_num_threads(_one_thread_restore)
 
-
-def release_free_memory() -> bool:
-    """Hand the C heap's free pages back to the kernel (glibc's `malloc_trim(0)`); False where the C
-    library has no such call. A long-running PyTorch process on CPU frees its batches, activations
-    and gradients into glibc's heaps, and free pages between live blocks stay in its RSS: the
-    trainer grew from 6.6 to 13.7 GB in one 10-minute training run on 385k tokens, and a single
-    `malloc_trim(0)` took it to 3.3 GB (docs/results/defaults, run 9). Costs about 35 ms per
-    500 MB released, so call it every few seconds of work at most."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
-
-_LIBC = None
-
-
-def _libc():
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-
-        _LIBC = ctypes.CDLL(None)  # the C library this process is linked with
-    return _LIBC

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from services.trainer.cycle import FAILED, TrainingCycle, TrainingOutcome
 from services.trainer.manifest import Manifest, ManifestEntry
 from services.trainer.settings import TrainerSettings
-from tide.resources import release_free_memory
+from tide.allocator import release_free_memory
 
 __all__ = ["RunStats", "RunnerStatus", "TargetNotReady", "TrainingOutcome", "TrainingRunner", "TrainingUnavailable",
            "TriggerResult", "WrongTarget", "load_library"]

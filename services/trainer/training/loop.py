@@ -21,9 +21,9 @@ from services.trainer.training.data import Dataset, collate, plan_batches, prefe
 from services.trainer.training.head import TargetHead
 from services.trainer.training.objective import STEP_DECAY, Eagle3Objective
 from services.trainer.training.state import load_state, restore, save_state
+from tide.allocator import release_free_memory
 from tide.eagle3 import Eagle3Draft
 from tide.precision import native_bf16
-from tide.resources import release_free_memory
 
 log = logging.getLogger(__name__)
 
