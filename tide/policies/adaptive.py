@@ -44,6 +44,11 @@ forward to the longest draft, a step costs T(b, 1 + max_i γ_i) whatever the oth
 trimming saves nothing and is skipped (every request drafts m), the κ corrections compare with
 T(b, 1 + max γ), and a probe drafts for the whole batch (same cost, b samples instead of b/4).
 
+Two guards against the model's own error (docs/results/defaults, runs 8-9): a step drafts only
+where the best arm's predicted goodput beats plain decoding by `min_gain` (5 %), and a wider
+verify's κ(B, n) never falls below the plain step's κ(B, 1) (the profile's width ratio, measured
+back to back, is the floor: each width's κ is learnt at other times and loads).
+
 Exploration: with probability `explore` (2 %) the step plays a neighbour of the best arm so
 untried depths/latencies get measured — only a neighbour predicted within `explore_margin` (10 %)
 of the best, so a clearly dominated arm (γ > 0 at a compute-bound batch) is never paid for.
