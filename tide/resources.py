@@ -142,4 +142,3 @@ def one_torch_thread():
             _one_thread_users -= 1
             if _one_thread_users == 0:
                 torch.set_num_threads(_one_thread_restore)
-

@@ -108,8 +108,8 @@ def s3_client(settings: InferenceSettings, read_timeout_s: float = 30.0, read_re
     The exporter's waits at most 10 s for a hung S3 (a stopped process still accepts connections) and
     does not retry reads: its chunk goes to the spool instead."""
     st = settings.storage
-    # maxsize 4: the exporter's flusher and unspooler upload at once; at urllib3's default of one
-    # connection per host, every chunk logged "Connection pool is full, discarding connection"
+    # maxsize 4: minio uploads a chunk (7 MB at the defaults) as parallel parts; at urllib3's default
+    # of one connection per host, every chunk logged "Connection pool is full, discarding connection"
     http = urllib3.PoolManager(maxsize=4, timeout=urllib3.Timeout(connect=2.0, read=read_timeout_s),
                                retries=urllib3.Retry(total=2, read=read_retries, backoff_factor=0.2,
                                                      status_forcelist=[500, 502, 503, 504]))
