@@ -27,7 +27,7 @@ from tide.engine.llama import LlamaModel
 from tide.engine.profiling import CONTEXT, profile_draft, profile_target, random_draft
 from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma
-from tide.precision import DTYPE_NAMES, dtype_name, resolve_dtype
+from tide.precision import DTYPE_NAMES, WEIGHTS_NAMES, dtype_name, resolve_weights
 from tide.prompts import encode_prompt, load_prompts
 from tide.streams import StreamNames
 from tide.target import load_tokenizer, resolve_target
@@ -154,8 +154,8 @@ def capture_overhead(model: LlamaModel, exporter, prompts, batch: int, max_token
 def run(args) -> dict:
     t_start = time.perf_counter()
     target = resolve_target(args.target)
-    dtype = resolve_dtype(args.dtype)
-    model = LlamaModel.load(target, dtype=dtype)
+    dtype, weight_format = resolve_weights(args.weights, args.dtype)
+    model = LlamaModel.load(target, dtype=dtype, weight_format=weight_format)
     tok = load_tokenizer(target)
     prompts = [encode_prompt(tok, p) for p in load_prompts(args.prompts, limit=32)]
     quick = args.quick
@@ -166,12 +166,14 @@ def run(args) -> dict:
         serving = breakdown(model, args.serve, prompts[:8 if quick else 16], 64)
         print(f"serving path at batch 1, ms per output token: {serving['serve_breakdown_ms']}", flush=True)
         if args.serve_only:
-            return {"target": target.model_id, "dtype": dtype_name(dtype), "threads": torch.get_num_threads(),
+            return {"target": target.model_id, "dtype": dtype_name(dtype), "weights": weight_format,
+                    "threads": torch.get_num_threads(),
                     **serving, "wall_s": round(time.perf_counter() - t_start, 1)}
     reps = 5 if quick else 15
     batches, gammas = [1, 4, 16], list(range(6))
     max_tokens = 32 if quick else 96
-    res: dict = {"target": target.model_id, "dtype": dtype_name(dtype), "threads": torch.get_num_threads(),
+    res: dict = {"target": target.model_id, "dtype": dtype_name(dtype), "weights": weight_format,
+                 "threads": torch.get_num_threads(),
                  "quick": quick, "max_tokens": max_tokens}
     res["T_ms"] = profile_target(model, batches, [1, 2, 4, 8, 16, 32, 64], reps)
     if args.draft:
@@ -246,6 +248,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--target", default="ref")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="auto = bf16 where native, else fp32")
+    parser.add_argument("--weights", choices=WEIGHTS_NAMES, default="auto",
+                        help="the target's weights: int8 / int4 = weight-only quantized (tide/quant.py)")
     parser.add_argument("--draft", help="EAGLE-3 checkpoint dir or bootstrap dir (default: a random draft, "
                                         "latency only)")
     parser.add_argument("--prompts", default="spec_bench_questions.jsonl")

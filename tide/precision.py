@@ -15,6 +15,9 @@ if TYPE_CHECKING:  # torch is imported where a dtype is resolved: settings modul
     import torch
 
 DTYPE_NAMES = ("auto", "bf16", "fp16", "fp32")
+# How the target's weights are stored (TIDE_WEIGHTS): a float type (computing in it too), or
+# weight-only int8 / int4 (tide.quant) with activations in the compute dtype. "auto": the compute dtype.
+WEIGHTS_NAMES = ("auto", "bf16", "fp16", "fp32", "int8", "int4")
 _TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -51,3 +54,32 @@ def dtype_name(dtype: torch.dtype) -> str:
     import torch
 
     return next(k for k, v in _TORCH_NAMES.items() if getattr(torch, v) == dtype)
+
+
+def resolve_weights(weights: str, dtype: str = "auto", device: str | torch.device = "cpu") -> tuple[torch.dtype, str]:
+    """(compute dtype, weight format) for a WEIGHTS_NAMES entry and a DTYPE_NAMES entry on `device`.
+    The format is "float" (weights in the compute dtype), "int8" or "int4". A float weights name
+    sets the compute dtype, so it may not contradict an explicit `dtype`; the quantized formats run
+    on torch's CPU kernels only (tide.quant)."""
+    import torch
+
+    if weights not in WEIGHTS_NAMES:
+        raise ValueError(f"weights must be one of {WEIGHTS_NAMES}, got {weights!r}")
+    if weights == "auto":
+        return resolve_dtype(dtype, device), "float"
+    if weights in _TORCH_NAMES:
+        if dtype not in ("auto", weights):
+            raise ValueError(f"weights {weights!r} compute in {weights}; they contradict dtype {dtype!r}")
+        return resolve_dtype(weights, device), "float"
+    from tide import quant
+
+    kind = torch.device(device).type
+    if not quant.supported(weights, kind):
+        raise ValueError(f"{weights} weights need torch's CPU kernel for them; not available on {kind} "
+                         "(use bf16 there)")
+    return resolve_dtype(dtype, device), weights
+
+
+def weights_label(dtype: torch.dtype, fmt: str) -> str:
+    """How logs and reports name a model's precision: "bf16", or "int4 (bf16 activations)"."""
+    return dtype_name(dtype) if fmt == "float" else f"{fmt} ({dtype_name(dtype)} activations)"

@@ -45,7 +45,8 @@ def resolve_prompt_file(name: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"prompt file {name!r} not found (looked in . and {data_dir()})")
 
 
-def _rows(path: Path):
+def read_rows(path: Path):
+    """The JSON rows of a .jsonl or .jsonl.gz file, in order."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -81,7 +82,7 @@ def _load_file(name: str | os.PathLike, limit: int | None = None) -> list[Prompt
     if path.suffix == ".txt":
         out = [Prompt(line.strip(), stem, path.name) for line in path.read_text().splitlines() if line.strip()]
     else:
-        for row in _rows(path):
+        for row in read_rows(path):
             if "turns" in row:
                 out.append(Prompt(row["turns"][0], row.get("category", stem), path.name))
             elif "question" in row:

@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from tide.precision import WEIGHTS_NAMES
+
 
 def add_up_parser(subparsers) -> None:
     """`tide up`: the whole stack on loopback (see tools.launcher)."""
@@ -14,6 +16,8 @@ def add_up_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free port) [8000]")
     p.add_argument("--workers", type=int, default=1, help="inference workers [1]")
     p.add_argument("--target", default="ref", help="target model: 'ref', a HF directory or a .gguf file [ref]")
+    p.add_argument("--weights", choices=WEIGHTS_NAMES, help="how the workers store the target's weights "
+                   "(TIDE_WEIGHTS): int8 / int4 = weight-only quantized on CPU [the environment's, else auto]")
     p.add_argument("--drafter", default="eagle3", choices=("ngram", "none", "eagle3"),
                    help="drafter the workers start with; eagle3 = the registry's current draft, n-gram until "
                         "one is registered [eagle3]")
@@ -33,7 +37,8 @@ def _up(args) -> int:
     if args.workers < 1 or not 0 <= args.port < 65536:
         print("tide up: --workers must be >= 1 and --port in [0, 65535]", file=sys.stderr)
         return 2
-    return up(StackConfig(port=args.port, workers=args.workers, target=args.target, drafter=args.drafter,
+    return up(StackConfig(port=args.port, workers=args.workers, target=args.target, weights=args.weights or "",
+                          drafter=args.drafter,
                           data_dir=args.data_dir, collection=not args.no_collection,
                           startup_timeout_s=args.startup_timeout,
                           background_idle=args.background_priority == "idle"))
@@ -42,7 +47,7 @@ def _up(args) -> int:
 def add_bench_parser(subparsers) -> None:
     """`tide bench engine|policies|adapt|serve`: benchmarks that print a short table and write JSON (each
     benchmark module gives its arguments, `add_arguments`, and its handler, `run_cli`)."""
-    from benchmarks import adapt, engine, policies, serve
+    from benchmarks import adapt, engine, policies, serve, weights
 
     bench = subparsers.add_parser("bench", help="benchmarks that print JSON and a short table")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -51,7 +56,8 @@ def add_bench_parser(subparsers) -> None:
             ("policies", policies, "every γ policy on the real engine over a load trace"),
             ("adapt", adapt, "static draft vs the online loop over domain shifts, via the gateway"),
             ("serve", serve, "TTFT, ITL, throughput of any OpenAI-compatible endpoint over a concurrency "
-                             "sweep or request rates")):
+                             "sweep or request rates"),
+            ("weights", weights, "quantized weights (int8, int4) against bf16: quality and speed")):
         p = kinds.add_parser(name, help=help_text)
         module.add_arguments(p)
         p.set_defaults(func=module.run_cli)

@@ -72,6 +72,7 @@ class StackConfig:
     port: int = 8000
     workers: int = 1
     target: str = "ref"
+    weights: str = ""  # TIDE_WEIGHTS for the workers ("" = theirs: the environment's, else "auto")
     drafter: str = "eagle3"  # the registry's current draft; n-gram until one exists
     data_dir: Path = Path("var")
     collection: bool = True
@@ -145,7 +146,8 @@ def _service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int) -> dict
                 "TIDE_DRAFTER": cfg.drafter, "TIDE_COLLECTION": "1" if cfg.collection else "0",
                 "TIDE_REGISTRY_ADDR": ep.registry,
                 # chunks S3 could not take (and refs Redis could not): kept across restarts, per worker
-                "TIDE_CHUNK_SPOOL_DIR": str(Path(cfg.data_dir).resolve() / "spool" / f"worker-{index}")}
+                "TIDE_CHUNK_SPOOL_DIR": str(Path(cfg.data_dir).resolve() / "spool" / f"worker-{index}"),
+                **({"TIDE_WEIGHTS": cfg.weights} if cfg.weights else {})}
     if name == "gateway":
         return {"TIDE_GATEWAY_HOST": ep.gateway_host, "TIDE_GATEWAY_PORT": str(ep.gateway_port),
                 "TIDE_WORKERS": ",".join(ep.workers), "TIDE_TARGET": cfg.target,

@@ -43,7 +43,7 @@ from tide.engine.profiling import (
 )
 from tide.grpcutil import GrpcServer
 from tide.policies.profile import LatencyProfile
-from tide.precision import dtype_name
+from tide.precision import weights_label
 from tide.target import cache_dir, resolve_target
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ def load_target(settings: InferenceSettings):
     from tide.engine.llama import LlamaModel
 
     target = resolve_target(settings.target)
-    model = LlamaModel.load(target, dtype=settings.torch_dtype, device=settings.device)
+    model = LlamaModel.load(target, dtype=settings.torch_dtype, device=settings.device,
+                            weight_format=settings.weight_format)
     tokenizer = None
     if (target.path / "tokenizer.json").exists() or (target.path / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
@@ -62,8 +63,8 @@ def load_target(settings: InferenceSettings):
         tokenizer = AutoTokenizer.from_pretrained(target.path)
     else:
         log.warning("target %s has no tokenizer: prompt_text and stop strings will be refused", target.path)
-    log.info("loaded target %s (%s, %s) from %s", target.model_id, dtype_name(model.dtype), settings.device,
-             target.path)
+    log.info("loaded target %s (%s, %s) from %s", target.model_id, weights_label(model.dtype, model.weight_format),
+             settings.device, target.path)
     return model, tokenizer, target.model_id
 
 

@@ -17,7 +17,7 @@ from pydantic_settings import SettingsConfigDict
 
 from tide.blobs import StorageSettings
 from tide.grpcutil import ADMIN_TOKEN_ENV
-from tide.precision import DTYPE_NAMES
+from tide.precision import DTYPE_NAMES, WEIGHTS_NAMES
 from tide.registry_client import DEFAULT_REGISTRY_ADDR, REGISTRY_ADDR_ENV
 from tide.settings import (
     Count,
@@ -48,6 +48,9 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     target: str = Field("ref", description='target model: "ref", a HF directory or a .gguf file')
     dtype: Annotated[str, one_of(DTYPE_NAMES)] = Field(
         "auto", description="auto = bf16 where the device computes it natively, else fp32 (tide/precision.py)")
+    weights: Annotated[str, one_of(WEIGHTS_NAMES)] = Field(
+        "auto", description="how the target's weights are stored: auto = in the compute dtype; bf16 / fp16 / fp32 "
+        "(also the compute dtype); int8 / int4 = weight-only quantized, CPU only (tide/quant.py)")
     device: str = Field("cpu", description="cpu | cuda | cuda:N")
     cpus: CpuSet = Field("", description="CPUs this worker runs on (affinity, and torch threads = their count; keep "
                          "the trainer's TIDE_TRAINER_CPUS apart; `tide up` starts its other services on the remaining "
@@ -106,8 +109,15 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
 
     @property
     def torch_dtype(self):
-        """The dtype the target and draft run in ("auto" resolved for the device)."""
-        from tide.precision import resolve_dtype
+        """The dtype the target and draft compute in ("auto" resolved for the device; set by float `weights`)."""
+        from tide.precision import resolve_weights
 
-        return resolve_dtype(self.dtype, self.device)
+        return resolve_weights(self.weights, self.dtype, self.device)[0]
+
+    @property
+    def weight_format(self) -> str:
+        """"float", "int8" or "int4": how LlamaModel stores the target's projections (tide.precision)."""
+        from tide.precision import resolve_weights
+
+        return resolve_weights(self.weights, self.dtype, self.device)[1]
 

