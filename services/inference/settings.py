@@ -12,7 +12,7 @@ import os
 import socket
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from tide.blobs import StorageSettings
@@ -106,6 +106,13 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     admin_token: Secret = Field(None, validation_alias=ADMIN_TOKEN_ENV,
                                 description="bearer token for ApplyDecision (unset: admin calls refused)")
     storage: StorageSettings = Field(default_factory=StorageSettings, description="S3 (chunks, drafts) and Redis")
+
+    @model_validator(mode="after")
+    def _weights_fit_dtype_and_device(self):
+        from tide.precision import resolve_weights
+
+        resolve_weights(self.weights, self.dtype, self.device)  # ValueError: bf16 weights with TIDE_DTYPE=fp32, ...
+        return self
 
     @property
     def torch_dtype(self):

@@ -166,8 +166,8 @@ class LlamaModel:
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device,
                  weight_format: str = "float") -> None:
-        """`weight_format`: "float" (weights in `dtype`), or "int8" / "int4" (tide.quant: the
-        projections and the lm_head stored narrow, on CPU; the embedding and norms stay in `dtype`)."""
+        """`weight_format`: "float" (weights in `dtype`), or "int8" / "int4" (tide.quant, on CPU: the
+        projections stored narrow, and with int8 the lm_head; the embedding and norms stay in `dtype`)."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -181,9 +181,11 @@ class LlamaModel:
 
         def linear(names: list[str], bias_names: list[str] | None = None, head: bool = False):
             # Quantize from the checkpoint's own values (float32 for a converted GGUF), not from a
-            # bf16 rounding of them; float weights are concatenated in `dtype`.
+            # bf16 rounding of them; float weights are concatenated in `dtype`. With int4 the
+            # lm_head stays in `dtype`, as AWQ and GPTQ keep it: in 4-bit groups the reference
+            # model's head (Q8_0 in its GGUF) changed 9 % of next-token argmaxes (tide bench weights).
             bias = torch.cat([tensor(n) for n in bias_names]) if bias_names else None
-            if quantized:
+            if quantized and not (head and weight_format == "int4"):
                 return quantized_linear(torch.cat([weights[n].float() for n in names]), bias, weight_format, dtype)
             w = torch.cat([tensor(n) for n in names])
             return logits_head(w) if head else Linear(w, bias)
@@ -193,7 +195,7 @@ class LlamaModel:
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
             else "lm_head.weight"
         self.head = linear([head_name], head=True)
-        self.lm_head = None if quantized else self.head.weight  # [V, H] in `dtype`, float weights only
+        self.lm_head = getattr(self.head, "weight", None)  # [V, H] in `dtype` when the head is not quantized
         # A lone decode row goes through the float projections as two (see `forward`); the
         # quantized kernels give a row the same bits whatever the row count.
         self._pair_single_row = self.device.type == "cpu" and not quantized

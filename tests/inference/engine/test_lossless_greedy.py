@@ -70,6 +70,23 @@ def test_speculative_equals_plain(tiny_model, prompts, plain_outputs, gamma, bat
         assert sum(s.verify_steps for s in seqs) < sum(len(o) for o in expected)
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("drafter_kind", ["good", "ngram", "eagle3"])
+def test_speculative_equals_plain_on_quantized_weights(tiny_model_quantized, prompts, batch, drafter_kind):
+    """Lossless with respect to the quantized target: its own plain decoding is the reference."""
+    model = tiny_model_quantized
+    prompts = prompts[:batch]
+    expected = _plain(model, prompts)
+    drafter = {"good": lambda: ScriptedDrafter({f"gen-0-{i}": o for i, o in enumerate(expected)}, VOCAB,
+                                               corrupt_every=3),
+               "ngram": NgramDrafter, "eagle3": lambda: tiny_eagle3_drafter(model, seed=batch)}[drafter_kind]()
+    seqs = _engine(model, drafter, CyclingGamma([3, 1, 0, 5, 2])).generate(prompts, GREEDY)
+    assert [s.output_ids for s in seqs] == expected
+    assert sum(s.draft_tokens for s in seqs) > 0
+    if drafter_kind == "good":
+        assert 0 < sum(s.accepted_tokens for s in seqs) < sum(s.draft_tokens for s in seqs)
+
+
 @pytest.mark.parametrize("drafter_kind", ["good", "eagle3"])
 def test_gamma_changing_mid_request(tiny_model, prompts, plain_outputs, drafter_kind):
     """γ moves between 0 and k; an EAGLE-3 draft catches up on the tokens decoded while off."""
@@ -122,10 +139,10 @@ def test_requests_joining_and_leaving_between_steps(tiny_model, prompts, plain_o
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "int8", "int4"])
 def test_reference_model_speculative_equals_plain(dtype, request):
-    """The production dtypes ("auto": bf16 where native, else fp32) on the reference model, n-gram
-    drafts, batch 1 and 3."""
+    """The production dtypes ("auto": bf16 where native, else fp32) and TIDE_WEIGHTS=int8 / int4
+    (bf16 activations) on the reference model, n-gram drafts, batch 1 and 3."""
     ref_model = request.getfixturevalue(f"ref_model_{dtype}")
     prompts = [[1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
                [1, 4093, 253, 1789, 2306, 338, 16296, 10148, 30, 2, 198] * 2,

@@ -101,6 +101,25 @@ def test_engine_sampling_matches_target_distribution(tiny_model, drafter_kind, p
     assert chi_square_p_value(second, p2) > ALPHA
 
 
+def test_sampling_matches_the_quantized_targets_distribution(tiny_model_quantized):
+    """With weight-only int8 / int4 weights the exact distribution is the quantized model's own."""
+    model = tiny_model_quantized
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    prompt = list(range(3, model.cfg.vocab_size)) + [5, 17, 5]
+    p1, p2 = _exact_first_two(model, prompt, params)
+    engine = LLMEngine(model, EngineConfig(max_batch=64, max_seq_len=128),
+                       drafter=tiny_eagle3_drafter(model, max_batch=64), policy=FixedGamma(3))
+    seqs = []
+    for start in range(0, 1000, 64):
+        batch = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(start, min(1000, start + 64))]
+        seqs += engine.generate([prompt] * len(batch), batch)
+    assert sum(s.accepted_tokens for s in seqs) > 0
+    first = torch.bincount(torch.tensor([s.output_ids[0] for s in seqs]), minlength=p1.numel())
+    second = torch.bincount(torch.tensor([s.output_ids[1] for s in seqs]), minlength=p1.numel())
+    assert chi_square_p_value(first, p1) > ALPHA
+    assert chi_square_p_value(second, p2) > ALPHA
+
+
 def test_seeded_requests_are_reproducible(tiny_model):
     params = SamplingParams(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
     runs = [LLMEngine(tiny_model, EngineConfig(max_batch=4, max_seq_len=64)).generate([[5, 6, 7]], params)[0]

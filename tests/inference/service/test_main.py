@@ -31,11 +31,16 @@ def test_settings_from_env():
 
     assert s.torch_dtype == (torch.bfloat16 if native_bf16("cpu") else torch.float32)  # bf16 only where native
     assert InferenceSettings.from_env({"TIDE_DTYPE": "fp32"}).torch_dtype == torch.float32
+    int4 = InferenceSettings.from_env({"TIDE_WEIGHTS": "int4", "TIDE_DTYPE": "fp32"})
+    assert (int4.weight_format, int4.torch_dtype) == ("int4", torch.float32)
+    assert InferenceSettings.from_env({"TIDE_WEIGHTS": "fp32"}).torch_dtype == torch.float32
     assert "admin_token" not in repr(s)  # secrets stay out of logs
     with pytest.raises(TypeError):
         s.policy_params["gamma"] = 5  # read-only, like the rest of the settings
     for bad in ({"TIDE_MAX_BATCH": "x"}, {"TIDE_DRAFTER": "medusa"}, {"TIDE_COLLECTION": "maybe"},
-                {"TIDE_POLICY_PARAMS": "[1]"}, {"TIDE_MAX_BATCH": "0"}, {"TIDE_DTYPE": "int8"}):
+                {"TIDE_POLICY_PARAMS": "[1]"}, {"TIDE_MAX_BATCH": "0"}, {"TIDE_DTYPE": "int8"},
+                {"TIDE_WEIGHTS": "q4_k"}, {"TIDE_WEIGHTS": "bf16", "TIDE_DTYPE": "fp32"},
+                {"TIDE_WEIGHTS": "int4", "TIDE_DEVICE": "cuda"}):
         with pytest.raises(ValueError):
             InferenceSettings.from_env(bad)
 
