@@ -12,7 +12,8 @@ format is the reference (bf16 by default: the values the reference GGUF holds, e
 - speed: plain greedy decoding at batch 1 (each prompt alone, one after another) and at batch 16,
   rounds alternating the formats' order; each round gives a ratio to the reference, the report
   their median (this VM's speed drifts by 10-40 % over minutes);
-- memory: bytes of the target's weights as each format holds them.
+- memory: bytes of weights a decode step reads, and bytes held (with quantized weights, prompts
+  go through float copies: LlamaModel.prefill_linears).
 """
 
 from __future__ import annotations
@@ -139,11 +140,20 @@ def speed(models: dict[str, LlamaModel], prompts: list[list[int]], rounds: int, 
     return res
 
 
-def weight_bytes(model: LlamaModel) -> int:
-    def size(lin) -> int:
-        return lin.nbytes() if hasattr(lin, "nbytes") else lin.weight.numel() * lin.weight.element_size()
-    linears = [m for layer in model.layers for m in (layer[1], layer[2], layer[4], layer[5])] + [model.head]
-    return sum(size(m) for m in linears) + model.embed.numel() * model.embed.element_size()
+def _nbytes(lin) -> int:
+    return lin.nbytes() if hasattr(lin, "nbytes") else lin.weight.numel() * lin.weight.element_size()
+
+
+def weight_bytes(model: LlamaModel) -> tuple[int, int]:
+    """(bytes a decode step reads: projections + lm_head, bytes held: those + the embedding and,
+    with quantized weights, the float copies prompts take)."""
+    step = sum(_nbytes(m) for layer in model.layers for m in (layer[1], layer[2], layer[4], layer[5]))
+    step += _nbytes(model.head)
+    held = step + model.embed.numel() * model.embed.element_size()
+    held += sum(_nbytes(m) for layer in model.prefill_linears for m in layer)
+    if model.prefill_head is not model.head:
+        held += _nbytes(model.prefill_head)
+    return step, held
 
 
 def run(args) -> dict:
@@ -156,7 +166,8 @@ def run(args) -> dict:
         models[name] = LlamaModel.load(target, dtype=dtype, weight_format=fmt)
     res: dict = {"target": target.model_id, "threads": torch.get_num_threads(), "reference": args.formats[0],
                  "labels": {n: weights_label(m.dtype, m.weight_format) for n, m in models.items()},
-                 "weights_mb": {n: round(weight_bytes(m) / 1e6, 1) for n, m in models.items()}}
+                 "step_weights_mb": {n: round(weight_bytes(m)[0] / 1e6, 1) for n, m in models.items()},
+                 "held_weights_mb": {n: round(weight_bytes(m)[1] / 1e6, 1) for n, m in models.items()}}
     texts = reference_texts(tok, args.texts)
     res["quality"] = quality(models, texts)
     print(f"teacher-forced on {len(texts)} texts: {res['quality']}", flush=True)
@@ -169,11 +180,11 @@ def run(args) -> dict:
 
 
 def print_table(res: dict) -> None:
-    print(f"\n{'weights':>8} {'MB':>7} {'ppl':>8} {'agree':>7} {'same out':>8} {'b1 tok/s':>9} {'x':>6} "
+    print(f"\n{'weights':>8} {'step MB':>7} {'ppl':>8} {'agree':>7} {'same out':>8} {'b1 tok/s':>9} {'x':>6} "
           f"{'b16 tok/s':>9} {'x':>6}")
     for name, q in res["quality"].items():
         s, g = res["speed"][name], res["greedy"][name]
-        print(f"{name:>8} {res['weights_mb'][name]:7.1f} {q['perplexity']:8.3f} {q['next_token_agreement']:7.2%} "
+        print(f"{name:>8} {res['step_weights_mb'][name]:7.1f} {q['perplexity']:8.3f} {q['next_token_agreement']:7.2%} "
               f"{g['identical_outputs']:8.0%} {s['batch1']['tok_s']:9.1f} {s['batch1']['ratio']:6.2f} "
               f"{s['batch16']['tok_s']:9.1f} {s['batch16']['ratio']:6.2f}")
 

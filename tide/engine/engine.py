@@ -276,7 +276,7 @@ class LLMEngine:
             prompt_top = seq.params.prompt_logprobs
             # Prompt logprobs need every row (row j: the distribution of the token after chunk[j]).
             first_row = 0 if prompt_top is not None else n - 1 if completes else n
-            out = self.runner.run([seq], [chunk], [seq.num_cached], [first_row], capture)
+            out = self.runner.run([seq], [chunk], [seq.num_cached], [first_row], capture, prefill=True)
             self._hand_off([seq], [seq.num_cached], [n], [chunk], out)
             if prompt_top is not None:
                 following = seq.token_ids[seq.num_cached + 1:min(seq.num_cached + n + 1, seq.num_prompt)]

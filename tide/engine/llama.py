@@ -99,6 +99,9 @@ class ForwardBatch:
     # the batch's whole cache every layer: at batch 32 with 640 keys a step took 190 ms gathered,
     # 141 ms over the span, 117 ms with contiguous slots).
     slot_span: tuple[int, int] | None = None
+    # Prompt tokens (the engine's prefill): with quantized weights they take the float projections
+    # (LlamaModel.prefill_linears); without, this changes nothing.
+    prefill: bool = False
 
 
 class KVCache:
@@ -179,14 +182,14 @@ class LlamaModel:
         def tensor(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
-        def linear(names: list[str], bias_names: list[str] | None = None, head: bool = False):
+        def linear(names: list[str], bias_names: list[str] | None = None, head: bool = False, fmt: str = "float"):
             # Quantize from the checkpoint's own values (float32 for a converted GGUF), not from a
             # bf16 rounding of them; float weights are concatenated in `dtype`. With int4 the
             # lm_head stays in `dtype`, as AWQ and GPTQ keep it: in 4-bit groups the reference
             # model's head (Q8_0 in its GGUF) changed 9 % of next-token argmaxes (tide bench weights).
             bias = torch.cat([tensor(n) for n in bias_names]) if bias_names else None
-            if quantized and not (head and weight_format == "int4"):
-                return quantized_linear(torch.cat([weights[n].float() for n in names]), bias, weight_format, dtype)
+            if fmt != "float" and not (head and fmt == "int4"):
+                return quantized_linear(torch.cat([weights[n].float() for n in names]), bias, fmt, dtype)
             w = torch.cat([tensor(n) for n in names])
             return logits_head(w) if head else Linear(w, bias)
 
@@ -194,23 +197,32 @@ class LlamaModel:
         self.norm = tensor("model.norm.weight")
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
             else "lm_head.weight"
-        self.head = linear([head_name], head=True)
+        self.head = linear([head_name], head=True, fmt=weight_format)
         self.lm_head = getattr(self.head, "weight", None)  # [V, H] in `dtype` when the head is not quantized
         # A lone decode row goes through the float projections as two (see `forward`); the
         # quantized kernels give a row the same bits whatever the row count.
         self._pair_single_row = self.device.type == "cpu" and not quantized
+        # Per layer (ln1, qkv, o, ln2, gate|up, down): the projections decode and verification use.
         self.layers = []
+        # With quantized weights, prompts (ForwardBatch.prefill) go through float copies of the
+        # projections and head: the CPU kernels widen the weights for every row, so a 500-token
+        # prompt ran ~6x slower than in bf16 (time to first token 2.5 s against 0.5 s at 16 streams),
+        # while decoding, one weight pass a step, gains 1.5-1.9x. A prompt token never takes the
+        # decode path or the reverse, so plain decoding and verification still see the same bits.
+        self.prefill_linears: list[tuple] = []
+        self.prefill_head = linear([head_name], head=True) if quantized else self.head
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             attn = [p + f"self_attn.{x}_proj" for x in ("q", "k", "v")]
-            self.layers.append((
-                tensor(p + "input_layernorm.weight"),
-                linear([n + ".weight" for n in attn], [n + ".bias" for n in attn] if cfg.attention_bias else None),
-                linear([p + "self_attn.o_proj.weight"]),
-                tensor(p + "post_attention_layernorm.weight"),
-                linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                linear([p + "mlp.down_proj.weight"]),
-            ))
+            names = ([n + ".weight" for n in attn], [p + "self_attn.o_proj.weight"],
+                     [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [p + "mlp.down_proj.weight"])
+            bias = [n + ".bias" for n in attn] if cfg.attention_bias else None
+            qkv, o, gate_up, down = (linear(n, bias if j == 0 else None, fmt=weight_format)
+                                     for j, n in enumerate(names))
+            self.layers.append((tensor(p + "input_layernorm.weight"), qkv, o,
+                                tensor(p + "post_attention_layernorm.weight"), gate_up, down))
+            if quantized:
+                self.prefill_linears.append(tuple(linear(n, bias if j == 0 else None) for j, n in enumerate(names)))
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.ensure_positions(cfg.max_position_embeddings)
         self._aux = cfg.aux_layers if cfg.num_layers >= 4 else ()
@@ -276,7 +288,10 @@ class LlamaModel:
             s0, p0 = fb.slot_range[0], int(fb.positions[0, 0])
         a, b = fb.slot_range or span or (0, 0)
         aux: dict[int, torch.Tensor] = {}
+        prefill_float = fb.prefill and bool(self.prefill_linears)
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
+            if prefill_float:
+                qkv_proj, o_proj, gate_up_proj, down_proj = self.prefill_linears[i]
             h = rms_norm(x, ln1, cfg.rms_norm_eps)
             qkv = qkv_proj(h)[:, :1] if pair else qkv_proj(h)
             # RoPE on q and k heads together: one rotation for both.
@@ -313,7 +328,7 @@ class LlamaModel:
         final = rms_norm(x[:, :1] if pair else x, self.norm, cfg.rms_norm_eps)
         flat = final.view(B * q, -1)
         rows = flat if fb.logits_rows is None else flat.index_select(0, fb.logits_rows)
-        logits = vocab_logits(rows, self.head)
+        logits = vocab_logits(rows, self.prefill_head if fb.prefill else self.head)
         if not fb.capture:
             return logits, None, None
         if len(self._aux) != 3:

@@ -43,6 +43,7 @@ class ModelRunner:
         starts: list[int],
         logits_from: list[int],
         capture: bool,
+        prefill: bool = False,
     ) -> RunOutput:
         """Feed new_tokens[i] to sequence i at positions starts[i]...; return logits for rows
         logits_from[i]..len(new_tokens[i])-1 of each sequence (prefill: only the last row, or every
@@ -78,6 +79,7 @@ class ModelRunner:
             slot_span=span if not contiguous and span[1] - span[0] <= SPAN_MAX_SLOTS_PER_SEQUENCE * B else None,
             logits_rows=None if len(rows) == B * q else torch.tensor(rows, dtype=torch.long, device=self.device),
             capture=capture,
+            prefill=prefill,
         )
         logits, final, aux = self.model.forward(fb, self.cache)
         return RunOutput(logits=logits, row_offsets=offsets, aux=aux, final=final)

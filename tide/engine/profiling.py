@@ -120,7 +120,7 @@ def profile_prefill(model: LlamaModel, reps: int) -> float:
     """ms per prompt token: one PREFILL_CHUNK-token prefill forward of one sequence (last row's logits)."""
     runner = ModelRunner(model, 1, PREFILL_CHUNK + 8, PREFILL_CHUNK)
     seq = fake_seqs(1, PREFILL_CHUNK)
-    fwd = partial(runner.run, seq, [[7] * PREFILL_CHUNK], [0], [PREFILL_CHUNK - 1], False)
+    fwd = partial(runner.run, seq, [[7] * PREFILL_CHUNK], [0], [PREFILL_CHUNK - 1], False, prefill=True)
     return round(interleaved_min_ms([fwd], reps)[0] / PREFILL_CHUNK, 4)
 
 

@@ -57,19 +57,21 @@ def test_verifier_first_token_follows_p(proposal):
 
 
 def _exact_first_two(model, prompt: list[int], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact distributions of the 1st and 2nd sampled tokens, by enumerating the first token."""
-    def last_probs(ids: list[int]) -> torch.Tensor:
-        t = torch.tensor([ids])
-        pos = torch.arange(len(ids))[None]
-        mask = torch.arange(len(ids))[None, None, None, :] <= pos[:, None, :, None]
-        logits, _, _ = model.forward(ForwardBatch(t, pos, torch.tensor([0]), len(ids), mask, slot_range=(0, 1)),
-                                     model.new_cache(1, len(ids) + 1))
-        return target_probs(logits[-1:], params)[0].double()
-
-    p1 = last_probs(prompt)
+    """Exact distributions of the 1st and 2nd sampled tokens, by enumerating the first token. In
+    the engine's order: the prompt as a prefill forward, the first token as a decode step (with
+    quantized weights the two take different projections: LlamaModel.prefill_linears)."""
+    n = len(prompt)
+    cache = model.new_cache(1, n + 2)
+    pos = torch.arange(n)[None]
+    mask = torch.arange(n)[None, None, None, :] <= pos[:, None, :, None]
+    logits, _, _ = model.forward(ForwardBatch(torch.tensor([prompt]), pos, torch.tensor([0]), n, mask,
+                                              slot_range=(0, 1), prefill=True), cache)
+    p1 = target_probs(logits[-1:], params)[0].double()
     p2 = torch.zeros_like(p1)
     for tok in torch.nonzero(p1 > 0).flatten().tolist():
-        p2 += p1[tok] * last_probs(prompt + [tok])
+        logits, _, _ = model.forward(ForwardBatch(torch.tensor([[tok]]), torch.tensor([[n]]), torch.tensor([0]),
+                                                  n + 1, None, slot_range=(0, 1)), cache)
+        p2 += p1[tok] * target_probs(logits, params)[0].double()
     return p1, p2
 
 
