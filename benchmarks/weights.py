@@ -33,6 +33,7 @@ from tide.engine.llama import ForwardBatch, LlamaModel
 from tide.engine.sequence import SamplingParams
 from tide.precision import WEIGHTS_NAMES, resolve_weights, weights_label
 from tide.prompts import encode_prompt, load_prompts, read_rows, resolve_prompt_file, split_slice
+from tide.quant import QUANT_FORMATS
 from tide.target import load_tokenizer, resolve_target
 
 # Teacher-forced sequences are cut to this many tokens: long enough for a full GSM8K answer or
@@ -162,7 +163,7 @@ def run(args) -> dict:
     tok = load_tokenizer(target)
     models = {}
     for name in args.formats:
-        dtype, fmt = resolve_weights(name, args.dtype)
+        dtype, fmt = resolve_weights(name, args.dtype if name in QUANT_FORMATS + ("auto",) else "auto")
         models[name] = LlamaModel.load(target, dtype=dtype, weight_format=fmt)
     res: dict = {"target": target.model_id, "threads": torch.get_num_threads(), "reference": args.formats[0],
                  "labels": {n: weights_label(m.dtype, m.weight_format) for n, m in models.items()},

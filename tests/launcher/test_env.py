@@ -47,6 +47,8 @@ def test_the_services_point_at_each_other():
     assert env["controller"]["TIDE_CONTROLLER_COLLECTION"] == "off"  # --no-collection: the controller keeps it off
     assert service_env("controller", StackConfig(), EP)["TIDE_CONTROLLER_COLLECTION"] == "auto"  # Algorithm 1
     assert {env[n]["TIDE_TARGET"] for n in ("inference", "gateway", "trainer")} == {"/models/x"}
+    assert "TIDE_WEIGHTS" not in env["inference"]  # unset: the worker's own environment decides
+    assert service_env("inference", StackConfig(weights="int4"), EP)["TIDE_WEIGHTS"] == "int4"  # tide up --weights
     assert env["registry"]["TIDE_REGISTRY_METRICS_PORT"] == "9" and env["trainer"]["TIDE_TRAINER_METRICS_PORT"] == "0"
     decision = StaticDecision.from_json(env["controller"]["TIDE_CONTROLLER_DECISION"])  # valid for the controller
     assert decision.speculation[0].enabled and (decision.collection_enabled, decision.drafter, decision.policy) == (
