@@ -82,13 +82,19 @@ ENV = {
     "inference": {"TIDE_DTYPE": "fp32", "TIDE_COLLECTION": "0",  # off until the controller turns it on
                   "TIDE_CHUNK_TOKENS": str(CHUNK_TOKENS), "TIDE_FLUSH_INTERVAL_S": str(FLUSH_S),
                   "TIDE_MAX_BATCH": "4", "TIDE_MAX_SEQ_LEN": "256", "TIDE_POLICY": "static",
-                  "TIDE_POLICY_PARAMS": '{"gamma": 3}'},
+                  "TIDE_POLICY_PARAMS": '{"gamma": 3}',
+                  # The machine split README's "Sharing one machine" gives: the worker CPU 0, the
+                  # trainer CPU 1. Unpinned, two closed-loop clients kept the worker's engine thread
+                  # and its OpenMP thread busy on both vCPUs of a 2-vCPU Xeon guest, and the trainer
+                  # (SCHED_IDLE) got 4 CPU-seconds in 15 minutes: no run finished within 420 s.
+                  "TIDE_CPUS": "0"},
     "controller": {"TIDE_CONTROLLER_MIN_OBSERVATIONS": "20", "TIDE_CONTROLLER_RECONCILE_S": "0.5",
                    "TIDE_CONTROLLER_COLD_ACCEPT": str(COLD_ACCEPT), "TIDE_CONTROLLER_TOKENS_NEEDED": str(MIN_TOKENS),
                    # collection must stay on for the second test's chunks whatever the later runs gain
                    "TIDE_CONTROLLER_NO_GAIN_RUNS": "1000"},
     # 40 steps of 4 rows at lr 3e-3 learn the copy rule on four letters (tests/trainer/test_training_loop.py)
-    "trainer": {"TIDE_TRAINER_AUTO_TRAIN": "1", "TIDE_TRAINER_AUTO_CHECK_S": "1", "TIDE_TRAINER_DEVICE": "cpu",
+    "trainer": {"TIDE_TRAINER_CPUS": "1",
+                "TIDE_TRAINER_AUTO_TRAIN": "1", "TIDE_TRAINER_AUTO_CHECK_S": "1", "TIDE_TRAINER_DEVICE": "cpu",
                 "TIDE_TRAINER_MIN_TOKENS": str(MIN_TOKENS), "TIDE_TRAINER_STEPS": "40", "TIDE_TRAINER_BATCH_ROWS": "4",
                 "TIDE_TRAINER_MAX_LEN": "128", "TIDE_TRAINER_LR": "3e-3", "TIDE_TRAINER_WARMUP_STEPS": "5",
                 "TIDE_TRAINER_EVAL_FRACTION": "0.25", "TIDE_TRAINER_EVAL_GAMMA": "3",

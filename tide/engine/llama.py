@@ -179,8 +179,12 @@ class LlamaModel:
         if quantized and self.device.type != "cpu":
             raise ValueError(f"{weight_format} weights run on CPU kernels only, not on {self.device}")
 
-        def tensor(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype)
+        converted: dict[str, torch.Tensor] = {}
+
+        def tensor(name: str) -> torch.Tensor:  # one copy per name: a tied lm_head shares the embedding's
+            if name not in converted:
+                converted[name] = weights[name].to(device=device, dtype=dtype)
+            return converted[name]
 
         def linear(names: list[str], bias_names: list[str] | None = None, head: bool = False, fmt: str = "float"):
             # Quantize from the checkpoint's own values (float32 for a converted GGUF), not from a
@@ -190,7 +194,7 @@ class LlamaModel:
             bias = torch.cat([tensor(n) for n in bias_names]) if bias_names else None
             if fmt != "float" and not (head and fmt == "int4"):
                 return quantized_linear(torch.cat([weights[n].float() for n in names]), bias, fmt, dtype)
-            w = torch.cat([tensor(n) for n in names])
+            w = tensor(names[0]) if len(names) == 1 else torch.cat([tensor(n) for n in names])
             return logits_head(w) if head else Linear(w, bias)
 
         self.embed = tensor("model.embed_tokens.weight")
