@@ -65,7 +65,9 @@ def reference_texts(tokenizer, specs: list[str]) -> list[list[int]]:
 
 @torch.inference_mode()
 def teacher_forced(model: LlamaModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax [T-1], negative log-likelihood [T-1]) of each next token of `ids`, one forward."""
+    """(argmax [T-1], negative log-likelihood [T-1]) of each next token of `ids`, one forward. Not
+    marked `prefill`: the quality measured is that of the weights generated tokens go through
+    (LlamaModel.prefill_linears would give the float model's)."""
     T = len(ids)
     cache = model.new_cache(1, T + 1)
     pos = torch.arange(T)[None]
