@@ -4,7 +4,8 @@ Activations stay in the compute dtype (bf16 where native); only the weights are 
 widened inside torch's own CPU kernels (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`).
 At batch 1 a decode step streams every weight once, so fewer bytes are a faster step: the reference
 model's 121 projections + lm_head took 18.8 ms a step in bf16 (oneDNN, pre-packed), 14.5 ms in int8
-and 5.9 ms in int4 on a 2-vCPU Xeon with AMX (docs/results/weights).
+and 5.9 ms in int4 (head included; LlamaModel keeps the int4 model's head in bf16) on a 2-vCPU Xeon
+with AMX (docs/results/weights).
 
 Lossless speculation needs a row's output to be the same bits whatever the number of rows in the
 GEMM (verification of γ + 1 tokens must reproduce plain decoding). Both kernels compute each row on
