@@ -53,7 +53,7 @@ def test_int8_error_is_small_and_bias_is_added():
     layer = Int8Linear(weight, bias, torch.float32)
     exact = x @ weight.T + bias
     assert (layer(x) - exact).norm() / exact.norm() < 0.01
-    assert layer.nbytes() < weight.numel() * 2 // 1.9  # about half of bf16
+    assert layer.nbytes() < weight.numel() * 1.1  # one byte a weight plus a scale a row: about half of bf16
 
 
 def test_int4_takes_int8_for_shapes_its_packing_refuses():
