@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.engine import throughput
 from benchmarks.report import standalone_main, write_json
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.llama import ForwardBatch, LlamaModel
@@ -50,7 +51,9 @@ def reference_texts(tokenizer, specs: list[str]) -> list[list[int]]:
         name, part = split_slice(spec)
         rows = list(read_rows(resolve_prompt_file(name)))
         for row in rows[part] if part is not None else rows:
-            if "answer" in row:
+            if "answer" in row and not getattr(tokenizer, "chat_template", None):  # a base model: plain text
+                ids = tokenizer.encode(f"{row['question']}\n{row['answer']}")
+            elif "answer" in row:
                 ids = tokenizer.apply_chat_template(
                     [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}],
                     tokenize=True)
@@ -96,11 +99,16 @@ def quality(models: dict[str, LlamaModel], texts: list[list[int]]) -> dict:
     return out
 
 
+def context(model: LlamaModel) -> int:
+    """Prompt + output tokens an engine here allows: 1024, or less for a model with a shorter context."""
+    return min(1024, model.cfg.max_position_embeddings)
+
+
 def greedy_agreement(models: dict[str, LlamaModel], prompts: list[list[int]], tokens: int) -> dict:
     params = SamplingParams(max_tokens=tokens)
     outs = {}
     for name, model in models.items():
-        engine = LLMEngine(model, EngineConfig(max_batch=len(prompts), max_seq_len=1024))
+        engine = LLMEngine(model, EngineConfig(max_batch=len(prompts), max_seq_len=context(model)))
         outs[name] = [s.output_ids for s in engine.generate(prompts, params)]
     ref = next(iter(models))
     res = {}
@@ -116,11 +124,10 @@ def greedy_agreement(models: dict[str, LlamaModel], prompts: list[list[int]], to
 
 def decode_tok_s(model: LlamaModel, prompts: list[list[int]], batch: int, tokens: int) -> float:
     """Plain greedy output tokens/s: `batch` prompts at a time (batch 1: each prompt alone)."""
-    engine = LLMEngine(model, EngineConfig(max_batch=batch, max_seq_len=1024))
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    t0, out = time.perf_counter(), 0
-    for i in range(0, len(prompts), batch):
-        out += sum(s.num_output for s in engine.generate(prompts[i:i + batch], params))
+    engine = LLMEngine(model, EngineConfig(max_batch=batch, max_seq_len=context(model)))
+    t0 = time.perf_counter()
+    out = sum(throughput(engine, prompts[i:i + batch], tokens, ignore_eos=True)[2]
+              for i in range(0, len(prompts), batch))
     return out / (time.perf_counter() - t0)
 
 
