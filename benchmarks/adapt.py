@@ -61,6 +61,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import adapt_horizon as horizon
 from benchmarks import adapt_stats as stats
 from benchmarks.adapt_stack import (
     Gateway,
@@ -70,12 +71,13 @@ from benchmarks.adapt_stack import (
     run_batch,
     set_collection,
     start_draft,
+    trainer_accepted_tokens,
     worker_status,
 )
 from benchmarks.report import standalone_main, write_json
 from tide.policies.registry import POLICY_NAMES
 from tide.prompts import Prompt, load_prompts
-from tide.resources import run_and_wait_s, started_on
+from tide.resources import cpu_seconds, run_and_wait_s, started_on
 
 MODES = ("static", "online")
 # (phase name, prompt file, Spec-Bench categories kept or None = all)
@@ -197,8 +199,10 @@ def mode_env(mode: str, args, mode_dir: Path) -> dict[str, dict[str, str]]:
     return env
 
 
-def run_mode(mode: str, args, draft_dir: Path, prompts: list[list[Prompt]], bnds, work: Path) -> dict:
-    """One mode on a fresh stack: start, starting draft, warm-up, timed phases (+ the A/B when static)."""
+def run_mode(mode: str, args, draft_dir: Path, prompts: list[list[Prompt]], bnds, work: Path,
+             warm: list[Prompt] | None = None) -> dict:
+    """One mode on a fresh stack: start, starting draft, warm-up, timed phases (+ the A/B when static).
+    `warm`: the warm-up prompts (default: each phase's first)."""
     from tools.launcher import Stack, StackConfig
 
     mode_dir = work / mode
@@ -211,31 +215,36 @@ def run_mode(mode: str, args, draft_dir: Path, prompts: list[list[Prompt]], bnds
     try:
         # the load generator keeps off the worker's CPUs too, as the stack's other processes do
         with started_on(stack.service_cpus):
-            return _serve_mode(mode, args, stack, ep, env, draft_dir, prompts, bnds, t_start)
+            return _serve_mode(mode, args, stack, ep, env, draft_dir, prompts, bnds, t_start, warm)
     finally:
         stack.stop()
         print(f"[{mode}] stack stopped ({time.monotonic() - t_start:.0f} s in all)", flush=True)
 
 
-def _serve_mode(mode: str, args, stack, ep, env: dict, draft_dir: Path, prompts, bnds, t_start: float) -> dict:
-    """run_mode's traffic on a started stack: starting draft, warm-up, timed phases, the A/B."""
+def _serve_mode(mode: str, args, stack, ep, env: dict, draft_dir: Path, prompts, bnds, t_start: float,
+                warm_prompts: list[Prompt] | None) -> dict:
+    """run_mode's traffic on a started stack: starting draft, warm-up, timed phases, the A/B (static),
+    the collected chunks (online, horizon scenario)."""
     model_id = worker_status(ep, ep.workers[0]).model_id
     version = start_draft(stack, ep, model_id, draft_dir)
     base = f"http://{ep.gateway_host}:{ep.gateway_port}"
     new_gw = lambda: Gateway(base, model_id, args.max_tokens)  # noqa: E731
-    warm = [(ps[0], name) for ps, (name, _, _) in zip(prompts, bnds, strict=True)]
+    warm = ([(p, bnds[0][0]) for p in warm_prompts] if warm_prompts else
+            [(ps[0], name) for ps, (name, _, _) in zip(prompts, bnds, strict=True)])
     run_batch(lambda: Gateway(base, model_id, 16), warm * max(1, args.concurrency // len(warm)), args.concurrency)
     startup_s = time.monotonic() - t_start
     print(f"[{mode}] ready in {startup_s:.0f} s, draft {version}; traffic for {bnds[-1][2]:.0f} s", flush=True)
     worker_pid = next(p.proc.pid for p in stack.processes if p.name.startswith("inference"))
-    sched0 = run_and_wait_s(worker_pid)
+    trainer_pid = next(p.proc.pid for p in stack.processes if p.name == "trainer")
+    sched0, cpu0 = run_and_wait_s(worker_pid), cpu_seconds(trainer_pid)
     load0, t0, t0_unix = os.getloadavg()[0], time.monotonic(), time.time()
     clock = lambda: time.monotonic() - t0  # noqa: E731
-    poller = Poller(ep, model_id, clock, args.poll_s)
+    poller = Poller(ep, model_id, clock, args.poll_s, cpu_pids={"trainer": trainer_pid})
     poller.start()
     records = drive(new_gw, prompts, bnds, args.concurrency, clock)
     poller.stop()
     sched1, wall = run_and_wait_s(worker_pid), time.monotonic() - t0
+    cpu1 = cpu_seconds(trainer_pid)
     end = bnds[-1][2]
     res = {**stats.phase_table(records, bnds), "timeline": stats.timeline(records, end, args.bin_s),
            "collection_intervals": stats.intervals(poller.samples, "collection", end),
@@ -254,9 +263,21 @@ def _serve_mode(mode: str, args, stack, ep, env: dict, draft_dir: Path, prompts,
                "run_share": round((sched1[0] - sched0[0]) / wall, 3),
                "wait_share": round((sched1[1] - sched0[1]) / wall, 3)},
            "service_cpus": sorted(stack.service_cpus) if stack.service_cpus else None,
+           # the trainer's CPU-seconds (user + system) from traffic start until traffic and the poller ended
+           "trainer_cpu_s": None if None in (cpu0, cpu1) else round(cpu1 - cpu0, 1),
+           "collected_tokens": trainer_accepted_tokens(ep),
            "run_dir": str(stack.run_dir), "env": env, "samples": poller.samples, "requests": records}
     if mode == "static" and args.ab_rounds > 0:
         res["collection_ab"] = collection_ab(ep, model_id, base, prompts, bnds, args)
+    if mode == "online" and args.scenario == "horizon":  # the offline reference trains on these
+        from tide.blobs import StorageSettings
+        from tools.launcher import BUCKET, service_env
+
+        time.sleep(args.flush_s + 1)  # the workers' last partial chunks
+        s3 = StorageSettings.from_env(service_env("trainer", stack.cfg, ep)).s3_client()
+        res["collected_chunks"] = horizon.download_chunks(s3, BUCKET, "chunks/",
+                                                          Path(stack.cfg.data_dir) / "collected-chunks")
+        res["collected_tokens"] = trainer_accepted_tokens(ep)
     return res
 
 
@@ -292,45 +313,133 @@ def collection_ab(ep, model_id: str, base: str, prompts, bnds, args) -> dict:
 
 def run(args) -> dict:
     t_start = time.perf_counter()
-    quick = {"phase_s": 150.0, "ab_rounds": 1, "ab_requests": 4}
-    full = {"phase_s": 300.0, "ab_rounds": 2, "ab_requests": 12}
+    quick = {"phase_s": 150.0, "ab_rounds": 1, "ab_requests": 4, "horizon_s": 900.0, "offline_budget_s": 300.0}
+    full = {"phase_s": 300.0, "ab_rounds": 2, "ab_requests": 12, "horizon_s": 2400.0,
+            "offline_budget_s": horizon.OFFLINE_MAX_S}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.scenario == "horizon":
+        args.ab_rounds = 0  # the three-phase bench measures collection's cost; here it would eat the horizon
     if args.draft:
         from tide.eagle3.checkpoint import find_checkpoint_dir
 
         draft_dir, draft_info = find_checkpoint_dir(args.draft), {"path": str(args.draft), "cached": None}
     else:
         draft_dir, draft_info = starting_draft(args.target, args.bootstrap_minutes, args.seed)
-    prompts, bnds = phase_prompts(args.seed, args.max_prompt_chars), bounds(args.phase_s)
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tide-bench-adapt-"))
+    warm, heldout = None, None
+    if args.scenario == "horizon":
+        from tide.target import cache_dir
+
+        served, held, warm = horizon.horizon_prompts(args.seed, args.max_prompt_chars)
+        prompts, bnds, order = [served], horizon.bounds(args.horizon_s), horizon.mode_order(args.seed, args.modes)
+        heldout, start_eval = horizon.heldout_chunks(draft_dir, args.target, held, args.max_tokens,
+                                                     cache_dir() / "bench-adapt")
+        draft_info["eval_accept_length_g3"] = start_eval["eval_accept_length_g3"]
+    else:
+        prompts, bnds, order = phase_prompts(args.seed, args.max_prompt_chars), bounds(args.phase_s), args.modes
     modes = {}
-    for mode in args.modes:
-        modes[mode] = run_mode(mode, args, draft_dir, prompts, bnds, work)
-    res = {"target": args.target, "quick": bool(args.quick), "concurrency": args.concurrency,
+    for mode in order:
+        modes[mode] = run_mode(mode, args, draft_dir, prompts, bnds, work, warm=warm)
+        if heldout is not None:
+            evaluate_thirds(modes[mode], work / mode, draft_dir, heldout, args)
+    res = {"scenario": args.scenario, "target": args.target, "quick": bool(args.quick),
+           "concurrency": args.concurrency,
            "cpus": dict(zip(("worker", "trainer"), placement(args.worker_cpus, args.trainer_cpus), strict=True)),
            "max_tokens": args.max_tokens, "bin_s": args.bin_s, "poll_s": args.poll_s, "seed": args.seed,
-           "starting_draft": draft_info, "work_dir": str(work),
+           "starting_draft": draft_info, "work_dir": str(work), "modes_order": list(order),
            "phases": [{"name": n, "start_s": a, "end_s": b, "prompts": len(ps)}
                       for (n, a, b), ps in zip(bnds, prompts, strict=True)],
            **modes}
     if set(MODES) <= set(modes):
         res["ratio"] = stats.ratios(modes["static"], modes["online"])
-        res["checks"] = stats.checks(modes["static"], modes["online"], bnds)
+        if heldout is None:
+            res["checks"] = stats.checks(modes["static"], modes["online"], bnds)
     res["promotions"] = modes.get("online", {}).get("promotions", [])
     res["collection_overhead"] = modes.get("static", {}).get("collection_ab")
     res["chunk_bytes"] = {m: r["chunk_bytes"] for m, r in modes.items()}
     res["training"] = modes.get("online", {}).get("training")
+    res["trainer_cpu_s"] = {m: r.get("trainer_cpu_s") for m, r in modes.items()}
+    if heldout is not None and "online" in modes:
+        finish_horizon(res, work, draft_dir, heldout, args)
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
     if not args.keep_data:  # S3 data, trainer outputs, downloaded drafts; the services' logs stay
         for mode in modes:
-            for sub in ("s3", "trainer", "draft-cache"):
+            for sub in ("s3", "trainer", "draft-cache", "collected-chunks", "offline-reference"):
                 shutil.rmtree(work / mode / sub, ignore_errors=True)
     return res
 
 
+def evaluate_thirds(res: dict, mode_dir: Path, draft_dir: Path, heldout: Path, args) -> None:
+    """Horizon: each third's serving draft evaluated on the held-out chunks at γ = 3 (from the copies
+    the worker downloaded into its draft cache; the starting draft from `draft_dir`)."""
+    from tide.registry_client import target_key
+
+    res["thirds"] = horizon.thirds(res["requests"], res["samples"], args.horizon_s)
+    evals: dict[str, float | None] = {}
+    for third in res["thirds"]:
+        v = third["draft_version"]
+        if v not in evals:
+            path = draft_dir if v in (None, res["starting_version"]) else mode_dir / "draft-cache" / target_key(v)
+            evals[v] = horizon.evaluate_g3(path, heldout, args.target)["eval_accept_length_g3"] \
+                if path.exists() else None
+        third["eval_accept_length_g3"] = evals[v]
+    res["final_eval_accept_length_g3"] = res["thirds"][-1]["eval_accept_length_g3"]
+
+
+def finish_horizon(res: dict, work: Path, draft_dir: Path, heldout: Path, args) -> None:
+    """Horizon: the offline reference, time to recover and the checks (after both modes)."""
+    from services.trainer.settings import TrainerSettings
+
+    env = horizon_trainer_env(args)
+    lr = float(env.get("TIDE_TRAINER_LR", TrainerSettings.model_fields["lr"].default))
+    rows = int(env.get("TIDE_TRAINER_BATCH_ROWS", TrainerSettings.model_fields["batch_rows"].default))
+    max_len = int(env.get("TIDE_TRAINER_MAX_LEN", TrainerSettings.model_fields["max_len"].default))
+    print(f"offline reference: the starting draft fine-tuned on the online stack's chunks "
+          f"(<= {horizon.OFFLINE_PASSES:g} passes, <= {args.offline_budget_s:.0f} s)", flush=True)
+    res["offline_reference"] = horizon.offline_reference(
+        draft_dir, work / "online" / "collected-chunks", heldout, args.target, work / "online" / "offline-reference",
+        args.offline_budget_s, lr, rows, max_len)
+    res["online_final_eval_accept_length_g3"] = res["online"].get("final_eval_accept_length_g3")
+    res["collected_tokens"] = res["online"].get("collected_tokens")
+    if "static" in res:
+        res["time_to_recover_s"] = horizon.time_to_recover(res["static"]["requests"], res["online"]["requests"],
+                                                           args.horizon_s)
+        res["checks"] = horizon.checks(res)
+
+
+def horizon_trainer_env(args) -> dict[str, str]:
+    """The online trainer's variables as this run set them (mode_env), for the offline recipe."""
+    return mode_env("online", args, Path("/"))["trainer"]
+
+
+def print_horizon_table(res: dict) -> None:
+    fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    print(f"\n{'':10s}" + "".join(f"{f'third {i + 1}':>27s}" for i in range(3)) + f"{'overall':>10s}"
+          + f"{'trainer CPU s':>15s}{'collected':>11s}")
+    print(f"{'':10s}" + f"{'tok/s':>9s}{'live acc':>9s}{'eval g3':>9s}" * 3 + f"{'tok/s':>10s}")
+    for mode in (m for m in MODES if m in res):
+        r = res[mode]
+        print(f"{mode:10s}" + "".join(f"{fmt(t['tok_s']):>9s}{fmt(t['accept_length'], 2):>9s}"
+                                      f"{fmt(t.get('eval_accept_length_g3'), 3):>9s}" for t in r["thirds"])
+              + f"{fmt(r['overall']['tok_s']):>10s}{fmt(r.get('trainer_cpu_s')):>15s}"
+              + f"{r.get('collected_tokens') or 0:>11d}")
+    off = res.get("offline_reference") or {}
+    print(f"starting draft eval g3 {fmt(res['starting_draft'].get('eval_accept_length_g3'), 3)}; offline reference "
+          f"{fmt(off.get('eval_accept_length_g3'), 3)} on {off.get('tokens', 0)} tokens; online final "
+          f"{fmt(res.get('online_final_eval_accept_length_g3'), 3)}; time to recover "
+          f"{fmt(res.get('time_to_recover_s'), 0)} s")
+    for p in res["promotions"]:
+        print(f"promotion at {p['t_s']:.0f} s: {p['version']} (eval accept length {fmt(p['eval_accept_length'], 2)})")
+    if "checks" in res:
+        print("checks: " + json.dumps(res["checks"]["meets"]))
+
+
 def print_table(res: dict) -> None:
+    if res.get("scenario") == "horizon":
+        print_horizon_table(res)
+        return
     names = [p["name"] for p in res["phases"]]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     print(f"\n{'':14s}" + "".join(f"{n:>20s}" for n in names + ["overall"]))
@@ -357,7 +466,15 @@ def print_table(res: dict) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="3 x 150 s phases per mode, one A/B round (< 20 min)")
+    parser.add_argument("--scenario", choices=("shifts", "horizon"), default="shifts",
+                        help="shifts: chat -> GSM8K -> HumanEval phases; horizon: GSM8K train questions for a long "
+                             "horizon, with held-out evals and an offline reference (benchmarks.adapt_horizon)")
+    parser.add_argument("--quick", action="store_true", help="shifts: 3 x 150 s phases per mode, one A/B round "
+                                                             "(< 20 min); horizon: 15 minutes per mode")
+    parser.add_argument("--horizon-s", type=float, default=None,
+                        help="horizon: seconds of traffic per mode [quick 900, full 2400]")
+    parser.add_argument("--offline-budget-s", type=float, default=None,
+                        help="horizon: the offline reference's training seconds at most [quick 300, full 1200]")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plots", type=Path, help="directory for adapt.png, loop.png and policy.png")
     parser.add_argument("--target", default="ref")
@@ -410,11 +527,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args) -> int:
-    from benchmarks.adapt_plots import plot
+    from benchmarks.adapt_plots import plot, plot_horizon
 
     res = run(args)
     if args.plots and set(MODES) <= set(res):
-        res["plots"] = plot(res, args.plots)
+        res["plots"] = plot_horizon(res, args.plots) if res.get("scenario") == "horizon" else plot(res, args.plots)
     print_table(res)
     write_json(res, args.json)
     return 0

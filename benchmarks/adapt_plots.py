@@ -115,3 +115,59 @@ def _plot_policy(res: dict, path: Path, end: float, plt) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_horizon(res: dict, out_dir: Path) -> list[str]:
+    """horizon.png for `--scenario horizon`: live accept length with each third's held-out eval at
+    γ = 3 (markers) and the offline reference (dashed), client-side tok/s, and the trainer's CPU share
+    (CPU-seconds per second, from the poller's samples), static vs online; collection spans, promotions
+    and the time to recover marked. Bins of 60 s (the JSON's timeline has `bin_s`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.adapt_horizon import cpu_share
+    from benchmarks.adapt_stats import timeline
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    end = res["phases"][-1]["end_s"]
+    fig, (acc, tok, cpu) = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
+    for mode in ("static", "online"):
+        r = res[mode]
+        tl = timeline(r["requests"], end, 60.0) if r.get("requests") else r["timeline"]
+        acc.plot(*_xy(tl, 2), color=COLORS[mode], lw=1.5, label=f"{mode}: live accept length")
+        tok.plot(*_xy(tl, 1), color=COLORS[mode], lw=1.5, label=mode)
+        thirds = [t for t in r.get("thirds", []) if t.get("eval_accept_length_g3") is not None]
+        acc.plot([t["end_s"] for t in thirds], [t["eval_accept_length_g3"] for t in thirds], ls="none", marker="o",
+                 color=COLORS[mode], ms=7, mfc="white", label=f"{mode}: held-out eval, γ = 3")
+        share = cpu_share(r.get("samples", []))
+        cpu.plot([p[0] for p in share], [p[1] for p in share], color=COLORS[mode], lw=1.0, label=mode)
+    off = (res.get("offline_reference") or {}).get("eval_accept_length_g3")
+    if off:
+        acc.axhline(off, color="k", ls="--", lw=1.0, label="offline reference, held-out eval γ = 3")
+    ttr = res.get("time_to_recover_s")
+    for ax in (acc, tok, cpu):
+        for i, (a, b) in enumerate(res["online"].get("collection_intervals", [])):
+            ax.axvspan(a, b, color="tab:green", alpha=0.10, lw=0, label="online: collecting" if i == 0 and ax is acc
+                       else None)
+        for i, p in enumerate(res.get("promotions", [])):
+            ax.axvline(p["t_s"], color="tab:red", ls="--", lw=0.8, label="promotion" if i == 0 and ax is acc else None)
+        for k in (1, 2):
+            ax.axvline(end * k / 3, color="grey", ls=":", lw=0.9)
+        if ttr is not None:
+            ax.axvline(ttr, color="tab:purple", lw=1.2, label="time to recover" if ax is acc else None)
+    cpu.set_xlim(0, end)
+    acc.set_ylabel("accept length")
+    tok.set_ylabel("completion tok/s")
+    cpu.set_ylabel("trainer CPU s / s")
+    cpu.set_xlabel(f"seconds since traffic started (60 s bins; concurrency {res['concurrency']}; thirds dotted)")
+    acc.legend(fontsize=7, loc="upper left", ncol=2)
+    tok.legend(fontsize=7, loc="lower right")
+    cpu.legend(fontsize=7, loc="upper right")
+    acc.set_title("tide bench adapt --scenario horizon: a chat draft serving GSM8K, static vs the online loop")
+    fig.tight_layout()
+    path = out_dir / "horizon.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [str(path)]

@@ -40,10 +40,12 @@ from tide.proto.tide.v1 import (
     trainer_pb2_grpc,
 )
 from tide.registry_client import RegistryClient
+from tide.resources import cpu_seconds
 from tools.launcher import BUCKET, Endpoints, Stack, service_env
 
 ACTOR = "bench-adapt"
 RPC_TIMEOUT_S = 5.0
+_ACCEPTED_TOKENS = re.compile(r"^tide_trainer_accepted_tokens_total\s+([0-9.eE+]+)", re.M)
 _CHUNK_BYTES = re.compile(r"^tide_chunk_bytes_written_total(?:\{[^}]*\})?\s+([0-9.eE+]+)", re.M)
 
 
@@ -208,6 +210,12 @@ def _worker_metrics(ep: Endpoints) -> list[str | None]:
     return [_scrape(ep.metrics.get(f"inference-{i}", 0)) for i in range(len(ep.workers))]
 
 
+def trainer_accepted_tokens(ep: Endpoints) -> int | None:
+    """Tokens of the chunks the trainer accepted so far (its tide_trainer_accepted_tokens counter)."""
+    m = _ACCEPTED_TOKENS.search(_scrape(ep.metrics.get("trainer", 0)) or "")
+    return int(float(m.group(1))) if m else None
+
+
 def chunk_bytes(ep: Endpoints, texts: list[str | None] | None = None) -> int | None:
     """Chunk bytes all workers wrote so far (their tide_chunk_bytes_written counters); None: unreadable.
     `texts`: the workers' /metrics already scraped (else scraped now)."""
@@ -224,9 +232,12 @@ def _outcome(msg) -> dict | None:
 class Poller(threading.Thread):
     """Samples the loop's state every `every_s` s until `stop()` (see the module doc)."""
 
-    def __init__(self, ep: Endpoints, model_id: str, clock: Callable[[], float], every_s: float = 2.0) -> None:
+    def __init__(self, ep: Endpoints, model_id: str, clock: Callable[[], float], every_s: float = 2.0,
+                 cpu_pids: dict[str, int] | None = None) -> None:
+        """`cpu_pids`: processes whose CPU-seconds so far each sample records (`cpu_s`, by name)."""
         super().__init__(name="bench-adapt-poller", daemon=True)
         self.ep, self.model_id, self.clock, self.every_s = ep, model_id, clock, every_s
+        self.cpu_pids = dict(cpu_pids or {})
         self.samples: list[dict] = []
         self.outcomes: dict[str, dict] = {}  # run_id -> TrainingOutcome as a dict
         self.events: dict[tuple, dict] = {}  # registry pointer events, deduplicated
@@ -251,6 +262,8 @@ class Poller(threading.Thread):
 
     def sample(self) -> dict:
         s: dict = {"t": round(self.clock(), 2)}
+        if self.cpu_pids:
+            s["cpu_s"] = {name: cpu_seconds(pid) for name, pid in self.cpu_pids.items()}
         try:
             req = inference_pb2.GetWorkerStatusRequest()
             sts = [w.GetStatus(req, timeout=RPC_TIMEOUT_S) for w in self.worker_stubs]

@@ -75,6 +75,18 @@ def run_and_wait_s(pid: int) -> tuple[float, float] | None:
     return (run / 1e9, wait / 1e9) if seen else None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) process `pid` has used so far, its ended threads included (which
+    `run_and_wait_s` misses: a trainer runs each training in a thread of its own); None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # the command name (field 2) may hold spaces and parentheses: split after its last ")"
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 def _threads() -> list[int]:
     """Thread ids of this process (imports may already have started some); [0] = the caller where
     /proc is missing."""

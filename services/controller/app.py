@@ -172,7 +172,7 @@ def build(settings: ControllerSettings, *, worker_client: WorkerClient | None = 
                     else "")
     collection = CollectionControl(CollectionConfig(
         settings.collection_mode, settings.shift_epsilon, settings.cold_accept, settings.min_observations,
-        settings.no_gain_runs, settings.gain_margin, settings.tokens_needed))
+        settings.no_gain_runs, settings.gain_margin, settings.tokens_needed, settings.collection_learn))
     stats = FleetStats(settings.ema_short, settings.ema_long, settings.load_window_s)
     controller = Controller(settings.decision, stats, client=client, collection=collection,
                             rollback=RollbackGuard(registry if settings.auto_rollback else None,

@@ -12,7 +12,13 @@ Mode `auto` (the default):
   with γ, so the adaptive policy's γ changes and probes do not read as shifts. The accept length
   would: at a per-token acceptance of 0.5 it is 1.875 at γ = 3 and 1.5 at γ = 1, a fall of 0.375,
   and in session 9 collection that had gone off for no gain came straight back on).
-- OFF "no shift": judged (enough observations), the draft is good and traffic is stable.
+- ON "learning the traffic" (with `learn`): judged, neither cold nor shifted, and collection has not
+  yet gone off for no gain on this target. A draft trained offline on other text has never seen this
+  deployment's traffic; a drop in acceptance (a shift) cannot show that, since the EMAs start on the
+  new traffic, yet fine-tuning on it is what the loop is for (issue 34: a chat draft serving GSM8K for
+  the whole horizon stays above `cold_accept` and shows no shift). The no-gain rule below ends it.
+- OFF "no shift": judged (enough observations), the draft is good and traffic is stable (without
+  `learn`, or once collection has gone off for no gain and the shift condition re-armed).
 - Once ON, collection stays on (training runs on the data, a promoted draft keeps serving) until
   the last `no_gain_runs` consecutive training outcomes of the target gained nothing (not promoted,
   or eval accept length improved by less than `gain_margin`): OFF "no gain after training".
@@ -40,6 +46,7 @@ COLD_START = "cold start"
 SHIFT = "shift detected"
 NO_GAIN = "no gain after training"
 NO_SHIFT = "no shift"
+LEARN = "learning the traffic"
 WAITING = "waiting for telemetry"
 FORCED_ON = "forced on (TIDE_CONTROLLER_COLLECTION=on)"
 FORCED_OFF = "forced off (TIDE_CONTROLLER_COLLECTION=off)"
@@ -54,6 +61,7 @@ class CollectionConfig:
     no_gain_runs: int = 2
     gain_margin: float = 0.02
     tokens_needed: int = 16384
+    learn: bool = False  # collect from the first judgement until training stops gaining (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,7 @@ class _Target:
     no_gain: int = 0  # consecutive training outcomes without gain
     armed: bool = True  # False after "no gain" until the shift condition clears
     off_version: str = ""  # serving version when collection went off for no gain
+    learned: bool = False  # collection has gone off for no gain at least once (the LEARN rule is spent)
 
 
 class CollectionControl:
@@ -149,6 +158,8 @@ class CollectionControl:
                 return self._set(target, t, True, COLD_START, now)
             if shift:
                 return self._set(target, t, True, SHIFT, now)
+            if judged and cfg.learn and not t.learned:
+                return self._set(target, t, True, LEARN, now)
             if judged:
                 return self._set(target, t, False, NO_SHIFT, now)
             if sig.serving_version and t.enabled is None:
@@ -170,7 +181,7 @@ class CollectionControl:
                      t.no_gain)
             if cfg.mode != "auto" or t.no_gain < cfg.no_gain_runs:
                 return False
-            t.no_gain, t.armed, t.off_version = 0, False, serving_version
+            t.no_gain, t.armed, t.off_version, t.learned = 0, False, serving_version, True
             if t.enabled is False and t.reason == NO_GAIN:
                 return False
             return self._set(outcome.target_model, t, False, NO_GAIN, now)

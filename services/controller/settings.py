@@ -80,6 +80,8 @@ class ControllerSettings(ListenHostMixin, TideSettings):
                                   "draft token is below the long one by more than this (0..1)")
     cold_accept: Margin = Field(1.3, description="a serving draft whose long accept-length EMA is below this is "
                                 "weak: cold start (tokens per verification)")
+    collection_learn: Flag = Field(False, description="1 = auto mode also collects a judged draft that is neither "
+                                   "weak nor shifted, until training stops gaining (learning the traffic)")
     min_observations: Count = Field(50, description="verifications of a version before its EMAs are judged")
     no_gain_runs: Count = Field(2, description="consecutive training runs without gain that turn collection off")
     gain_margin: Margin = Field(0.02, description="eval accept-length gain a promoted run needs to count as a gain")

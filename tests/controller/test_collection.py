@@ -85,6 +85,30 @@ def test_no_gain_twice_turns_collection_off_until_a_later_shift():
     assert ctl.change_counts() == {("m", "shift detected"): 2, ("m", "no gain after training"): 1}
 
 
+def test_learning_collects_a_good_draft_on_unshifted_traffic_until_training_stops_gaining():
+    """A draft trained elsewhere serves a new domain from the start: its EMAs begin on that traffic, so
+    there is no shift to see and it is not weak, yet fine-tuning on the traffic is what the loop is for
+    (issue 34). With `learn`, collection opens at the first judgement and the no-gain rule ends it."""
+    import dataclasses
+
+    plain = CollectionControl(CFG)
+    plain.evaluate("m", sig(accept=1.8, emitted=100), now=1.0)
+    assert state(plain) == (False, "no shift")  # Algorithm 1 as written: nothing to learn from
+    ctl = CollectionControl(dataclasses.replace(CFG, learn=True))
+    ctl.evaluate("m", sig(accept=1.8, n=10), now=1.0)
+    assert state(ctl) == (None, "waiting for 50 verifications of v1")  # not judged yet
+    assert ctl.evaluate("m", sig(accept=1.8, emitted=100), now=2.0)
+    assert state(ctl) == (True, "learning the traffic")
+    assert not ctl.on_outcome(no_gain("r1", promoted=True, cand=2.1, base=1.8), "v2", now=3.0)  # a gain
+    assert not ctl.on_outcome(no_gain("r2"), "v2", now=4.0)
+    assert ctl.on_outcome(no_gain("r3"), "v2", now=5.0)  # two in a row without gain: off
+    assert state(ctl) == (False, "no gain after training")
+    for now, s in ((6.0, sig(version="v2", accept=2.1)), (7.0, sig(version="v2", accept=2.1, short=0.7))):
+        assert not ctl.evaluate("m", s, now=now)  # learning is spent: no flapping back on
+        assert state(ctl) == (False, "no gain after training")
+    assert ctl.evaluate("m", sig(version="v2", accept=2.1, short=0.4, long=0.7), now=8.0)  # a later shift
+    assert state(ctl) == (True, "shift detected")
+
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_forced_modes_ignore_signals_and_outcomes(mode):
     ctl = CollectionControl(CollectionConfig(mode=mode, no_gain_runs=1))

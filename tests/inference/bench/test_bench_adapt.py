@@ -239,7 +239,8 @@ def test_run_cli_assembles_both_modes_without_a_stack(monkeypatch, tmp_path, cap
     """run() → JSON + plots with run_mode replaced by canned modes (the stack path is exercised by hand)."""
     seen = []
 
-    def fake_run_mode(mode, args, draft_dir, prompts, bnds, work):
+    def fake_run_mode(mode, args, draft_dir, prompts, bnds, work, warm=None):
+        assert warm is None  # each phase's first prompt warms up
         seen.append((mode, [b[0] for b in bnds], args.phase_s, args.ab_requests))
         res = fake_mode(10 if mode == "static" else 12, 1.8 if mode == "static" else 2.2)
         if mode == "static":
