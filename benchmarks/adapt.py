@@ -68,6 +68,7 @@ from benchmarks.adapt_stack import (
     Poller,
     chunk_bytes,
     drive,
+    fetch_drafts,
     run_batch,
     set_collection,
     start_draft,
@@ -278,6 +279,8 @@ def _serve_mode(mode: str, args, stack, ep, env: dict, draft_dir: Path, prompts,
         res["collected_chunks"] = horizon.download_chunks(s3, BUCKET, "chunks/",
                                                           Path(stack.cfg.data_dir) / "collected-chunks")
         res["collected_tokens"] = trainer_accepted_tokens(ep)
+        res["candidates"] = [{**c, "t_s": round(c.pop("created_unix_s") - t0_unix, 2)} for c in
+                             fetch_drafts(stack, ep, model_id, Path(stack.cfg.data_dir) / "draft-cache")]
     return res
 
 
@@ -372,19 +375,25 @@ def run(args) -> dict:
 
 
 def evaluate_thirds(res: dict, mode_dir: Path, draft_dir: Path, heldout: Path, args) -> None:
-    """Horizon: each third's serving draft evaluated on the held-out chunks at γ = 3 (from the copies
-    the worker downloaded into its draft cache; the starting draft from `draft_dir`)."""
+    """Horizon: each third's serving draft, and each training cycle's candidate, evaluated on the
+    held-out chunks at γ = 3 (from the stack's draft cache; the starting draft from `draft_dir`)."""
     from tide.registry_client import target_key
 
     res["thirds"] = horizon.thirds(res["requests"], res["samples"], args.horizon_s)
-    evals: dict[str, float | None] = {}
-    for third in res["thirds"]:
-        v = third["draft_version"]
+    evals: dict[str | None, float | None] = {}
+
+    def g3(v: str | None) -> float | None:
         if v not in evals:
             path = draft_dir if v in (None, res["starting_version"]) else mode_dir / "draft-cache" / target_key(v)
             evals[v] = horizon.evaluate_g3(path, heldout, args.target)["eval_accept_length_g3"] \
                 if path.exists() else None
-        third["eval_accept_length_g3"] = evals[v]
+        return evals[v]
+
+    for third in res["thirds"]:
+        third["eval_accept_length_g3"] = g3(third["draft_version"])
+    promoted = {p["version"] for p in res.get("promotions", [])}
+    for c in res.get("candidates", []):  # in creation order: the held-out curve of the loop's cycles
+        c["eval_accept_length_g3"], c["promoted"] = g3(c["version"]), c["version"] in promoted
     res["final_eval_accept_length_g3"] = res["thirds"][-1]["eval_accept_length_g3"]
 
 
@@ -457,6 +466,8 @@ def print_table(res: dict) -> None:
     for p in res["promotions"]:
         print(f"promotion at {p['t_s']:.0f} s: {p['version']} (eval accept length {fmt(p['eval_accept_length'], 2)})")
     tr, co = res.get("training") or {}, res.get("collection_overhead") or {}
+    print("trainer CPU-seconds during traffic: " + ", ".join(f"{m} {fmt(c)}" for m, c in
+                                                           (res.get("trainer_cpu_s") or {}).items()))
     print(f"training cycles: {tr.get('count', 0)}, mean {fmt(tr.get('mean_duration_s'))} s; chunk bytes: "
           + ", ".join(f"{m} {fmt(None if b is None else b / 1e6, 2)} MB" for m, b in res["chunk_bytes"].items()))
     print(f"collection overhead: off {fmt(co.get('off_tok_s'))} tok/s, on {fmt(co.get('on_tok_s'))} tok/s, "

@@ -174,6 +174,22 @@ def start_draft(stack: Stack, ep: Endpoints, model_id: str, draft_dir: Path, tim
     return v
 
 
+def fetch_drafts(stack: Stack, ep: Endpoints, model_id: str, dest: Path) -> list[dict]:
+    """Every draft version registered for `model_id` (each training cycle's candidate, promoted or
+    not) downloaded into `dest` (tide.registry_client.fetch_version's layout, as a worker's draft
+    cache); their versions, creation times and parents, oldest first."""
+    from tide.registry_client import fetch_version
+
+    s3 = StorageSettings.from_env(service_env("registry", stack.cfg, ep)).s3_client()
+    out = []
+    with RegistryClient(ep.registry, token=ep.admin_token, actor=ACTOR) as reg:
+        for d in sorted(reg.list(model_id).drafts, key=lambda d: d.created_unix_s):
+            fetch_version(s3, d.version, d.artifact, dest)
+            out.append({"version": d.version, "created_unix_s": d.created_unix_s, "parent": d.parent_version,
+                        "eval_metrics": dict(d.eval_metrics)})
+    return out
+
+
 def _scrape(port: int) -> str | None:
     """A worker's /metrics text; None without a port or when it does not answer."""
     if not port:

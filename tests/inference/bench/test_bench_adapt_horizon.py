@@ -126,7 +126,9 @@ def fake_mode(mode: str, horizon_s: float) -> dict:
             "promotions": [{"t_s": horizon_s / 2 - 3, "version": "m/v0002", "eval_accept_length": 2.3}] if online
             else [], "training": st.training_cycles([], 0), "chunk_bytes": 10**6 if online else 0,
             "starting_version": "m/v0001", "samples": samples, "requests": records,
-            "trainer_cpu_s": 0.5 * horizon_s if online else 0.0, "collected_tokens": 50_000 if online else 0}
+            "trainer_cpu_s": 0.5 * horizon_s if online else 0.0, "collected_tokens": 50_000 if online else 0,
+            **({"candidates": [{"version": "m/v0002", "t_s": horizon_s / 2 - 5, "parent": "m/v0001"},
+                               {"version": "m/v0003", "t_s": horizon_s - 5, "parent": "m/v0002"}]} if online else {})}
 
 
 def test_run_cli_writes_the_keys_the_issue_names(monkeypatch, tmp_path, capsys, gsm8k_train):
@@ -140,12 +142,13 @@ def test_run_cli_writes_the_keys_the_issue_names(monkeypatch, tmp_path, capsys, 
         if mode == "online":
             from tide.registry_client import target_key
 
-            (work / mode / "draft-cache" / target_key("m/v0002")).mkdir()
+            for v in ("m/v0002", "m/v0003"):
+                (work / mode / "draft-cache" / target_key(v)).mkdir()
         return fake_mode(mode, bnds[0][2])
 
     def fake_eval(path, chunks, target):
         evaluated.append(path.name)
-        return {"eval_accept_length_g3": 1.5 if path.name == "draft" else 1.95, "rows": 100}
+        return {"eval_accept_length_g3": {"draft": 1.5, "m%2Fv0002": 1.95}.get(path.name, 1.9), "rows": 100}
 
     monkeypatch.setattr(ba, "run_mode", fake_run_mode)
     monkeypatch.setattr(hz, "heldout_chunks", lambda d, t, p, n, c: (tmp_path / "held", {"eval_accept_length_g3": 1.5}))
@@ -170,7 +173,9 @@ def test_run_cli_writes_the_keys_the_issue_names(monkeypatch, tmp_path, capsys, 
         assert {"trainer_cpu_s", "collected_tokens", "promotions"} <= set(m) and m["overall"]["tok_s"] > 0
     assert [t["draft_version"] for t in got["online"]["thirds"]] == ["m/v0001", "m/v0002", "m/v0002"]
     assert [t["eval_accept_length_g3"] for t in got["online"]["thirds"]] == [1.5, 1.95, 1.95]
-    assert sorted(set(evaluated)) == sorted({"draft", "m%2Fv0002"} | set(evaluated))  # each version once
+    assert sorted(evaluated) == ["draft", "draft", "m%2Fv0002", "m%2Fv0003"]  # once per mode and version
+    assert [(c["version"], c["eval_accept_length_g3"], c["promoted"]) for c in got["online"]["candidates"]] == [
+        ("m/v0002", 1.95, True), ("m/v0003", 1.9, False)]  # every cycle's candidate on the held-out chunks
     assert got["online_final_eval_accept_length_g3"] == 1.95
     assert got["offline_reference"] == {"eval_accept_length_g3": 2.0, "tokens": 50_000}
     assert got["checks"]["meets"] == {"tok_s_x1.15": True, "eval_x1.20": True, "vs_offline_x0.90": True}
