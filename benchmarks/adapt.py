@@ -375,25 +375,26 @@ def run(args) -> dict:
 
 
 def evaluate_thirds(res: dict, mode_dir: Path, draft_dir: Path, heldout: Path, args) -> None:
-    """Horizon: each third's serving draft, and each training cycle's candidate, evaluated on the
-    held-out chunks at γ = 3 (from the stack's draft cache; the starting draft from `draft_dir`)."""
+    """Horizon: each third's serving draft, and the training cycles' candidates (up to
+    horizon.MAX_CYCLE_EVALS of them, evenly spaced, the last included), evaluated on the held-out
+    chunks at γ = 3 (from the stack's draft cache; the starting draft from `draft_dir`)."""
     from tide.registry_client import target_key
 
     res["thirds"] = horizon.thirds(res["requests"], res["samples"], args.horizon_s)
-    evals: dict[str | None, float | None] = {}
-
-    def g3(v: str | None) -> float | None:
-        if v not in evals:
-            path = draft_dir if v in (None, res["starting_version"]) else mode_dir / "draft-cache" / target_key(v)
-            evals[v] = horizon.evaluate_g3(path, heldout, args.target)["eval_accept_length_g3"] \
-                if path.exists() else None
-        return evals[v]
-
+    # candidates registered during the traffic (the registry may hold a starter draft from before)
+    res["candidates"] = [c for c in res.get("candidates", []) if c["t_s"] >= 0]
+    cands = res["candidates"]
+    picked = horizon.spaced(len(cands), horizon.MAX_CYCLE_EVALS)
+    versions = list(dict.fromkeys([t["draft_version"] for t in res["thirds"]] + [cands[i]["version"] for i in picked]))
+    path = lambda v: draft_dir if v in (None, res["starting_version"]) else mode_dir / "draft-cache" / target_key(v)  # noqa: E731
+    have = [v for v in versions if path(v).exists()]
+    evals = dict(zip(have, (e["eval_accept_length_g3"] for e in
+                            horizon.evaluate_many([path(v) for v in have], heldout, args.target)), strict=True))
     for third in res["thirds"]:
-        third["eval_accept_length_g3"] = g3(third["draft_version"])
+        third["eval_accept_length_g3"] = evals.get(third["draft_version"])
     promoted = {p["version"] for p in res.get("promotions", [])}
-    for c in res.get("candidates", []):  # in creation order: the held-out curve of the loop's cycles
-        c["eval_accept_length_g3"], c["promoted"] = g3(c["version"]), c["version"] in promoted
+    for c in cands:  # in creation order: the held-out curve of the loop's cycles
+        c["eval_accept_length_g3"], c["promoted"] = evals.get(c["version"]), c["version"] in promoted
     res["final_eval_accept_length_g3"] = res["thirds"][-1]["eval_accept_length_g3"]
 
 

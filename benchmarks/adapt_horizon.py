@@ -45,6 +45,7 @@ EVAL_GAMMA = 3
 OFFLINE_PASSES = 10.0  # the issue's offline budget: at most 10 passes or 20 minutes
 OFFLINE_MAX_S = 1200.0
 RECOVER_RATIO, RECOVER_SUSTAIN_S, RECOVER_BIN_S = 1.1, 120.0, 30.0
+MAX_CYCLE_EVALS = 8  # training cycles' candidates evaluated on the held-out chunks (≈ 22 s each here)
 # the issue's done-when: last third online/static tok/s and eval accept length; online vs offline
 MIN_TOK_S_RATIO, MIN_EVAL_RATIO, MIN_VS_OFFLINE = 1.15, 1.2, 0.9
 
@@ -94,10 +95,37 @@ def heldout_chunks(draft_dir: Path, target: str, prompts: list[Prompt], max_toke
 
 
 def evaluate_g3(draft_dir: Path, chunks: Path, target: str) -> dict:
-    from tools.draft.draft_eval import evaluate_on_chunks
+    return evaluate_many([draft_dir], chunks, target)[0]
 
-    r = evaluate_on_chunks(draft_dir, chunks, target, gammas=(EVAL_GAMMA,))
-    return {"eval_accept_length_g3": r["accept_length"][str(EVAL_GAMMA)], "rows": r["rows"]}
+
+def evaluate_many(draft_dirs: list[Path], chunks: Path, target: str) -> list[dict]:
+    """Each draft's served accept length at γ = 3 on `chunks` (tools.draft.draft_eval's measure; the
+    target head and the chunks are loaded once: ≈ 20 s of a 22-s single evaluation here)."""
+    import torch
+
+    from services.trainer.training.data import load_dataset
+    from services.trainer.training.evaluate import evaluate
+    from services.trainer.training.head import TargetHead
+    from tide.eagle3 import load_checkpoint
+    from tide.eagle3.checkpoint import find_checkpoint_dir
+    from tide.target import resolve_target
+
+    head = TargetHead.load(resolve_target(target))
+    max_len = 1025  # one piece per sequence: held-out prompts (<= 768 tokens) + 128 generated + 1
+    data = load_dataset(chunks, head, max_len, expected_target=head.model_id)
+    out = []
+    for d in draft_dirs:
+        draft = load_checkpoint(find_checkpoint_dir(d), head.embed, head.config, dtype=torch.float32)
+        r = evaluate(draft, data, head, gammas=(EVAL_GAMMA,), ttt_steps=3, max_len=max_len)
+        out.append({"eval_accept_length_g3": r.served[EVAL_GAMMA], "rows": r.tokens})
+    return out
+
+
+def spaced(n: int, k: int) -> list[int]:
+    """Up to `k` indices of range(n), evenly spaced, the last one always included."""
+    if n <= k:
+        return list(range(n))
+    return sorted({round((i + 1) * n / k) - 1 for i in range(k)})
 
 
 def version_at(samples: list[dict], t: float) -> str | None:

@@ -117,12 +117,12 @@ def promotions(history: Iterable[dict], drafts: dict[str, dict], outcomes: dict[
     """Promotions during the run, oldest first. `history`: registry pointer events {"action",
     "to_version", "time_unix_s", "actor"}; `drafts`: version -> eval_metrics; `outcomes`: candidate
     version -> trainer outcome (eval_accept_length_candidate/base, duration_s). The bench's own
-    promotion of the starting draft (`first_version`) is left out."""
+    promotion of the starting draft (`first_version`), and anything before traffic, is left out."""
     out = []
     for ev in sorted(history, key=lambda e: e["time_unix_s"]):
         v = ev["to_version"]
-        if ev["action"] != "promote" or v == first_version:
-            continue
+        if ev["action"] != "promote" or v == first_version or ev["time_unix_s"] < t0_unix:
+            continue  # the bench's own set-up (a starter draft the registry promotes at start, say)
         o, metrics = outcomes.get(v, {}), drafts.get(v, {})
         out.append({"t_s": round(ev["time_unix_s"] - t0_unix, 2), "version": v, "actor": ev.get("actor", ""),
                     "eval_accept_length": o.get("eval_accept_length_candidate", metrics.get("accept_length")),

@@ -62,6 +62,7 @@ def test_ratios_intervals_and_overhead():
 def test_promotions_training_and_checks():
     hist = [{"action": "promote", "to_version": "m/v0002", "time_unix_s": 1060.0, "actor": "trainer"},
             {"action": "promote", "to_version": "m/v0001", "time_unix_s": 990.0, "actor": "bench-adapt"},
+            {"action": "promote", "to_version": "m/v0000", "time_unix_s": 980.0, "actor": "registry"},  # set-up
             {"action": "rollback", "to_version": "m/v0001", "time_unix_s": 1100.0, "actor": "controller"}]
     outcomes = {"m/v0002": {"run_id": "r1", "candidate_version": "m/v0002", "eval_accept_length_candidate": 2.1,
                             "eval_accept_length_base": 1.7, "duration_s": 30.0, "finished_unix_s": 1055.0}}

@@ -56,6 +56,7 @@ def test_thirds_take_the_version_serving_at_their_end_and_the_cpu_share():
     assert [t["tok_s"] for t in th] == [pytest.approx(10.0)] * 3
     assert th[0]["accept_length"] == pytest.approx(2.0) and th[2]["accept_length"] == pytest.approx(3.0)
     assert hz.cpu_share(samples) == [[20.0, 0.5], [45.0, 1.0]]  # per second between samples; None skipped
+    assert hz.spaced(3, 8) == [0, 1, 2] and hz.spaced(20, 4) == [4, 9, 14, 19] and hz.spaced(0, 8) == []
 
 
 def test_time_to_recover_needs_a_sustained_lead():
@@ -127,7 +128,8 @@ def fake_mode(mode: str, horizon_s: float) -> dict:
             else [], "training": st.training_cycles([], 0), "chunk_bytes": 10**6 if online else 0,
             "starting_version": "m/v0001", "samples": samples, "requests": records,
             "trainer_cpu_s": 0.5 * horizon_s if online else 0.0, "collected_tokens": 50_000 if online else 0,
-            **({"candidates": [{"version": "m/v0002", "t_s": horizon_s / 2 - 5, "parent": "m/v0001"},
+            **({"candidates": [{"version": "m/v0000", "t_s": -20.0, "parent": ""},  # a starter draft, before
+                               {"version": "m/v0002", "t_s": horizon_s / 2 - 5, "parent": "m/v0001"},
                                {"version": "m/v0003", "t_s": horizon_s - 5, "parent": "m/v0002"}]} if online else {})}
 
 
@@ -152,7 +154,8 @@ def test_run_cli_writes_the_keys_the_issue_names(monkeypatch, tmp_path, capsys, 
 
     monkeypatch.setattr(ba, "run_mode", fake_run_mode)
     monkeypatch.setattr(hz, "heldout_chunks", lambda d, t, p, n, c: (tmp_path / "held", {"eval_accept_length_g3": 1.5}))
-    monkeypatch.setattr(hz, "evaluate_g3", fake_eval)
+    monkeypatch.setattr(hz, "evaluate_many", lambda paths, chunks, target: [fake_eval(p, chunks, target)
+                                                                            for p in paths])
     monkeypatch.setattr(hz, "offline_reference", lambda *a, **k: {"eval_accept_length_g3": 2.0, "tokens": 50_000})
     draft = tmp_path / "draft"
     draft.mkdir()
