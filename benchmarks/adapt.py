@@ -346,7 +346,7 @@ def run(args) -> dict:
     for mode in order:
         modes[mode] = run_mode(mode, args, draft_dir, prompts, bnds, work, warm=warm)
         if heldout is not None:
-            evaluate_thirds(modes[mode], work / mode, draft_dir, heldout, args)
+            horizon.evaluate_mode(modes[mode], work / mode, draft_dir, heldout, args.horizon_s, args.target)
     res = {"scenario": args.scenario, "target": args.target, "quick": bool(args.quick),
            "concurrency": args.concurrency,
            "cpus": dict(zip(("worker", "trainer"), placement(args.worker_cpus, args.trainer_cpus), strict=True)),
@@ -365,7 +365,8 @@ def run(args) -> dict:
     res["training"] = modes.get("online", {}).get("training")
     res["trainer_cpu_s"] = {m: r.get("trainer_cpu_s") for m, r in modes.items()}
     if heldout is not None and "online" in modes:
-        finish_horizon(res, work, draft_dir, heldout, args)
+        horizon.finish(res, work / "online", draft_dir, heldout, args.target, args.horizon_s, args.offline_budget_s,
+                       horizon_trainer_env(args))
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
     if not args.keep_data:  # S3 data, trainer outputs, downloaded drafts; the services' logs stay
         for mode in modes:
@@ -374,81 +375,14 @@ def run(args) -> dict:
     return res
 
 
-def evaluate_thirds(res: dict, mode_dir: Path, draft_dir: Path, heldout: Path, args) -> None:
-    """Horizon: each third's serving draft, and the training cycles' candidates (up to
-    horizon.MAX_CYCLE_EVALS of them, evenly spaced, the last included), evaluated on the held-out
-    chunks at γ = 3 (from the stack's draft cache; the starting draft from `draft_dir`)."""
-    from tide.registry_client import target_key
-
-    res["thirds"] = horizon.thirds(res["requests"], res["samples"], args.horizon_s)
-    # candidates registered during the traffic (the registry may hold a starter draft from before)
-    res["candidates"] = [c for c in res.get("candidates", []) if c["t_s"] >= 0]
-    cands = res["candidates"]
-    picked = horizon.spaced(len(cands), horizon.MAX_CYCLE_EVALS)
-    versions = list(dict.fromkeys([t["draft_version"] for t in res["thirds"]] + [cands[i]["version"] for i in picked]))
-    path = lambda v: draft_dir if v in (None, res["starting_version"]) else mode_dir / "draft-cache" / target_key(v)  # noqa: E731
-    have = [v for v in versions if path(v).exists()]
-    evals = dict(zip(have, (e["eval_accept_length_g3"] for e in
-                            horizon.evaluate_many([path(v) for v in have], heldout, args.target)), strict=True))
-    for third in res["thirds"]:
-        third["eval_accept_length_g3"] = evals.get(third["draft_version"])
-    promoted = {p["version"] for p in res.get("promotions", [])}
-    for c in cands:  # in creation order: the held-out curve of the loop's cycles
-        c["eval_accept_length_g3"], c["promoted"] = evals.get(c["version"]), c["version"] in promoted
-    res["final_eval_accept_length_g3"] = res["thirds"][-1]["eval_accept_length_g3"]
-
-
-def finish_horizon(res: dict, work: Path, draft_dir: Path, heldout: Path, args) -> None:
-    """Horizon: the offline reference, time to recover and the checks (after both modes)."""
-    from services.trainer.settings import TrainerSettings
-
-    env = horizon_trainer_env(args)
-    lr = float(env.get("TIDE_TRAINER_LR", TrainerSettings.model_fields["lr"].default))
-    rows = int(env.get("TIDE_TRAINER_BATCH_ROWS", TrainerSettings.model_fields["batch_rows"].default))
-    max_len = int(env.get("TIDE_TRAINER_MAX_LEN", TrainerSettings.model_fields["max_len"].default))
-    print(f"offline reference: the starting draft fine-tuned on the online stack's chunks "
-          f"(<= {horizon.OFFLINE_PASSES:g} passes, <= {args.offline_budget_s:.0f} s)", flush=True)
-    res["offline_reference"] = horizon.offline_reference(
-        draft_dir, work / "online" / "collected-chunks", heldout, args.target, work / "online" / "offline-reference",
-        args.offline_budget_s, lr, rows, max_len)
-    res["online_final_eval_accept_length_g3"] = res["online"].get("final_eval_accept_length_g3")
-    res["collected_tokens"] = res["online"].get("collected_tokens")
-    if "static" in res:
-        res["time_to_recover_s"] = horizon.time_to_recover(res["static"]["requests"], res["online"]["requests"],
-                                                           args.horizon_s)
-        res["checks"] = horizon.checks(res)
-
-
 def horizon_trainer_env(args) -> dict[str, str]:
     """The online trainer's variables as this run set them (mode_env), for the offline recipe."""
     return mode_env("online", args, Path("/"))["trainer"]
 
 
-def print_horizon_table(res: dict) -> None:
-    fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
-    print(f"\n{'':10s}" + "".join(f"{f'third {i + 1}':>27s}" for i in range(3)) + f"{'overall':>10s}"
-          + f"{'trainer CPU s':>15s}{'collected':>11s}")
-    print(f"{'':10s}" + f"{'tok/s':>9s}{'live acc':>9s}{'eval g3':>9s}" * 3 + f"{'tok/s':>10s}")
-    for mode in (m for m in MODES if m in res):
-        r = res[mode]
-        print(f"{mode:10s}" + "".join(f"{fmt(t['tok_s']):>9s}{fmt(t['accept_length'], 2):>9s}"
-                                      f"{fmt(t.get('eval_accept_length_g3'), 3):>9s}" for t in r["thirds"])
-              + f"{fmt(r['overall']['tok_s']):>10s}{fmt(r.get('trainer_cpu_s')):>15s}"
-              + f"{r.get('collected_tokens') or 0:>11d}")
-    off = res.get("offline_reference") or {}
-    print(f"starting draft eval g3 {fmt(res['starting_draft'].get('eval_accept_length_g3'), 3)}; offline reference "
-          f"{fmt(off.get('eval_accept_length_g3'), 3)} on {off.get('tokens', 0)} tokens; online final "
-          f"{fmt(res.get('online_final_eval_accept_length_g3'), 3)}; time to recover "
-          f"{fmt(res.get('time_to_recover_s'), 0)} s")
-    for p in res["promotions"]:
-        print(f"promotion at {p['t_s']:.0f} s: {p['version']} (eval accept length {fmt(p['eval_accept_length'], 2)})")
-    if "checks" in res:
-        print("checks: " + json.dumps(res["checks"]["meets"]))
-
-
 def print_table(res: dict) -> None:
     if res.get("scenario") == "horizon":
-        print_horizon_table(res)
+        horizon.print_table(res)
         return
     names = [p["name"] for p in res["phases"]]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731

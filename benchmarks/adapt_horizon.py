@@ -24,6 +24,9 @@ What this module adds to the three-phase bench (benchmarks.adapt runs the stacks
 - `time_to_recover_s`: the first time online's live accept length is >= 1.1x static's and stays so
   for 2 minutes (windows of `RECOVER_BIN_S`).
 - `checks`: the issue's done-when on this run.
+
+benchmarks.adapt calls `evaluate_mode` after each mode's stack has stopped, `finish` after both, and
+`print_table` for the summary.
 """
 
 from __future__ import annotations
@@ -231,3 +234,69 @@ def checks(res: dict) -> dict:
             "meets": {f"tok_s_x{MIN_TOK_S_RATIO:.2f}": ok(tok, MIN_TOK_S_RATIO),
                       f"eval_x{MIN_EVAL_RATIO:.2f}": ok(ev, MIN_EVAL_RATIO),
                       f"vs_offline_x{MIN_VS_OFFLINE:.2f}": ok(off, MIN_VS_OFFLINE)}}
+
+
+def evaluate_mode(res: dict, mode_dir: Path, draft_dir: Path, heldout: Path, horizon_s: float, target: str) -> None:
+    """A mode's `thirds`, and each third's serving draft and the training cycles' candidates (up to
+    MAX_CYCLE_EVALS of them, evenly spaced, the last included) evaluated on the held-out chunks at
+    γ = 3 (from the stack's draft cache; the starting draft from `draft_dir`), into `res`."""
+    from tide.registry_client import target_key
+
+    res["thirds"] = thirds(res["requests"], res["samples"], horizon_s)
+    # candidates registered during the traffic (the registry may hold a starter draft from before)
+    res["candidates"] = [c for c in res.get("candidates", []) if c["t_s"] >= 0]
+    cands = res["candidates"]
+    picked = spaced(len(cands), MAX_CYCLE_EVALS)
+    versions = list(dict.fromkeys([t["draft_version"] for t in res["thirds"]] + [cands[i]["version"] for i in picked]))
+    path = lambda v: draft_dir if v in (None, res["starting_version"]) else mode_dir / "draft-cache" / target_key(v)  # noqa: E731
+    have = [v for v in versions if path(v).exists()]
+    evals = dict(zip(have, (e["eval_accept_length_g3"] for e in
+                            evaluate_many([path(v) for v in have], heldout, target)), strict=True))
+    for third in res["thirds"]:
+        third["eval_accept_length_g3"] = evals.get(third["draft_version"])
+    promoted = {p["version"] for p in res.get("promotions", [])}
+    for c in cands:  # in creation order: the held-out curve of the loop's cycles
+        c["eval_accept_length_g3"], c["promoted"] = evals.get(c["version"]), c["version"] in promoted
+    res["final_eval_accept_length_g3"] = res["thirds"][-1]["eval_accept_length_g3"]
+
+
+def finish(res: dict, online_dir: Path, draft_dir: Path, heldout: Path, target: str, horizon_s: float,
+           offline_budget_s: float, trainer_env: dict[str, str]) -> None:
+    """After both modes: the offline reference (the online trainer's recipe from `trainer_env`, its
+    variables as the run set them), time to recover and the checks, into `res`."""
+    from services.trainer.settings import TrainerSettings
+
+    lr = float(trainer_env.get("TIDE_TRAINER_LR", TrainerSettings.model_fields["lr"].default))
+    rows = int(trainer_env.get("TIDE_TRAINER_BATCH_ROWS", TrainerSettings.model_fields["batch_rows"].default))
+    max_len = int(trainer_env.get("TIDE_TRAINER_MAX_LEN", TrainerSettings.model_fields["max_len"].default))
+    print(f"offline reference: the starting draft fine-tuned on the online stack's chunks "
+          f"(<= {OFFLINE_PASSES:g} passes, <= {offline_budget_s:.0f} s)", flush=True)
+    res["offline_reference"] = offline_reference(draft_dir, online_dir / "collected-chunks", heldout, target,
+                                                 online_dir / "offline-reference", offline_budget_s, lr, rows, max_len)
+    res["online_final_eval_accept_length_g3"] = res["online"].get("final_eval_accept_length_g3")
+    res["collected_tokens"] = res["online"].get("collected_tokens")
+    if "static" in res:
+        res["time_to_recover_s"] = time_to_recover(res["static"]["requests"], res["online"]["requests"], horizon_s)
+        res["checks"] = checks(res)
+
+
+def print_table(res: dict) -> None:
+    fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    print(f"\n{'':10s}" + "".join(f"{f'third {i + 1}':>27s}" for i in range(3)) + f"{'overall':>10s}"
+          + f"{'trainer CPU s':>15s}{'collected':>11s}")
+    print(f"{'':10s}" + f"{'tok/s':>9s}{'live acc':>9s}{'eval g3':>9s}" * 3 + f"{'tok/s':>10s}")
+    for mode in (m for m in ("static", "online") if m in res):
+        r = res[mode]
+        print(f"{mode:10s}" + "".join(f"{fmt(t['tok_s']):>9s}{fmt(t['accept_length'], 2):>9s}"
+                                      f"{fmt(t.get('eval_accept_length_g3'), 3):>9s}" for t in r["thirds"])
+              + f"{fmt(r['overall']['tok_s']):>10s}{fmt(r.get('trainer_cpu_s')):>15s}"
+              + f"{r.get('collected_tokens') or 0:>11d}")
+    off = res.get("offline_reference") or {}
+    print(f"starting draft eval g3 {fmt(res['starting_draft'].get('eval_accept_length_g3'), 3)}; offline reference "
+          f"{fmt(off.get('eval_accept_length_g3'), 3)} on {off.get('tokens', 0)} tokens; online final "
+          f"{fmt(res.get('online_final_eval_accept_length_g3'), 3)}; time to recover "
+          f"{fmt(res.get('time_to_recover_s'), 0)} s")
+    for p in res["promotions"]:
+        print(f"promotion at {p['t_s']:.0f} s: {p['version']} (eval accept length {fmt(p['eval_accept_length'], 2)})")
+    if "checks" in res:
+        print("checks: " + json.dumps(res["checks"]["meets"]))
