@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -58,9 +59,9 @@ def horizon_prompts(seed: int, max_chars: int) -> tuple[list[Prompt], list[Promp
     held-out set does not depend on `seed` (every run's drafts are compared on the same chunks)."""
     ps = [p for p in load_prompts(DOMAIN[1]) if len(p.text) <= max_chars]
     unique = list({p.text: p for p in ps}.values())  # a repeated question would be served twice
-    fixed = random.Random(1234).sample(range(len(unique)), min(HELDOUT_PROMPTS, len(unique) // 4))
+    fixed = set(random.Random(1234).sample(range(len(unique)), min(HELDOUT_PROMPTS, len(unique) // 4)))
     heldout = [unique[i] for i in sorted(fixed)]
-    rest = [p for i, p in enumerate(unique) if i not in set(fixed)]
+    rest = [p for i, p in enumerate(unique) if i not in fixed]
     random.Random(seed * 31 + 7).shuffle(rest)
     return rest[WARM_PROMPTS:], heldout, rest[:WARM_PROMPTS]
 
@@ -87,7 +88,8 @@ def heldout_chunks(draft_dir: Path, target: str, prompts: list[Prompt], max_toke
     done = out / "done.json"
     if done.exists():
         return out / "chunks", evaluate_g3(draft_dir, out / "chunks", target)
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # an interrupted generation leaves chunks that would count twice
+    out.mkdir(parents=True)
     (out / "prompts.jsonl").write_text(body)
     print(f"generating the held-out chunks ({len(prompts)} GSM8K train questions) into {out}", flush=True)
     # chat-templated as served (Prompt.chat), greedy, capture on; the starting draft evaluated on them
