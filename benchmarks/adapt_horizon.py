@@ -197,6 +197,7 @@ def offline_reference(draft_dir: Path, chunks: Path, heldout: Path, target: str,
     """The starting draft fine-tuned offline on `chunks` (see the module doc) and evaluated on `heldout`."""
     from services.trainer.training.loop import TrainConfig
     from services.trainer.training.run import train_draft
+    from tide.eagle3.checkpoint import find_checkpoint_dir
     from tools.draft.generation import torch_threads
 
     if not any(chunks.glob("*.chunk")):
@@ -206,7 +207,7 @@ def offline_reference(draft_dir: Path, chunks: Path, heldout: Path, target: str,
     t0 = time.monotonic()
     with torch_threads(len(os.sched_getaffinity(0))):  # the stacks are down: every CPU this process may use
         # eval_fraction: the trainer's own split is not the criterion (the held-out chunks are); keep it small
-        summary = train_draft(target, chunks, out, init=draft_dir, cfg=cfg, eval_fraction=0.02)
+        summary = train_draft(target, chunks, out, init=find_checkpoint_dir(draft_dir), cfg=cfg, eval_fraction=0.02)
     tr = summary["train"]
     return {**evaluate_g3(out, heldout, target), "tokens": chunk_tokens(chunks, target, max_len),
             "trained_tokens": tr["tokens"], "steps": tr["steps"],

@@ -187,3 +187,35 @@ def test_run_cli_writes_the_keys_the_issue_names(monkeypatch, tmp_path, capsys, 
     assert (tmp_path / "p" / "horizon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "third 3" in printed and "offline reference 2.000" in printed and "time to recover 300 s" in printed
+
+
+def test_heldout_chunks_evals_and_the_offline_reference_on_the_tiny_target(tmp_path_factory, tmp_path):
+    """The real path on the tiny bootstrapped target: held-out chunks generated once, then read from
+    the cache; several drafts scored in one pass, as one at a time; the offline reference fine-tunes
+    the starting draft on collected chunks (here copies of the held-out ones) and scores the result."""
+    import shutil
+
+    from tests.support.bootstrap import tiny_bootstrap
+    from tide.prompts import load_prompts
+    from tools.draft.generation import torch_threads
+
+    _, _, paths = tiny_bootstrap(tmp_path_factory)
+    draft, target = paths["out"], str(paths["target"])
+    prompts = load_prompts(paths["heldout"])[:6]
+    with torch_threads(1):
+        chunks, first = hz.heldout_chunks(draft, target, prompts, 24, tmp_path / "cache")
+        again, cached = hz.heldout_chunks(draft, target, prompts, 24, tmp_path / "cache")
+        assert again == chunks and cached == first and first["eval_accept_length_g3"] >= 1.0
+        assert len(list((tmp_path / "cache").iterdir())) == 1  # the same prompts: the same cache entry
+        many = hz.evaluate_many([draft, draft], chunks, target)
+        assert many == [hz.evaluate_g3(draft, chunks, target)] * 2 and many[0] == first
+        collected = tmp_path / "collected"
+        collected.mkdir()
+        for i, f in enumerate(sorted(p for p in chunks.rglob("*") if p.is_file())):
+            shutil.copy(f, collected / f"{i:06d}.chunk")
+        ref = hz.offline_reference(draft, collected, chunks, target, tmp_path / "ref", budget_s=20.0, lr=3e-3,
+                                   batch_rows=2, max_len=64)
+    assert ref["tokens"] > 0 and ref["steps"] > 0 and ref["eval_accept_length_g3"] >= 1.0
+    assert hz.evaluate_g3(tmp_path / "ref", chunks, target) == {k: ref[k] for k in ("eval_accept_length_g3", "rows")}
+    assert hz.offline_reference(draft, tmp_path / "nothing", chunks, target, tmp_path / "r2", 1.0, 1e-3, 2, 64)[
+        "tokens"] == 0  # nothing collected: no reference, and no crash
