@@ -15,7 +15,7 @@ import redis
 
 from tide import streams
 from tide.servers import SYSTEM_REDIS_SERVER, RedisServer
-from tide.streams import ChunkRef, Consumer, DeadLetter, PayloadError, Reject, StreamNames
+from tide.streams import ChunkRef, Consumer, ConsumerThread, DeadLetter, PayloadError, Reject, StreamNames, Transient
 from tide.telemetry import StepRecord
 
 SHA = "ab" * 32
@@ -234,6 +234,63 @@ def test_failing_handler_is_retried_then_dead_lettered(redis_client, names):
     [letter] = dead_letters(redis_client, names)
     assert letter.ref == make_ref(1) and letter.deliveries == 4
     assert pending(redis_client, names) == 0
+
+
+
+def test_an_outage_retries_the_entry_in_hand_without_counting_deliveries(redis_client, names, monkeypatch):
+    """A dependency down for longer than max_deliveries attempts: the entry is kept in hand and
+    retried until the handler succeeds; Redis sees one delivery, nothing is dead-lettered, and the
+    entry behind it waits its turn."""
+    monkeypatch.setattr(streams, "TRANSIENT_FIRST_S", 0.01)
+    monkeypatch.setattr(streams, "TRANSIENT_MAX_S", 0.02)
+    c = consumer(redis_client, names, max_deliveries=2, block_ms=20)
+    c.ensure_group()
+    streams.add(redis_client, names.chunks, make_ref(1))
+    streams.add(redis_client, names.chunks, make_ref(2))
+    calls: list[tuple[str, int]] = []
+    done = threading.Event()
+
+    def handler(msg):
+        calls.append((msg.payload.chunk_id, msg.deliveries))
+        if len(calls) <= 6:  # the store is down for the first six attempts
+            raise Transient("object store unreachable")
+        if msg.payload.chunk_id == "c2":
+            done.set()
+
+    thread = ConsumerThread(c, handler, name="outage test").start()
+    try:
+        assert done.wait(10), calls
+    finally:
+        thread.stop()
+    assert calls == [("c1", 1)] * 7 + [("c2", 1)]
+    assert c.stats.transient_retries == 6 and c.stats.handled == 2 and c.stats.dead_lettered == 0
+    assert dead_letters(redis_client, names) == [] and pending(redis_client, names) == 0
+
+
+def test_stopping_during_an_outage_leaves_the_entry_pending_for_a_restart(redis_client, names, monkeypatch):
+    monkeypatch.setattr(streams, "TRANSIENT_FIRST_S", 0.01)
+    monkeypatch.setattr(streams, "TRANSIENT_MAX_S", 0.02)
+    c = consumer(redis_client, names, "trainer-0", block_ms=20)
+    c.ensure_group()
+    streams.add(redis_client, names.chunks, make_ref(1))
+    attempts = threading.Semaphore(0)
+
+    def down(msg):
+        attempts.release()
+        raise Transient
+
+    thread = ConsumerThread(c, down, name="outage test").start()
+    for _ in range(3):
+        assert attempts.acquire(timeout=10)
+    thread.stop()
+    assert pending(redis_client, names) == 1 and dead_letters(redis_client, names) == []
+    [info] = redis_client.xpending_range(names.chunks, "trainer", min="-", max="+", count=1)
+    assert info["times_delivered"] == 1  # the retries were not deliveries
+    restarted = consumer(redis_client, names, "trainer-0")
+    seen: list[str] = []
+    while restarted.poll(lambda m: seen.append(m.payload.chunk_id)):
+        pass
+    assert seen == ["c1"] and pending(redis_client, names) == 0
 
 
 DYING_CONSUMER = textwrap.dedent(

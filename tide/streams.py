@@ -234,6 +234,21 @@ class Reject(Exception):
     the consumer dead-letters it with this reason and acks it."""
 
 
+class Transient(Exception):
+    """Raised by a handler when something it depends on is unavailable (the object store is down
+    or restarting): not the entry's fault. The consumer keeps the entry in hand and calls the
+    handler again with capped exponential backoff (`TRANSIENT_FIRST_S` doubling to
+    `TRANSIENT_MAX_S`) until it returns, rejects, fails otherwise, or the consumer stops. The entry
+    is not re-read, so an outage of any length adds nothing to its delivery count and never
+    dead-letters it; its claim is refreshed (XCLAIM JUSTID) while it waits, so no other consumer
+    takes it over. The entries behind it wait too: back-pressure, not a pile of failed deliveries.
+    This needs `Consumer.run` (a ConsumerThread); under a bare `poll()` it is an ordinary failure."""
+
+
+TRANSIENT_FIRST_S = 0.2  # first wait after a Transient failure (s)
+TRANSIENT_MAX_S = 5.0  # cap of the doubling wait (s): a restarted dependency is noticed within this
+
+
 @dataclass
 class Message(Generic[T]):
     """One delivered entry, as a handler sees it."""
@@ -251,6 +266,7 @@ class ConsumerStats:
     handled: int = 0  # handler returned, entry acked
     dead_lettered: int = 0  # unparseable, rejected, or failed max_deliveries times
     handler_errors: int = 0  # handler raised; entry left pending for a retry
+    transient_retries: int = 0  # handler raised Transient; the entry in hand was retried
     reclaimed: int = 0  # stale pending entries taken over from other consumers
     missing: int = 0  # pending entries whose data was trimmed away before processing
 
@@ -262,7 +278,10 @@ class Consumer(Generic[T]):
     under the same name resumes where it stopped); every `reclaim_every_s`, XAUTOCLAIM entries
     idle for more than `claim_idle_ms` (their consumer died or hangs); then XREADGROUP new
     entries, blocking up to `block_ms`. An entry is acked once its handler returns. A handler
-    exception leaves it pending for a later retry; after `max_deliveries` it is dead-lettered.
+    raising `Transient` is retried on the entry in hand (see there); any other exception leaves
+    the entry pending for a later retry; after `max_deliveries` it is dead-lettered. After a Redis
+    outage `run` walks this consumer's pending list again, so an entry read before the outage is
+    retried when Redis is back, not only once it is claimable.
 
     `claim_idle_ms` must exceed the longest a handler runs (else a live consumer's entry is
     taken over and processed twice), and the client's socket_timeout must exceed `block_ms`.
@@ -294,6 +313,7 @@ class Consumer(Generic[T]):
         self._pending_cursor = "0"  # XREADGROUP with an id (not ">") reads our pending list after it
         self._claim_cursor = "0-0"
         self._last_reclaim = float("-inf")
+        self._stop: threading.Event | None = None  # set by run(): ends a Transient retry loop
 
     def ensure_group(self, start_id: str = "0") -> None:
         """Create the group (and the stream) if needed; "0" = the group sees existing entries."""
@@ -322,6 +342,7 @@ class Consumer(Generic[T]):
     def run(self, handler: Callable[[Message[T]], None], stop: threading.Event) -> None:
         """Poll until `stop` is set; rides out Redis outages with capped exponential backoff and
         recreates the group if a restarted (non-persistent) Redis lost it."""
+        self._stop = stop
         backoff = 0.1
         while not stop.is_set():
             try:
@@ -329,6 +350,8 @@ class Consumer(Generic[T]):
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("stream %s: redis unavailable (%s); retrying in %.1f s", self.stream, e, backoff)
+                # an entry read before the outage may be pending unacked: walk our list again
+                self._own_pending_done, self._pending_cursor = False, "0"
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
             except redis.ResponseError as e:
@@ -428,7 +451,8 @@ class Consumer(Generic[T]):
                 self.dead_letter(entry_id, fields, f"handler failed {deliveries - 1} times", deliveries)
                 continue
             try:
-                handler(Message(self.stream, entry_id, payload, deliveries))
+                if not self._handle(handler, Message(self.stream, entry_id, payload, deliveries)):
+                    return len(entries)  # stopped while retrying: this entry and the rest stay pending
             except Reject as e:
                 self.dead_letter(entry_id, fields, str(e) or "rejected by handler", deliveries)
                 continue
@@ -439,6 +463,26 @@ class Consumer(Generic[T]):
             self.client.xack(self.stream, self.group, entry_id)
             self.stats.handled += 1
         return len(entries)
+
+    def _handle(self, handler: Callable[[Message[T]], None], msg: Message[T]) -> bool:
+        """Call `handler`, retrying `Transient` failures (see there) when running under `run()`;
+        False if stopped first."""
+        wait_s = TRANSIENT_FIRST_S
+        while True:
+            try:
+                handler(msg)
+                return True
+            except Transient as e:
+                if self._stop is None:  # poll() called directly, not run(): no way to stop; leave it pending
+                    raise
+                self.stats.transient_retries += 1
+                log.warning("stream %s: %s; retrying %s in %.1f s", self.stream, str(e) or "a dependency is down",
+                            msg.entry_id, wait_s)
+            if self._stop.wait(wait_s):
+                return False
+            wait_s = min(wait_s * 2, TRANSIENT_MAX_S)
+            # reset the entry's idle time without counting a delivery (JUSTID), so it is not claimable
+            self.client.xclaim(self.stream, self.group, self.consumer, 0, [msg.entry_id], justid=True)
 
 
 class ConsumerThread(Generic[T]):

@@ -10,7 +10,9 @@ For each `ChunkRef` (tide.streams), in order:
 4. it is recorded in the manifest (manifest.py) and only then acked.
 A chunk failing 2-3 (or whose blob is gone) raises `tide.streams.Reject`: the consumer writes it
 to the dead-letter stream with the reason and acks it; it is counted and never trained on. S3 or
-Redis being unreachable is not the chunk's fault: the entry stays pending and is retried.
+Redis being unreachable is not the chunk's fault: S3 failures other than a missing blob raise
+`tide.streams.Transient`, so the reader retries the entry in hand every few seconds until the store
+is back (never dead-lettering it for the outage); Redis outages are ridden out by the consumer.
 """
 
 from __future__ import annotations
@@ -19,19 +21,23 @@ import logging
 from dataclasses import dataclass
 
 import redis
+import urllib3
 from minio import Minio
-from minio.error import S3Error
+from minio.error import MinioException, S3Error
 
 from services.trainer.manifest import Manifest, ManifestEntry
 from tide import blobs, streams
 from tide.blobs import ChecksumMismatch
 from tide.chunks import ChunkInvalid, decode_chunk
-from tide.streams import ChunkRef, Consumer, ConsumerThread, Message, Reject
+from tide.streams import ChunkRef, Consumer, ConsumerThread, Message, Reject, Transient
 
 log = logging.getLogger(__name__)
 
 MAX_CHUNK_BYTES = 1 << 30  # a reference announcing more is refused before downloading
 _GONE = ("NoSuchKey", "NoSuchBucket")
+# what the object store raises while it is down, restarting or overloaded (minio: S3Error and its
+# ServerError / InvalidResponseError siblings; urllib3 once its own retries are spent; the socket)
+_STORE_DOWN = (MinioException, urllib3.exceptions.HTTPError, OSError)
 
 
 @dataclass
@@ -49,7 +55,14 @@ class ChunkIngest:
         self.stats = IngestStats()
 
     def handle(self, msg: Message[ChunkRef]) -> None:
-        ref = msg.payload
+        try:
+            self._handle(msg.payload, msg)
+        except S3Error as e:
+            raise Transient(f"object store error ({e.code})") from e
+        except _STORE_DOWN as e:
+            raise Transient(f"object store unreachable ({type(e).__name__})") from e
+
+    def _handle(self, ref: ChunkRef, msg: Message[ChunkRef]) -> None:
         if self.manifest.seen(ref.chunk_id):
             self.stats.deduplicated += 1
             log.info("chunk %s already recorded (delivery %d of entry %s): skipped", ref.chunk_id, msg.deliveries,

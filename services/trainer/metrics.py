@@ -24,6 +24,9 @@ class TrainerCollector:
         yield chunks
         yield CounterMetricFamily("tide_trainer_accepted_tokens", "Tokens of accepted chunks",
                                   value=s.ingest.stats.accepted_tokens)
+        yield CounterMetricFamily("tide_trainer_intake_retries", "Chunk intake attempts retried because the object "
+                                  "store was unreachable (the chunk was kept, not dead-lettered)",
+                                  value=s.reader.consumer.stats.transient_retries)
         if s.reconciler is not None:
             r = s.reconciler.stats
             orphans = CounterMetricFamily("tide_trainer_orphan_blobs", "Chunk blobs older than the grace period that "

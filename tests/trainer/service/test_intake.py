@@ -6,6 +6,7 @@ survives a restart."""
 from __future__ import annotations
 
 import json
+import socket
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from trainer.service.svc import bad_shape_blob, chunk_blob, publish, wait_for
@@ -102,3 +103,32 @@ def test_dead_consumers_pending_entry_is_reclaimed_and_manifest_survives_restart
     publish(redis_client, s3_client, s3_bucket, unique_prefix, target, "lost", chunk_blob(target, "lost"))
     st = wait_for(lambda: (s := status(second)).chunks_deduplicated == 1 and s, what="the re-announced chunk")
     assert (st.chunks_consumed, st.buffered_chunks) == (0, 1)
+
+
+def test_an_unreachable_store_is_a_transient_failure_not_the_chunks(tiny_dir, s3_client, s3_bucket):
+    """The store being down must not dead-letter a chunk (the reader retries it in hand,
+    tide.streams.Transient); a blob that is gone from a reachable store is rejected."""
+    import pytest
+    import urllib3
+    from minio import Minio
+
+    from services.trainer.ingest import ChunkIngest
+    from services.trainer.manifest import Manifest
+
+    target = tiny_dir.name
+    blob = chunk_blob(target, "c0")
+    ref = streams.ChunkRef(chunk_id="c0", bucket=s3_bucket, key="chunks/never-stored.safetensors",
+                           size_bytes=len(blob), sha256=blobs.sha256_hex(blob), num_tokens=64, target_model=target,
+                           draft_version="", workload="test", worker_id="test-worker", created_unix_s=0.0)
+    msg = streams.Message("chunks", "1-0", ref, 1)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a port nothing listens on (bound, never listening)
+    down = Minio(f"127.0.0.1:{closed.getsockname()[1]}", access_key="k", secret_key="s", secure=False,
+                 http_client=urllib3.PoolManager(retries=False))
+    try:
+        with pytest.raises(streams.Transient, match="unreachable"):
+            ChunkIngest(down, Manifest(down, s3_bucket)).handle(msg)
+    finally:
+        closed.close()
+    with pytest.raises(streams.Reject, match="not found"):
+        ChunkIngest(s3_client, Manifest(s3_client, s3_bucket)).handle(msg)
