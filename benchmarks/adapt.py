@@ -176,6 +176,7 @@ def policy_params(policy: str) -> dict:
 
 def mode_env(mode: str, args, mode_dir: Path) -> dict[str, dict[str, str]]:
     """Per-service overrides of the stack (tools.launcher.StackConfig.env) for `mode`."""
+    resolve_defaults(args)
     worker_cpus, trainer_cpus = placement(args.worker_cpus, args.trainer_cpus)
     env = {"inference": {"TIDE_DRAFT_CACHE_DIR": str(mode_dir / "draft-cache"), "TIDE_CPUS": worker_cpus,
                          "TIDE_POLICY": args.policy, "TIDE_POLICY_PARAMS": json.dumps(policy_params(args.policy)),
@@ -193,6 +194,12 @@ def mode_env(mode: str, args, mode_dir: Path) -> dict[str, dict[str, str]]:
                                "TIDE_TRAINER_BATCH_ROWS": "4", "TIDE_TRAINER_WARMUP_STEPS": str(max(1, steps // 6)),
                                "TIDE_TRAINER_MAX_EPOCHS": str(args.max_epochs), "TIDE_TRAINER_REPLAY": str(args.replay),
                                "TIDE_TRAINER_REPLAY_RECENT": str(args.replay_recent)})
+        if args.cycle_growth > 0:
+            # growing cycles: each waits for `--cycle-growth` x the tokens trained on so far and makes
+            # `--max-epochs` passes over its new and replayed tokens, so its steps grow with the data
+            env["trainer"].update({"TIDE_TRAINER_MIN_TOKENS_GROWTH": str(args.cycle_growth),
+                                   "TIDE_TRAINER_STEPS": "0", "TIDE_TRAINER_EPOCHS": str(args.max_epochs),
+                                   "TIDE_TRAINER_MAX_EPOCHS": "0"})
     extra = [parse_env(args.env)] + ([parse_env(args.online_env)] if mode == "online" else [])
     for e in extra:
         for service, kv in e.items():
@@ -314,16 +321,25 @@ def collection_ab(ep, model_id: str, base: str, prompts, bnds, args) -> dict:
     return stats.collection_overhead(windows, method)
 
 
-def run(args) -> dict:
-    t_start = time.perf_counter()
+def resolve_defaults(args) -> None:
+    """Fill the options left unset (None) with the scenario's and --quick's defaults (idempotent)."""
     quick = {"phase_s": 150.0, "ab_rounds": 1, "ab_requests": 4, "horizon_s": 900.0, "offline_budget_s": 300.0}
     full = {"phase_s": 300.0, "ab_rounds": 2, "ab_requests": 12, "horizon_s": 2400.0,
             "offline_budget_s": horizon.OFFLINE_MAX_S}
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
+    # the horizon's cycles grow with the data (services.trainer.auto's module doc); the phases' are fixed
+    per_scenario = {"cycle_growth": (0.5, 0.0), "replay": (2.0, 4.0), "max_epochs": (2.0, 3.0)}
+    defaults = {**(quick if args.quick else full),
+                **{k: h if args.scenario == "horizon" else p for k, (h, p) in per_scenario.items()}}
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.scenario == "horizon":
         args.ab_rounds = 0  # the three-phase bench measures collection's cost; here it would eat the horizon
+
+
+def run(args) -> dict:
+    t_start = time.perf_counter()
+    resolve_defaults(args)
     if args.draft:
         from tide.eagle3.checkpoint import find_checkpoint_dir
 
@@ -443,10 +459,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="online trainer: TIDE_TRAINER_STEPS, optimizer steps per cycle (batches of 4 x 512) [24]")
     # 24 steps on one cycle's ≈ 2k new + 2k replayed tokens are ≈ 10 passes: candidates memorised them and
     # 14 of 16 were not better (docs/results/2026-12-04); a window of the newest chunks, 3 passes
-    parser.add_argument("--max-epochs", type=float, default=3.0,
-                        help="online trainer: TIDE_TRAINER_MAX_EPOCHS, passes over a cycle's data at most [3]")
-    parser.add_argument("--replay", type=float, default=4.0,
-                        help="online trainer: TIDE_TRAINER_REPLAY, replayed tokens per new token [4]")
+    parser.add_argument("--max-epochs", type=float, default=None,
+                        help="online trainer: TIDE_TRAINER_MAX_EPOCHS, passes over a cycle's data at most (with "
+                             "--cycle-growth: the passes) [shifts 3, horizon 2]")
+    parser.add_argument("--replay", type=float, default=None,
+                        help="online trainer: TIDE_TRAINER_REPLAY, replayed tokens per new token [shifts 4, horizon 2]")
+    parser.add_argument("--cycle-growth", type=float, default=None,
+                        help="online trainer: TIDE_TRAINER_MIN_TOKENS_GROWTH; > 0 also trains --max-epochs passes per "
+                             "cycle instead of --train-steps steps (cycles that grow with the data) "
+                             "[shifts 0, horizon 0.5]")
     parser.add_argument("--replay-recent", type=float, default=0.75,
                         help="online trainer: TIDE_TRAINER_REPLAY_RECENT, share of them from the newest chunks [0.75]")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="workers' TIDE_CHUNK_TOKENS (rows per chunk)")

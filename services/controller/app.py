@@ -31,6 +31,7 @@ from services.controller.workers import GrpcWorkerClient
 from tide import streams
 from tide.decisions import Decision
 from tide.grpcutil import GrpcServer
+from tide.policies.costs import step_costs
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,23 @@ class ControllerService:
             self.registry.close()
 
 
+def break_even_rates(settings: ControllerSettings) -> Callable[[str], float]:
+    """target -> the cold-start rate: TIDE_CONTROLLER_BREAK_EVEN_RATE, else the γ policy's break-even
+    from the target's latency profile (looked up once per target, logged)."""
+    rates: dict[str, float] = {}
+
+    def rate(target: str) -> float:
+        if settings.break_even_rate > 0:
+            return settings.break_even_rate
+        if target not in rates:
+            costs = step_costs(settings.latency_profile, target)
+            rates[target] = costs.break_even_rate()
+            log.info("break-even acceptance rate of %s: %.3f (step costs: %s)", target, rates[target], costs.source)
+        return rates[target]
+
+    return rate
+
+
 def build(settings: ControllerSettings, *, worker_client: WorkerClient | None = None) -> ControllerService:
     """Build and start everything (the gRPC server last: SERVING means the loops run)."""
     client = worker_client or GrpcWorkerClient(settings.admin_token, settings.rpc_timeout_s)
@@ -171,8 +189,9 @@ def build(settings: ControllerSettings, *, worker_client: WorkerClient | None = 
                     ", and automatic rollback of drafts that accept worse is disabled" if settings.auto_rollback
                     else "")
     collection = CollectionControl(CollectionConfig(
-        settings.collection_mode, settings.shift_epsilon, settings.cold_accept, settings.min_observations,
-        settings.no_gain_runs, settings.gain_margin, settings.tokens_needed, settings.collection_learn))
+        settings.collection_mode, settings.shift_epsilon, settings.min_observations, settings.no_gain_runs,
+        settings.gain_margin, settings.tokens_needed, settings.collection_learn, settings.min_on_s,
+        settings.shift_hold_s), break_even=break_even_rates(settings))
     stats = FleetStats(settings.ema_short, settings.ema_long, settings.load_window_s)
     controller = Controller(settings.decision, stats, client=client, collection=collection,
                             rollback=RollbackGuard(registry if settings.auto_rollback else None,

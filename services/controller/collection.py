@@ -6,25 +6,34 @@ Mode `auto` (the default):
 - undecided at first: no telemetry of the target yet, or the serving draft version has fewer than
   `min_observations` verifications. Collection is then left to the workers (decision field unset).
 - ON "cold start": no draft version serving (an n-gram or no drafter: draft version ""), or the
-  serving version's long accept-length EMA is below `cold_accept` (a weak draft).
+  serving version's long-horizon acceptance rate per drafted token is below the break-even rate
+  of the γ policy (tide.policies.costs.StepCosts.break_even_rate, from the workers' latency
+  profile: 0.19 on the reference CPU): a draft that does not pay at any γ is weak.
 - ON "shift detected": the serving version's short EMA of the acceptance rate per checked draft
-  token is below its long EMA by more than `shift_epsilon` (stats.py: the rate does not move
-  with γ, so the adaptive policy's γ changes and probes do not read as shifts. The accept length
-  would: at a per-token acceptance of 0.5 it is 1.875 at γ = 3 and 1.5 at γ = 1, a fall of 0.375,
-  and in session 9 collection that had gone off for no gain came straight back on).
-- ON "learning the traffic" (with `learn`): judged, neither cold nor shifted, and collection has not
-  yet gone off for no gain on this target. A draft trained offline on other text has never seen this
-  deployment's traffic; a drop in acceptance (a shift) cannot show that, since the EMAs start on the
-  new traffic, yet fine-tuning on it is what the loop is for (issue 34: a chat draft serving GSM8K for
-  the whole horizon stays above `cold_accept` and shows no shift). The no-gain rule below ends it.
+  token is below its long EMA by more than `shift_epsilon`, continuously for `shift_hold_s`
+  (stats.py: the rate does not move with γ, so the adaptive policy's γ changes and probes do not
+  read as shifts. The accept length would: at a per-token acceptance of 0.5 it is 1.875 at γ = 3
+  and 1.5 at γ = 1, a fall of 0.375, and in session 9 collection that had gone off for no gain
+  came straight back on. A short EMA over 50 verifications also dips for a few seconds of hard
+  prompts: in the quick horizon run such dips re-opened collection twice within 30 s of a no-gain).
+- ON "learning the traffic" (`learn`, the default): judged, neither cold nor shifted, and collection
+  has not yet gone off for no gain on this target. A draft trained offline on other text has never
+  seen this deployment's traffic; a drop in acceptance (a shift) cannot show that, since the EMAs
+  start on the new traffic, yet fine-tuning on it is what the loop is for (issue 34: a chat draft
+  serving GSM8K for the whole horizon pays, so it is not cold, and shows no shift). The no-gain
+  rule below ends it.
 - OFF "no shift": judged (enough observations), the draft is good and traffic is stable (without
   `learn`, or once collection has gone off for no gain and the shift condition re-armed).
 - Once ON, collection stays on (training runs on the data, a promoted draft keeps serving) until
   the last `no_gain_runs` consecutive training outcomes of the target gained nothing (not promoted,
-  or eval accept length improved by less than `gain_margin`): OFF "no gain after training".
-- That OFF holds until a *later* shift: the shift condition must first clear, then hold again (or
-  a different draft version must serve and be weak, which re-opens cold start). Without that
-  edge, a shift that training could not fix would turn collection straight back on.
+  or eval accept length improved by less than `gain_margin`) and it has been on for at least
+  `min_on_s`: OFF "no gain after training". Two small early cycles that miss the margin are
+  noise, not a plateau; the trainer's growing cycles (TIDE_TRAINER_MIN_TOKENS_GROWTH) make later
+  verdicts rest on more data.
+- That OFF holds until a *later* shift: the shift condition must first clear, then hold again for
+  `shift_hold_s` (or a different draft version must serve and be weak, which re-opens cold start:
+  a rollback or pin to a draft that does not pay). Without that edge, a shift that training could
+  not fix would turn collection straight back on.
 
 Modes `on` / `off` force the state (outcomes are still counted, nothing changes). Every change is
 logged with its reason and counted in `changes[(target, reason)]` (Prometheus reads it).
@@ -35,10 +44,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.controller.outcomes import TrainingOutcome
 from services.controller.stats import DraftStats
+from tide.policies.costs import StepCosts
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +67,13 @@ FORCED_OFF = "forced off (TIDE_CONTROLLER_COLLECTION=off)"
 class CollectionConfig:
     mode: str = "auto"  # auto | on | off
     shift_epsilon: float = 0.15  # acceptance rate per checked draft token (0..1)
-    cold_accept: float = 1.3  # accept length (tokens per verification)
     min_observations: int = 50
     no_gain_runs: int = 2
     gain_margin: float = 0.02
     tokens_needed: int = 16384
-    learn: bool = False  # collect from the first judgement until training stops gaining (see the module doc)
+    learn: bool = True  # collect from the first judgement until training stops gaining (see the module doc)
+    min_on_s: float = 300.0  # seconds collection stays on before a no-gain verdict may turn it off
+    shift_hold_s: float = 30.0  # seconds the shift condition must hold to turn collection on
 
 
 @dataclass(frozen=True)
@@ -94,13 +106,18 @@ class _Target:
     armed: bool = True  # False after "no gain" until the shift condition clears
     off_version: str = ""  # serving version when collection went off for no gain
     learned: bool = False  # collection has gone off for no gain at least once (the LEARN rule is spent)
+    plateau: bool = False  # no_gain_runs non-gains in a row, waiting for min_on_s to pass
+    shift_since: float | None = None  # when the shift condition began to hold (continuously)
 
 
 class CollectionControl:
-    """Thread-safe state machine over all targets."""
+    """Thread-safe state machine over all targets. `break_even(target)`: the acceptance rate per
+    drafted token below which drafting does not pay (default: the reference CPU's step costs)."""
 
-    def __init__(self, config: CollectionConfig | None = None) -> None:
+    def __init__(self, config: CollectionConfig | None = None,
+                 break_even: Callable[[str], float] | None = None) -> None:
         self.config = config or CollectionConfig()
+        self.break_even = break_even or (lambda _target: StepCosts().break_even_rate())
         if self.config.mode not in ("auto", "on", "off"):
             raise ValueError(f"collection mode must be auto, on or off, got {self.config.mode!r}")
         self.changes: Counter[tuple[str, str]] = Counter()
@@ -142,12 +159,16 @@ class CollectionControl:
                 if t.enabled is forced:
                     return False
                 return self._set(target, t, forced, FORCED_ON if forced else FORCED_OFF, now)
-            if t.enabled:
-                return False  # on until training stops helping
-            cold, shift, judged = self._conditions(sig)
+            if t.enabled:  # on until training stops helping, and for min_on_s at least
+                if t.plateau and now - t.since >= cfg.min_on_s:
+                    return self._off_for_no_gain(target, t, now)
+                return False
+            cold, shifted, judged = self._conditions(target, sig)
+            t.shift_since = (t.shift_since if t.shift_since is not None else now) if shifted else None
+            shift = shifted and now - t.shift_since >= cfg.shift_hold_s
             if t.enabled is False and t.reason == NO_GAIN:
                 if not t.armed:
-                    t.armed = not shift
+                    t.armed = not shifted
                     return False
                 if shift:
                     return self._set(target, t, True, SHIFT, now)
@@ -174,7 +195,7 @@ class CollectionControl:
         with self._lock:
             t = self._targets.setdefault(outcome.target_model, _Target(None, WAITING, now))
             if gained:
-                t.no_gain = 0
+                t.no_gain, t.plateau = 0, False
                 return False
             t.no_gain += 1
             log.info("training run %s of %s gained nothing (%d in a row)", outcome.run_id, outcome.target_model,
@@ -184,23 +205,37 @@ class CollectionControl:
             t.no_gain, t.armed, t.off_version, t.learned = 0, False, serving_version, True
             if t.enabled is False and t.reason == NO_GAIN:
                 return False
-            return self._set(outcome.target_model, t, False, NO_GAIN, now)
+            if t.enabled and now - t.since < cfg.min_on_s:  # too early to call it a plateau: evaluate() will
+                t.plateau = True
+                log.info("collection for %s stays on until %.0f s after it opened (min_on_s) unless a run gains",
+                         outcome.target_model, cfg.min_on_s)
+                return False
+            return self._off_for_no_gain(outcome.target_model, t, now)
 
     # ---- internals
 
-    def _conditions(self, sig: Signal) -> tuple[bool, bool, bool]:
-        """(cold start, shift, judged): judged = the serving version has enough observations."""
+    def _off_for_no_gain(self, target: str, t: _Target, now: float) -> bool:
+        t.plateau = False
+        return self._set(target, t, False, NO_GAIN, now)
+
+    def _conditions(self, target: str, sig: Signal) -> tuple[bool, bool, bool]:
+        """(cold start, shift condition now, judged): judged = the serving version has enough
+        observations; cold = its long acceptance rate is below break-even (module doc)."""
         cfg, d = self.config, sig.draft
         if not sig.serving_version:
             return sig.emitted_tokens > 0 or d is not None, False, False  # telemetry without a draft
         judged = d is not None and d.verify_steps >= cfg.min_observations
         if not judged:
             return False, False, False
-        return d.long.value < cfg.cold_accept, d.rate_short.value < d.rate_long.value - cfg.shift_epsilon, True
+        cold = d.rate_long.value < self.break_even(target)
+        return cold, d.rate_short.value < d.rate_long.value - cfg.shift_epsilon, True
 
     def _set(self, target: str, t: _Target, enabled: bool, reason: str, now: float) -> bool:
+        if (t.enabled, t.reason) == (enabled, reason):  # no change: no log line, no count, same `since`
+            return False
         before = t.enabled
         t.enabled, t.reason, t.since = enabled, reason, now
+        t.plateau, t.shift_since = False, None
         if enabled:
             t.enabled_at, t.disabled_at = t.emitted, None
         elif before:

@@ -78,10 +78,20 @@ class ControllerSettings(ListenHostMixin, TideSettings):
         description="auto (Algorithm 1) | on | off (forced)")
     shift_epsilon: Margin = Field(0.15, description="shift when the short EMA of the acceptance rate per checked "
                                   "draft token is below the long one by more than this (0..1)")
-    cold_accept: Margin = Field(1.3, description="a serving draft whose long accept-length EMA is below this is "
-                                "weak: cold start (tokens per verification)")
-    collection_learn: Flag = Field(False, description="1 = auto mode also collects a judged draft that is neither "
+    shift_hold_s: Annotated[float, finite_at_least(0)] = Field(
+        30.0, description="seconds the shift condition must hold before collection opens for a shift (a few seconds "
+        "of hard prompts dip the short EMA too)")
+    break_even_rate: Annotated[float, check(lambda v: 0 <= v <= 1, "in [0, 1]")] = Field(
+        0.0, description="cold start: collect while the serving draft's acceptance rate per drafted token is below "
+        "this (0..1); 0 = the γ policy's break-even from the workers' latency profile (TIDE_CONTROLLER_LATENCY_"
+        "PROFILE, else the newest EAGLE-3 profile cached on this machine, else the reference CPU's: 0.19)")
+    latency_profile: str = Field("", json_schema_extra=shown_default("the newest EAGLE-3 profile cached here, else "
+                                 "the reference CPU's"), description="LatencyProfile JSON for the break-even rate")
+    collection_learn: Flag = Field(True, description="1 = auto mode also collects a judged draft that is neither "
                                    "weak nor shifted, until training stops gaining (learning the traffic)")
+    min_on_s: Annotated[float, finite_at_least(0)] = Field(
+        300.0, description="seconds collection stays on before training that gains nothing may turn it off "
+        "(hysteresis: two small early cycles that miss the margin are noise)")
     min_observations: Count = Field(50, description="verifications of a version before its EMAs are judged")
     no_gain_runs: Count = Field(2, description="consecutive training runs without gain that turn collection off")
     gain_margin: Margin = Field(0.02, description="eval accept-length gain a promoted run needs to count as a gain")

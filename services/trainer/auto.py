@@ -1,5 +1,11 @@
 """The automatic trigger (TIDE_TRAINER_AUTO_TRAIN=1): a background loop that starts a training run
-whenever the target's buffered tokens reach TIDE_TRAINER_MIN_TOKENS and no run is going. No gRPC.
+whenever the target's buffered tokens reach what a run needs and no run is going. No gRPC.
+
+A run needs TIDE_TRAINER_MIN_TOKENS, or TIDE_TRAINER_MIN_TOKENS_GROWTH x the tokens earlier runs of
+the target trained on where that is more: cycles grow with the data. A candidate of the first
+2,048 tokens is judged on a few hundred held-out ones; once 100k tokens have been trained on, one
+more such cycle moves the draft too little to beat the promotion margin, and two such non-gains
+read as a plateau to the controller (collection off) when the draft was still learning.
 
 It looks every TIDE_TRAINER_AUTO_CHECK_S seconds and right after each chunk intake (`wake`). After
 a failed run (registry unreachable, ...) its chunks are still buffered, so the next automatic run
@@ -59,6 +65,14 @@ class AutoTrigger:
             return 0.0
         return last.finished_unix_s + min(self.retry_min_s * 2 ** (failures - 1), self.retry_max_s)
 
+    def tokens_needed(self, target: str) -> int:
+        """Buffered tokens the next automatic run of `target` waits for (module doc)."""
+        s = self.runner.settings
+        if s.min_tokens_growth <= 0:
+            return s.min_tokens
+        trained = sum(e.num_tokens for e in self.manifest.trained(target))
+        return max(s.min_tokens, int(s.min_tokens_growth * trained))
+
     def check(self) -> TriggerResult | None:
         """Start a run when one is due; the trigger's answer, or None when nothing was tried."""
         if self.runner.busy or time.time() < self.retry_at():
@@ -71,7 +85,7 @@ class AutoTrigger:
                 log.warning("automatic training waits: %s", e)
             return None
         _, tokens = self.manifest.buffered_totals(target)
-        need = self.runner.settings.min_tokens
+        need = self.tokens_needed(target)
         if tokens < need:
             return None
         try:

@@ -18,49 +18,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
-from tide.policies.profile import LatencyProfile
+from tide.policies.costs import StepCosts, step_costs
+
+__all__ = ["NO_DRAFT", "PromotionVerdict", "StepCosts", "decide", "served_at", "step_costs"]
 
 log = logging.getLogger(__name__)
 
 NO_DRAFT = 1.0  # tokens per step without a draft
-
-
-@dataclass(frozen=True)
-class StepCosts:
-    """Batch-1 step costs relative to one plain target step: `verify[γ]` = T(1, γ+1) / T(1, 1),
-    `draft` = D(1) / T(1, 1) (one EAGLE-3 draft token). Defaults: the reference CPU (Zen 4, bf16;
-    issue #30's numbers: T(1, 1) = 14.5 ms, T(1, 4) = 14.9 ms, D(1) = 1.8 ms)."""
-
-    verify: tuple[float, ...] = (1.0, 1.01, 1.02, 1.03, 1.04, 1.05)  # index γ = 0..5
-    draft: float = 0.124
-    source: str = "defaults (reference CPU)"
-
-    def speedup(self, accept_length: float, gamma: int) -> float:
-        """Predicted tokens/s relative to plain decoding at batch 1 with `accept_length` tokens per step."""
-        return accept_length / (self.verify[min(gamma, len(self.verify) - 1)] + gamma * self.draft)
-
-    @classmethod
-    def from_profile(cls, profile: LatencyProfile, source: str) -> StepCosts:
-        t1 = profile.target_ms(1, 1)
-        return cls(tuple(profile.target_ms(1, g + 1) / t1 for g in range(6)), profile.draft_ms(1) / t1, source)
-
-
-def step_costs(profile_path: str, model_id: str, cache_dir: Path) -> StepCosts:
-    """The costs from `profile_path` if given, else from the newest EAGLE-3 latency profile a worker of
-    `model_id` cached on this machine (`<cache_dir>/<model_id>-*.json`), else the defaults."""
-    candidates = [Path(profile_path)] if profile_path else sorted(
-        cache_dir.glob(f"{model_id}-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for path in candidates:
-        try:
-            profile = LatencyProfile.load(path)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("latency profile %s unreadable: %s", path, e)
-            continue
-        if profile_path or (profile.meta.get("drafter") or {}).get("algorithm") == "eagle3":
-            return StepCosts.from_profile(profile, str(path))
-    return StepCosts()
 
 
 @dataclass(frozen=True)

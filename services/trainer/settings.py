@@ -84,6 +84,9 @@ class TrainerSettings(ListenHostMixin, CpuSetMixin, TideSettings):
                           json_schema_extra=shown_default("`<tmp>/tide-trainer`"),
                           description="local directory for run outputs")
     min_tokens: NonNegative = Field(16_384, description="buffered tokens a run needs unless forced")
+    min_tokens_growth: Annotated[float, at_least(0)] = Field(
+        0.0, description="automatic runs also wait for this multiple of the tokens earlier runs trained on (cycles "
+        "that grow with the data; 0.5: each cycle adds half as much again); 0 = TIDE_TRAINER_MIN_TOKENS alone")
     auto_train: Flag = Field(True, description="1: start a run by itself once TIDE_TRAINER_MIN_TOKENS are "
                              "buffered; 0: only TriggerTraining")
     auto_check_s: PositiveFinite = Field(5.0, description="how often the automatic trigger looks, seconds (also "

@@ -1,7 +1,10 @@
-"""Collection control (TIDE Algorithm 1) and the decisions it leads to, without transport: cold start,
-shift, no gain after training, forced modes, and decision ids that are never reused."""
+"""Collection control (TIDE Algorithm 1) and the decisions it leads to, without transport: cold start
+below the γ policy's break-even, shift, learning the traffic, no gain after training, the hysteresis
+of both edges, forced modes, and decision ids that are never reused."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -12,12 +15,13 @@ from services.controller.outcomes import TrainingOutcome
 from services.controller.stats import DraftStats, Ema, FleetStats
 from tide.telemetry import StepRecord
 
-CFG = CollectionConfig(shift_epsilon=0.15, cold_accept=1.3, min_observations=50, no_gain_runs=2, gain_margin=0.02,
-                       tokens_needed=1000)
+# Algorithm 1 as written: no learning rule, no hysteresis (tests of those replace the fields)
+CFG = CollectionConfig(shift_epsilon=0.15, min_observations=50, no_gain_runs=2, gain_margin=0.02,
+                       tokens_needed=1000, learn=False, min_on_s=0.0, shift_hold_s=0.0)
 
 
 def draft(version="v1", accept=3.0, short=0.7, long=0.7, n=100) -> DraftStats:
-    """`accept`: the accept-length EMAs (cold start); `short` / `long`: the acceptance-rate EMAs (shift)."""
+    """`accept`: the accept-length EMAs; `short` / `long`: the acceptance-rate EMAs (shift; long: cold start)."""
     d = DraftStats(version, Ema(50, accept, n), Ema(1000, accept, n), verify_steps=n, tokens=int(accept * n))
     for rate, value in ((d.rate_short, short), (d.rate_long, long)):
         rate.update(value, 1.0)
@@ -47,9 +51,23 @@ def test_cold_start_turns_collection_on():
     weak = CollectionControl(CFG)
     weak.evaluate("m", sig(accept=1.6, n=10), now=1.0)  # too few verifications to judge the draft
     assert state(weak) == (None, "waiting for 50 verifications of v1")
-    weak.evaluate("m", sig(accept=1.1, n=60), now=2.0)  # a weak draft: long EMA < cold_accept
+    weak.evaluate("m", sig(accept=1.1, short=0.15, long=0.15, n=60), now=2.0)  # below break-even (0.19)
     assert state(weak) == (True, "cold start")
     assert weak.change_counts() == {("m", "cold start"): 1}
+
+
+def test_cold_start_is_the_gamma_policys_break_even_on_these_step_costs():
+    """A draft accepting 30 % of its tokens pays where a draft step is cheap and does not where it
+    costs half a target step: break-even = (1 + min_gain)(verify[1] + draft) - 1."""
+    from tide.policies.costs import StepCosts
+
+    cheap, dear = StepCosts(draft=0.05), StepCosts(draft=0.5)
+    assert cheap.break_even_rate() == pytest.approx(1.05 * 1.06 - 1) and dear.break_even_rate() > 0.5
+    assert StepCosts().break_even_rate() == pytest.approx(0.19, abs=0.005)  # the reference CPU
+    for costs, expected in ((cheap, (False, "no shift")), (dear, (True, "cold start"))):
+        ctl = CollectionControl(CFG, break_even=lambda _t, c=costs: c.break_even_rate())
+        ctl.evaluate("m", sig(accept=1.4, short=0.3, long=0.3), now=1.0)
+        assert state(ctl) == expected
 
 
 def test_shift_turns_collection_on_and_tokens_are_counted():
@@ -89,11 +107,10 @@ def test_learning_collects_a_good_draft_on_unshifted_traffic_until_training_stop
     """A draft trained elsewhere serves a new domain from the start: its EMAs begin on that traffic, so
     there is no shift to see and it is not weak, yet fine-tuning on the traffic is what the loop is for
     (issue 34). With `learn`, collection opens at the first judgement and the no-gain rule ends it."""
-    import dataclasses
-
     plain = CollectionControl(CFG)
     plain.evaluate("m", sig(accept=1.8, emitted=100), now=1.0)
     assert state(plain) == (False, "no shift")  # Algorithm 1 as written: nothing to learn from
+    assert CollectionConfig().learn  # the default learns
     ctl = CollectionControl(dataclasses.replace(CFG, learn=True))
     ctl.evaluate("m", sig(accept=1.8, n=10), now=1.0)
     assert state(ctl) == (None, "waiting for 50 verifications of v1")  # not judged yet
@@ -107,6 +124,45 @@ def test_learning_collects_a_good_draft_on_unshifted_traffic_until_training_stop
         assert not ctl.evaluate("m", s, now=now)  # learning is spent: no flapping back on
         assert state(ctl) == (False, "no gain after training")
     assert ctl.evaluate("m", sig(version="v2", accept=2.1, short=0.4, long=0.7), now=8.0)  # a later shift
+    assert state(ctl) == (True, "shift detected")
+
+
+def test_no_gain_waits_for_min_on_s_and_a_gain_in_between_cancels_it():
+    """Two small cycles missing the margin right after collection opened are noise, not a plateau
+    (the quick horizon run turned collection off 110 s after it opened while the draft was still
+    learning): the off waits until collection has been on for `min_on_s`."""
+    ctl = CollectionControl(dataclasses.replace(CFG, learn=True, min_on_s=300.0))
+    ctl.evaluate("m", sig(emitted=100), now=0.0)
+    assert state(ctl) == (True, "learning the traffic")
+    assert not ctl.on_outcome(no_gain("r1"), "v1", now=60.0)
+    assert not ctl.on_outcome(no_gain("r2"), "v1", now=110.0)  # the verdict, but too early
+    assert not ctl.evaluate("m", sig(emitted=200), now=200.0) and state(ctl) == (True, "learning the traffic")
+    assert ctl.evaluate("m", sig(emitted=300), now=300.0)  # on for min_on_s: now it goes off
+    assert state(ctl) == (False, "no gain after training")
+
+    gained = CollectionControl(dataclasses.replace(CFG, learn=True, min_on_s=300.0))
+    gained.evaluate("m", sig(emitted=100), now=0.0)
+    gained.on_outcome(no_gain("r1"), "v1", now=60.0)
+    gained.on_outcome(no_gain("r2"), "v1", now=110.0)
+    gained.on_outcome(no_gain("r3", promoted=True, cand=1.7, base=1.5), "v2", now=200.0)  # it was learning
+    for now in (300.0, 400.0):
+        assert not gained.evaluate("m", sig("v2", emitted=400), now=now)
+    assert state(gained) == (True, "learning the traffic")
+    assert not gained.on_outcome(no_gain("r4"), "v2", now=410.0)  # one non-gain after the gain: still on
+    assert gained.on_outcome(no_gain("r5"), "v2", now=420.0)  # two, and on for long enough: off at once
+    assert state(gained) == (False, "no gain after training")
+
+
+def test_a_shift_must_hold_for_shift_hold_s():
+    """A few seconds of hard prompts dip the short EMA: collection opens for a shift only when the
+    condition holds continuously for `shift_hold_s`; an interruption restarts the clock."""
+    ctl = CollectionControl(dataclasses.replace(CFG, shift_hold_s=30.0))
+    ctl.evaluate("m", sig(short=0.7, long=0.7), now=0.0)
+    assert state(ctl) == (False, "no shift")
+    for now, short in ((10.0, 0.4), (25.0, 0.4), (30.0, 0.7), (35.0, 0.4), (60.0, 0.4)):
+        assert not ctl.evaluate("m", sig(short=short, long=0.7), now=now)
+        assert state(ctl) == (False, "no shift")
+    assert ctl.evaluate("m", sig(short=0.4, long=0.7), now=65.0)  # 30 s since 35 s
     assert state(ctl) == (True, "shift detected")
 
 @pytest.mark.parametrize("mode", ["on", "off"])

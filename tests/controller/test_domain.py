@@ -34,19 +34,20 @@ def test_settings_from_env():
 
 def test_collection_and_rollback_settings():
     default = ControllerSettings.from_env({})
-    assert (default.collection_mode, default.shift_epsilon, default.cold_accept, default.min_observations,
-            default.no_gain_runs, default.gain_margin, default.tokens_needed) == ("auto", 0.15, 1.3, 50, 2, 0.02, 16384)
+    assert (default.collection_mode, default.shift_epsilon, default.break_even_rate, default.min_observations,
+            default.no_gain_runs, default.gain_margin, default.tokens_needed) == ("auto", 0.15, 0.0, 50, 2, 0.02, 16384)
+    assert (default.collection_learn, default.min_on_s, default.shift_hold_s) == (True, 300.0, 30.0)
     assert (default.auto_rollback, default.rollback_window, default.rollback_margin, default.rollback_z,
             default.registry_addr) == (True, 200, 0.05, 3.0, "")
     s = ControllerSettings.from_env({
         "TIDE_CONTROLLER_COLLECTION": "OFF", "TIDE_CONTROLLER_SHIFT_EPSILON": "0.3",
-        "TIDE_CONTROLLER_COLD_ACCEPT": "1.5", "TIDE_CONTROLLER_MIN_OBSERVATIONS": "20",
+        "TIDE_CONTROLLER_BREAK_EVEN_RATE": "0.25", "TIDE_CONTROLLER_MIN_OBSERVATIONS": "20",
         "TIDE_CONTROLLER_NO_GAIN_RUNS": "3", "TIDE_CONTROLLER_GAIN_MARGIN": "0.05",
         "TIDE_CONTROLLER_TOKENS_NEEDED": "4096", "TIDE_CONTROLLER_AUTO_ROLLBACK": "0",
         "TIDE_CONTROLLER_ROLLBACK_WINDOW": "50", "TIDE_CONTROLLER_ROLLBACK_MARGIN": "0.2",
         "TIDE_CONTROLLER_ROLLBACK_Z": "0", "TIDE_REGISTRY_ADDR": "registry:50055"})
-    assert (s.collection_mode, s.shift_epsilon, s.cold_accept, s.min_observations, s.no_gain_runs, s.gain_margin,
-            s.tokens_needed) == ("off", 0.3, 1.5, 20, 3, 0.05, 4096)
+    assert (s.collection_mode, s.shift_epsilon, s.break_even_rate, s.min_observations, s.no_gain_runs, s.gain_margin,
+            s.tokens_needed) == ("off", 0.3, 0.25, 20, 3, 0.05, 4096)
     assert (s.auto_rollback, s.rollback_window, s.rollback_margin, s.rollback_z, s.registry_addr) == (
         False, 50, 0.2, 0.0, "registry:50055")
     # a static decision that sets collection_enabled forces the mode; contradicting it is an error
@@ -57,7 +58,8 @@ def test_collection_and_rollback_settings():
                 {"TIDE_CONTROLLER_DECISION": '{"collection_enabled": true}', "TIDE_CONTROLLER_COLLECTION": "auto"},
                 {"TIDE_CONTROLLER_MIN_OBSERVATIONS": "0"}, {"TIDE_CONTROLLER_ROLLBACK_WINDOW": "0"},
                 {"TIDE_CONTROLLER_ROLLBACK_MARGIN": "-1"}, {"TIDE_CONTROLLER_ROLLBACK_MARGIN": "1.5"},
-                {"TIDE_CONTROLLER_ROLLBACK_Z": "-1"}, {"TIDE_CONTROLLER_ROLLBACK_Z": "inf"},
+                {"TIDE_CONTROLLER_ROLLBACK_Z": "-1"}, {"TIDE_CONTROLLER_BREAK_EVEN_RATE": "1.5"},
+                {"TIDE_CONTROLLER_ROLLBACK_Z": "inf"},
                 {"TIDE_REGISTRY_ADDR": "no-port"}):
         with pytest.raises(ValueError):
             ControllerSettings.from_env(bad)

@@ -121,7 +121,7 @@ def test_pending_entry_of_a_dead_consumer_is_reclaimed(make_controller, redis_cl
 
 def test_collection_state_follows_telemetry_and_training_outcomes(make_controller, redis_client, unique_prefix):
     names = streams.StreamNames(unique_prefix)
-    svc = make_controller(tokens_needed=500)
+    svc = make_controller(tokens_needed=500, min_on_s=0.0)  # no hysteresis: two non-gains turn it off
     admin = stub(svc, ADMIN_TOKEN)
     admin.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w9", address="127.0.0.1:1",
                                                               target_model="tiny"), timeout=5)

@@ -40,6 +40,7 @@ from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.engine.llama import LlamaModel
 from tide.engine.model_runner import ModelRunner
 from tide.engine.sequence import SamplingParams, Sequence
+from tide.policies.costs import profile_cache_dir
 from tide.policies.profile import LatencyProfile
 
 log = logging.getLogger(__name__)
@@ -236,10 +237,7 @@ def default_grid(max_batch: int, max_gamma: int) -> tuple[list[int], list[int], 
 
 def cache_dir() -> Path:
     """$TIDE_PROFILE_CACHE_DIR, else $TIDE_CACHE_DIR/profiles (tide.target's cache root, ~/.cache/tide)."""
-    from tide.target import cache_dir as tide_cache
-
-    env = os.environ.get("TIDE_PROFILE_CACHE_DIR")
-    return Path(env) if env else tide_cache() / "profiles"
+    return profile_cache_dir()
 
 
 def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags) -> dict:

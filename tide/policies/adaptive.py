@@ -68,6 +68,7 @@ from collections import Counter
 from itertools import accumulate
 
 from tide.policies.base import Estimate, StepContext, StepFeedback
+from tide.policies.costs import MIN_GAIN
 from tide.policies.estimators import (
     ALPHA_CAP,
     AcceptanceEMA,
@@ -127,7 +128,7 @@ class AdaptivePolicy:
         # break-even the prediction's error decides: served through the gateway at 4 streams, the
         # policy drafted at accept length 1.2-1.5 in half the phases and ran 0.97-1.0x plain
         # (docs/results/defaults, run 7); a gain under 5 % is not worth that risk.
-        min_gain: float = 0.05,
+        min_gain: float = MIN_GAIN,
         seed: int = 0,
     ) -> None:
         self.name = "adaptive"

@@ -83,7 +83,7 @@ class FakeRunner:
         self.busy = False
         self.stats = RunStats(consecutive_failures=failures)
         self.last_outcome = TrainingOutcome("r", "t", finished_unix_s=finished) if failures else None
-        self.settings = SimpleNamespace(min_tokens=10)
+        self.settings = SimpleNamespace(min_tokens=10, min_tokens_growth=0.0)
         self.triggered: list[str] = []
 
     def target_model(self, timeout_s=None):
@@ -108,6 +108,29 @@ def test_auto_trigger_backs_off_after_failed_runs():
     assert auto.AutoTrigger(FakeRunner(10, now), manifest, retry_min_s=30, retry_max_s=600).retry_at() == \
         pytest.approx(now + 600)  # capped
     assert auto.AutoTrigger(FakeRunner(0, 0), SimpleNamespace(buffered_totals=lambda t: (1, 9))).check() is None
+
+
+def test_automatic_cycles_grow_with_the_tokens_trained_on():
+    """With TIDE_TRAINER_MIN_TOKENS_GROWTH = 0.5 a run waits for half the tokens earlier runs trained
+    on (at least TIDE_TRAINER_MIN_TOKENS): 10, then 10 after 16 trained, then 50 after 100."""
+    trained: list = []
+    buffered = [40]
+    manifest = SimpleNamespace(buffered_totals=lambda target: (1, buffered[0]),
+                               trained=lambda target: list(trained))
+    runner = FakeRunner(0, 0)
+    runner.settings.min_tokens_growth = 0.5
+    trig = auto.AutoTrigger(runner, manifest)
+    assert trig.tokens_needed("t") == 10 and trig.check().accepted
+    trained[:] = [SimpleNamespace(num_tokens=8), SimpleNamespace(num_tokens=8)]
+    assert trig.tokens_needed("t") == 10
+    trained.append(SimpleNamespace(num_tokens=84))
+    assert trig.tokens_needed("t") == 50 and trig.check() is None  # 40 buffered < 50
+    buffered[0] = 50
+    assert trig.check().accepted and runner.triggered[-1] == "auto: 50 tokens buffered (>= 50)"
+    assert TrainerSettings.from_env({}).min_tokens_growth == 0.0
+    assert TrainerSettings.from_env({"TIDE_TRAINER_MIN_TOKENS_GROWTH": "0.5"}).min_tokens_growth == 0.5
+    with pytest.raises(ValueError):
+        TrainerSettings.from_env({"TIDE_TRAINER_MIN_TOKENS_GROWTH": "-1"})
 
 
 def test_settings_of_the_cycle():
