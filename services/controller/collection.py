@@ -202,8 +202,9 @@ class CollectionControl:
                      t.no_gain)
             if cfg.mode != "auto" or t.no_gain < cfg.no_gain_runs:
                 return False
-            t.no_gain, t.armed, t.off_version, t.learned = 0, False, serving_version, True
+            t.no_gain, t.off_version = 0, serving_version
             if t.enabled is False and t.reason == NO_GAIN:
+                t.armed = False
                 return False
             if t.enabled and now - t.since < cfg.min_on_s:  # too early to call it a plateau: evaluate() will
                 t.plateau = True
@@ -215,7 +216,7 @@ class CollectionControl:
     # ---- internals
 
     def _off_for_no_gain(self, target: str, t: _Target, now: float) -> bool:
-        t.plateau = False
+        t.plateau, t.armed, t.learned = False, False, True
         return self._set(target, t, False, NO_GAIN, now)
 
     def _conditions(self, target: str, sig: Signal) -> tuple[bool, bool, bool]:
