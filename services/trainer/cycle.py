@@ -90,11 +90,24 @@ class TrainingCycle:
         if replay:
             log.info("training run %s: %d new chunks (%d tokens) + %d replayed (%d tokens)", run_id, len(entries),
                      new_tokens, len(replay), sum(e.num_tokens for e in replay))
+        # earlier runs' held-out chunks join the eval set (the same hash holds them out again), so a
+        # candidate is judged on more than its own cycle's tenth: 600 tokens of a small cycle judged
+        # two better candidates "no gain" (docs/results/horizon, one client)
+        from services.trainer.training.data import is_heldout
+
+        replayed = {e.chunk_id for e in replay}
+        history_eval = [e for e in self.manifest.heldout_history(
+            target, s.eval_history_tokens, lambda cid: is_heldout(cid, s.eval_fraction, s.seed))
+            if e.chunk_id not in replayed] if s.eval_history_tokens else []
+        if history_eval:
+            log.info("training run %s: %d earlier held-out chunks (%d tokens) added to the eval set", run_id,
+                     len(history_eval), sum(e.num_tokens for e in history_eval))
         try:
             cfg = config_cls(steps=s.steps or None, epochs=s.epochs, max_epochs=s.max_epochs or None,
                              batch_rows=s.batch_rows, max_len=s.max_len, lr=s.lr,
                              warmup_steps=s.warmup_steps, device=s.device, seed=s.seed, progress=False)
-            summary = train_draft(s.target, self._blobs(entries, replay), out_dir, init=base.path, cfg=cfg,
+            summary = train_draft(s.target, self._blobs(entries, replay + history_eval), out_dir, init=base.path,
+                                  cfg=cfg,
                                   draft_vocab_size=s.draft_vocab, eval_fraction=s.eval_fraction,
                                   expected_target=target)
         except Exception as e:

@@ -22,6 +22,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
@@ -164,6 +165,18 @@ class Manifest:
                 entry = ManifestEntry(**fields)
                 seen.setdefault(entry.chunk_id, entry)
         return list(seen.values())
+
+    def heldout_history(self, target_model: str, tokens: int, heldout: Callable[[str], bool]) -> list[ManifestEntry]:
+        """Earlier runs' chunks that `heldout(chunk_id)` says were held out (never trained on), the
+        newest first, about `tokens` tokens: added to a run's eval set (cycle.py)."""
+        picked, total = [], 0
+        for entry in reversed(self.trained(target_model)):
+            if total >= tokens:
+                break
+            if heldout(entry.chunk_id):
+                picked.append(entry)
+                total += entry.num_tokens
+        return picked
 
     def replay_sample(self, target_model: str, tokens: int, seed: str,
                       recent_share: float = 0.0) -> list[ManifestEntry]:

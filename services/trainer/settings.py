@@ -100,6 +100,9 @@ class TrainerSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     draft_vocab: Count = Field(8192, description="draft vocabulary of from-scratch drafts")
     eval_fraction: Annotated[float, check(lambda v: 0 < v < 1, "in (0, 1)")] = Field(
         0.1, description="share of the chunks held out for evaluation")
+    eval_history_tokens: NonNegative = Field(
+        8192, description="earlier runs' held-out chunks, newest first, up to this many tokens, join each run's "
+        "eval set (a small cycle's own held-out tenth is too few tokens to judge a candidate by); 0 = off")
     replay: Annotated[float, at_least(0)] = Field(
         1.0, description="chunks of earlier runs mixed into each run, as a multiple of the new chunks' tokens "
         "(rehearsal: fine-tuning on the newest domain alone forgets the others); 0 = off")

@@ -173,14 +173,16 @@ def load_dataset(source, head: TargetHead, max_len: int, expected_target: str | 
     return data
 
 
+def is_heldout(chunk_id: str, eval_fraction: float, seed: int = 0) -> bool:
+    """Whether `split` holds this chunk out: a hash of (seed, chunk id), the same in every run."""
+    h = int.from_bytes(hashlib.sha256(f"{seed}:{chunk_id}".encode()).digest()[:8], "little")
+    return h / 2**64 < eval_fraction
+
+
 def split(data: Dataset, eval_fraction: float, seed: int = 0) -> tuple[Dataset, Dataset]:
     """Split by chunk (never inside one), deterministically from a hash of (seed, chunk id)."""
-    def is_eval(cid: str) -> bool:
-        h = int.from_bytes(hashlib.sha256(f"{seed}:{cid}".encode()).digest()[:8], "little")
-        return h / 2**64 < eval_fraction
-
     ids = data.chunk_ids
-    held = {cid for cid in ids if is_eval(cid)}
+    held = {cid for cid in ids if is_heldout(cid, eval_fraction, seed)}
     if eval_fraction > 0 and not held and len(ids) > 1:
         held = {ids[-1]}
     if len(held) == len(ids) and len(ids) > 1:

@@ -145,6 +145,7 @@ def test_settings_of_the_cycle():
     d = TrainerSettings.from_env({})
     assert (d.auto_promote, d.promote_margin, d.auto_train, d.nice, d.cpus) == (True, 0.02, True, 0, "")
     assert (d.max_epochs, d.replay_recent) == (0.0, 0.0)  # no cap; replay sampled over the whole history
+    assert d.eval_history_tokens == 8192  # earlier held-out chunks join the eval set
     for key, value in (("TIDE_TRAINER_CPUS", "3-1"), ("TIDE_TRAINER_CPUS", "a"), ("TIDE_TRAINER_NICE", "-1"),
                        ("TIDE_TRAINER_NICE", "20"), ("TIDE_TRAINER_AUTO_PROMOTE", "maybe"),
                        ("TIDE_TRAINER_PROMOTE_MARGIN", "nan"), ("TIDE_TRAINER_EVAL_GAMMA", "6"),
