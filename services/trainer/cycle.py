@@ -36,8 +36,8 @@ from services.trainer.drafts import BaseDraft, DraftRegistry, PointerMoved, Regi
 from services.trainer.manifest import Manifest, ManifestEntry
 from services.trainer.promotion import NO_DRAFT, decide, served_at, step_costs
 from services.trainer.settings import TrainerSettings
+from services.trainer.training.data import is_heldout
 from tide import blobs
-from tide.engine.profiling import cache_dir as profile_cache_dir
 from tide.outcomes import TrainingOutcome
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,6 @@ class TrainingCycle:
         # earlier runs' held-out chunks join the eval set (the same hash holds them out again), so a
         # candidate is judged on more than its own cycle's tenth: 600 tokens of a small cycle judged
         # two better candidates "no gain" (docs/results/horizon, one client)
-        from services.trainer.training.data import is_heldout
-
         replayed = {e.chunk_id for e in replay}
         history_eval = [e for e in self.manifest.heldout_history(
             target, s.eval_history_tokens, lambda cid: is_heldout(cid, s.eval_fraction, s.seed))
@@ -119,7 +117,7 @@ class TrainingCycle:
         phase("evaluating", 0.8)
         candidate = served_at(summary.get("candidate"), s.eval_gamma)
         base_served = served_at(summary.get("baseline"), s.eval_gamma) if base.version else NO_DRAFT
-        costs = step_costs(s.latency_profile, target, profile_cache_dir())
+        costs = step_costs(s.latency_profile, target)
         decision = decide(run_id, candidate, base_served, base.version, gamma=s.eval_gamma, margin=s.promote_margin,
                           auto_promote=s.auto_promote, costs=costs)
         numbers = dict(base_version=base.version, eval_accept_length_candidate=candidate or 0.0,

@@ -57,10 +57,8 @@ class ChunkIngest:
     def handle(self, msg: Message[ChunkRef]) -> None:
         try:
             self._handle(msg.payload, msg)
-        except S3Error as e:
-            raise Transient(f"object store error ({e.code})") from e
-        except _STORE_DOWN as e:
-            raise Transient(f"object store unreachable ({type(e).__name__})") from e
+        except _STORE_DOWN as e:  # a missing blob was rejected in _handle; anything else is the store's state
+            raise Transient(f"object store unavailable ({getattr(e, 'code', None) or type(e).__name__})") from e
 
     def _handle(self, ref: ChunkRef, msg: Message[ChunkRef]) -> None:
         if self.manifest.seen(ref.chunk_id):

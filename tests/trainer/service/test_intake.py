@@ -126,7 +126,7 @@ def test_an_unreachable_store_is_a_transient_failure_not_the_chunks(tiny_dir, s3
     down = Minio(f"127.0.0.1:{closed.getsockname()[1]}", access_key="k", secret_key="s", secure=False,
                  http_client=urllib3.PoolManager(retries=False))
     try:
-        with pytest.raises(streams.Transient, match="unreachable"):
+        with pytest.raises(streams.Transient, match="unavailable"):
             ChunkIngest(down, Manifest(down, s3_bucket)).handle(msg)
     finally:
         closed.close()
