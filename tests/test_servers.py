@@ -18,7 +18,7 @@ from minio.error import S3Error
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tide.servers import BinaryNotFound, RedisServer, S3Server, ServerError, find_redis_server
+from tide.servers import BinaryNotFound, RedisServer, S3Server, ServerError, find_redis_server, free_port
 
 
 def _port_open(port: int) -> bool:
@@ -155,3 +155,32 @@ def test_relative_workdirs_work(tmp_path, monkeypatch):
         assert redis.Redis.from_url(r.url).ping()
         assert s.endpoint.client().list_buckets() is not None
     assert (tmp_path / "var/run/redis").is_dir() and (tmp_path / "var/s3").is_dir()
+
+
+def test_free_ports_stay_free_while_clients_open_connections():
+    """The launcher chooses every service's ports before it starts them; in between, the stack's
+    clients open connections, each taking a local port. A chosen port must not be one of those
+    (CI once lost a worker to EADDRINUSE on its metrics port)."""
+    chosen = [free_port() for _ in range(50)]
+    assert len(set(chosen)) == len(chosen), "a port was handed out twice"
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(p < low for p in chosen), "ports come from below the ephemeral range"
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1024)
+        clients = []
+        try:
+            for _ in range(800):  # connections the kernel completes in the backlog, never accepted
+                c = socket.socket()
+                c.connect(listener.getsockname())
+                clients.append(c)
+            taken = {c.getsockname()[1] for c in clients}
+            assert not taken & set(chosen)
+            for port in chosen:  # a server (SO_REUSEADDR, as HTTP and gRPC servers set) can bind each
+                with socket.socket() as server:
+                    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    server.bind(("127.0.0.1", port))
+                    server.listen()
+        finally:
+            for c in clients:
+                c.close()

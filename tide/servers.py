@@ -25,12 +25,14 @@ import contextlib
 import io
 import json
 import os
+import random
 import secrets
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,12 +94,53 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
         return False
 
 
+# Ports free_port() hands out: below the kernel's ephemeral range, which outgoing connections
+# (every Redis, S3 and gRPC client of the stack) and bind(port 0) draw their local ports from. A
+# port taken from that range could become a client's source port between being chosen and being
+# bound by the service it was chosen for; that race made a worker's metrics server fail with
+# EADDRINUSE in CI. 20000 keeps clear of well-known defaults (6379, 8000-9999, SeaweedFS's 8333...).
+_PORT_FLOOR = 20000
+_MIN_SPAN = 2000  # fewer candidates than this (a widened ephemeral range): fall back to bind(0)
+_handed: set[int] = set()  # ports this process handed out, not handed out again
+_handed_lock = threading.Lock()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free a moment ago (the OS picks it; a race with other processes is
-    possible, which is why S3Server retries with fresh ports when a bind fails)."""
+    """A TCP port that was free a moment ago and that no outgoing connection will take: a random
+    port below the ephemeral range (see _PORT_FLOOR), never the same one twice in a process. Another
+    process choosing the same port is still possible (1 in ~12,000 per pair), which is why S3Server
+    retries with fresh ports when a bind fails. Falls back to an OS-picked port when the ephemeral
+    range leaves too few below it."""
+    low = _ephemeral_low()
+    with _handed_lock:
+        for _ in range(200 if low - _PORT_FLOOR >= _MIN_SPAN else 0):
+            port = random.randrange(_PORT_FLOOR, low)
+            if port not in _handed and _bindable(host, port):
+                _handed.add(port)
+                return port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        _handed.add(port)
+        return port
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Nothing is bound there, not even a connection in TIME_WAIT (no SO_REUSEADDR: stricter than
+    port_in_use, so a port handed out is clean)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def _venv_bin(name: str) -> Path:

@@ -23,18 +23,13 @@ from services.gateway.engine_client import GrpcEngineClient
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import TargetTokenizer
 from tide.grpcutil import channel
+from tide.servers import free_port
 from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 4096  # long enough that a generation can run for seconds while a test acts on it
 SHORT_CONTEXT = 64  # the `short_worker`'s context (its TIDE_MAX_SEQ_LEN): no generation on it runs long
 MODEL_NAME = "tide-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
