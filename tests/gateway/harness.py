@@ -23,8 +23,8 @@ from services.gateway.engine_client import GrpcEngineClient
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import TargetTokenizer
 from tide.grpcutil import channel
-from tide.servers import free_port
 from tide.proto.tide.v1 import inference_pb2, inference_pb2_grpc
+from tide.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 4096  # long enough that a generation can run for seconds while a test acts on it
