@@ -16,6 +16,10 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
+# A C++ compiler for tide.kernels (the engine's fused CPU kernels, built at first use for the CPU
+# that runs them; without one the engine falls back to slower torch ops, with a warning).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # torch first, from the chosen index, so the project's `torch>=...` is already satisfied (a plain
 # `pip install torch` would pull several GB of CUDA packages into a CPU image).
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"

@@ -7,6 +7,7 @@ STAMP := $(VENV)/.tide-setup
 .PHONY: setup run test lint protos bench clean
 
 setup: $(STAMP)
+	@$(BIN)/python -m tide.kernels
 
 # Idempotent: re-runs only when the package metadata changes. torch first, so the local
 # CPU build (2.13.0) is used instead of a multi-GB CUDA download.

@@ -8,13 +8,25 @@ The forward also hands out, with no extra pass, the EAGLE-3 auxiliary states (ou
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from tide.layers import Linear, apply_rope, grouped_attention, pad_keys, rms_norm, rope_inv_freq, rope_table
+from tide.kernels import ops as kernel_ops
+from tide.layers import (
+    Linear,
+    add_rms_norm,
+    apply_rope,
+    grouped_attention,
+    pad_keys,
+    rms_norm,
+    rope_inv_freq,
+    rope_table,
+    silu_mul,
+)
 from tide.quant import quantized_linear
 from tide.target import TargetFiles
 
@@ -144,9 +156,39 @@ def logits_head(weight: torch.Tensor) -> Linear:
     other bits in a GEMM of 3 or more rows than of 2 on the Intel AMX machines (the reference
     49152 x 576 head from 16 rows on, a 256 x 64 head from 3), which would let verification diverge
     from plain decoding; oneDNN's pre-packed GEMM is row-invariant there (M = 2..64), at 7.1 vs
-    5.4 ms for 2 rows of the reference head. bf16 keeps F.linear: row-invariant up to
-    LOGITS_BLOCK_ROWS, and faster."""
-    return Linear(weight, pack_wide=weight.dtype == torch.float32)
+    5.4 ms for 2 rows of the reference head. bf16: whichever of F.linear and oneDNN's pre-packed
+    GEMM is faster on this CPU, when the two give the same bits (`_faster_head`)."""
+    if weight.dtype == torch.float32:
+        return Linear(weight, pack_wide=True)
+    return _faster_head(weight)
+
+
+def _faster_head(weight: torch.Tensor) -> Linear:
+    """Pre-packed (oneDNN) or F.linear for a bf16 head, timed here on 2 rows (a decode step's).
+    The reference model's head on the Intel AMX machines: F.linear 3.5 ms, packed 4.2; on a Zen 4
+    guest: F.linear 3.2 ms, packed 1.7. Both are row-invariant up to LOGITS_BLOCK_ROWS; packing is
+    taken only if it gives F.linear's bits for 2 to LOGITS_BLOCK_ROWS rows of a probe, so the
+    choice never changes a token. ~20 head passes once per model load."""
+    plain = Linear(weight)
+    packed = Linear(weight, pack_wide=True)
+    if packed.packed is None or plain.packed is not None:
+        return plain
+    shuffle = torch.randperm(weight.shape[1], generator=torch.Generator().manual_seed(0))  # not the global RNG
+    probe = torch.linspace(-2, 2, LOGITS_BLOCK_ROWS * weight.shape[1]).reshape(LOGITS_BLOCK_ROWS, -1)[:, shuffle]
+    probe = probe.to(weight.dtype)
+    with torch.inference_mode():
+        for m in (2, 3, 8, LOGITS_BLOCK_ROWS):
+            if not torch.equal(plain(probe[:m]), packed(probe[:m])):
+                return plain
+        rows = probe[:2]
+        best = {}
+        for name, lin in (("plain", plain), ("packed", packed)):
+            lin(rows)  # warm-up
+            t0 = time.perf_counter()
+            for _ in range(5):
+                lin(rows)
+            best[name] = time.perf_counter() - t0
+    return packed if best["packed"] < best["plain"] else plain
 
 
 def vocab_logits(rows: torch.Tensor, head) -> torch.Tensor:
@@ -269,8 +311,10 @@ class LlamaModel:
         # here costs one copy per layer (the attention output) instead of one per projection.
         pair = B * q == 1 and self._pair_single_row
         x = F.embedding(fb.input_ids.expand(1, 2) if pair else fb.input_ids, self.embed)
-        cos = self.cos[fb.positions].unsqueeze(1)  # [B, 1, q, hd]
-        sin = self.sin[fb.positions].unsqueeze(1)
+        cos_rows, sin_rows = self.cos[fb.positions], self.sin[fb.positions]  # [B, q, hd]
+        cos, sin = cos_rows.unsqueeze(1), sin_rows.unsqueeze(1)  # [B, 1, q, hd]
+        # RoPE and the cache writes as one kernel (tide.kernels) where the cache is the CPU's float32 one
+        fused = kernel_ops() if self.device.type == "cpu" and cache.k[0].dtype == torch.float32 else None
         small = q <= self.SMALL_Q
         bias = None
         kv_len = fb.kv_len
@@ -293,22 +337,31 @@ class LlamaModel:
         a, b = fb.slot_range or span or (0, 0)
         aux: dict[int, torch.Tensor] = {}
         prefill_float = fb.prefill and bool(self.prefill_linears)
+        # Each residual add is fused with the norm after it (add_rms_norm): the MLP's output waits
+        # in `delta` for the next layer's input norm, or the final norm.
+        delta = None
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             if prefill_float:
                 qkv_proj, o_proj, gate_up_proj, down_proj = self.prefill_linears[i]
-            h = rms_norm(x, ln1, cfg.rms_norm_eps)
-            qkv = qkv_proj(h)[:, :1] if pair else qkv_proj(h)
-            # RoPE on q and k heads together: one rotation for both.
-            qk = apply_rope(qkv[..., :(nh + nkv) * hd].view(B, q, nh + nkv, hd).transpose(1, 2), cos, sin)
-            qh, kh = qk[:, :nh], qk[:, nh:]
-            vh = qkv[..., (nh + nkv) * hd:].view(B, q, nkv, hd).transpose(1, 2)
-            kc, vc = cache.k[i], cache.v[i]
-            if single:
-                kc[s0, :, p0:p0 + q] = kh[0]
-                vc[s0, :, p0:p0 + q] = vh[0]
+            if delta is None:
+                h = rms_norm(x, ln1, cfg.rms_norm_eps)
             else:
-                kc[fb.slots[:, None], :, fb.positions] = kh.transpose(1, 2).to(kc.dtype)
-                vc[fb.slots[:, None], :, fb.positions] = vh.transpose(1, 2).to(vc.dtype)
+                x, h = add_rms_norm(x, delta, ln1, cfg.rms_norm_eps)
+            qkv = qkv_proj(h)[:, :1] if pair else qkv_proj(h)
+            kc, vc = cache.k[i], cache.v[i]
+            if fused is not None:  # the same bits as the torch ops below, in one pass
+                qh = fused.rope_kv_cache(qkv, cos_rows, sin_rows, kc, vc, fb.slots, fb.positions, nh, nkv)
+            else:
+                # RoPE on q and k heads together: one rotation for both.
+                qk = apply_rope(qkv[..., :(nh + nkv) * hd].view(B, q, nh + nkv, hd).transpose(1, 2), cos, sin)
+                qh, kh = qk[:, :nh], qk[:, nh:]
+                vh = qkv[..., (nh + nkv) * hd:].view(B, q, nkv, hd).transpose(1, 2)
+                if single:
+                    kc[s0, :, p0:p0 + q] = kh[0]
+                    vc[s0, :, p0:p0 + q] = vh[0]
+                else:
+                    kc[fb.slots[:, None], :, fb.positions] = kh.transpose(1, 2).to(kc.dtype)
+                    vc[fb.slots[:, None], :, fb.positions] = vh.transpose(1, 2).to(vc.dtype)
             if fb.slot_range is not None or span is not None:
                 keys, values = kc[a:b, :, :kv_len], vc[a:b, :, :kv_len]
             else:
@@ -323,13 +376,17 @@ class LlamaModel:
                 attn = F.scaled_dot_product_attention(qh, keys.to(qh.dtype), values.to(qh.dtype), attn_mask=fb.mask,
                                                       enable_gqa=nkv != nh)
             attn = attn.transpose(1, 2).reshape(B, q, nh * hd)
-            x = x + o_proj(attn.expand(1, 2, -1).contiguous() if pair else attn)
-            h = rms_norm(x, ln2, cfg.rms_norm_eps)
-            gate, up = gate_up_proj(h).chunk(2, dim=-1)
-            x = x + down_proj(F.silu(gate) * up)
+            x, h = add_rms_norm(x, o_proj(attn.expand(1, 2, -1).contiguous() if pair else attn), ln2,
+                                cfg.rms_norm_eps)
+            delta = down_proj(silu_mul(gate_up_proj(h)))
             if fb.capture and i in self._aux:
+                x, delta = x + delta, None
                 aux[i] = x[:, :1] if pair else x
-        final = rms_norm(x[:, :1] if pair else x, self.norm, cfg.rms_norm_eps)
+        if delta is None:
+            final = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        else:
+            x, final = add_rms_norm(x, delta, self.norm, cfg.rms_norm_eps)
+        final = final[:, :1] if pair else final
         flat = final.view(B * q, -1)
         rows = flat if fb.logits_rows is None else flat.index_select(0, fb.logits_rows)
         logits = vocab_logits(rows, self.prefill_head if fb.prefill else self.head)

@@ -1,0 +1,5 @@
+import sys
+
+from tide.kernels import main
+
+sys.exit(main())

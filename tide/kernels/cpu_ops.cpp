@@ -1,0 +1,208 @@
+// Fused CPU kernels for the engine's per-token elementwise work (tide.kernels loads this file).
+//
+// Why: at batch 1 a decode step of the reference model is ~60 % weight streaming (the GEMMs) and
+// ~40 % small ops, each a separate ATen dispatch whose code and data the GEMMs evict from the
+// caches between calls. F.rms_norm on bf16 is itself ~8 ATen ops on CPU. One kernel per fused op
+// removes most of that (docs/results/engine-step).
+//
+// Every kernel treats rows independently and computes each row with the same instruction sequence
+// whatever the number of rows or the row's address, so a token's values do not depend on what
+// shares its forward (batched verification must equal plain decoding, bit for bit). Reductions
+// accumulate in LANES float32 partial sums in a fixed order: vectorizable without -ffast-math, and
+// independent of alignment.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+
+namespace {
+
+constexpr int64_t LANES = 16;       // float32 partial sums per row (one AVX-512 register)
+constexpr int64_t ROW_GRAIN = 32;   // rows per thread: decode's few rows run inline, prompts split
+
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
+  float acc[LANES] = {0.f};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int64_t j = 0; j < LANES; ++j) {
+      const float v = static_cast<float>(x[i + j]);
+      acc[j] += v * v;
+    }
+  for (int64_t j = 0; i + j < n; ++j) {
+    const float v = static_cast<float>(x[i + j]);
+    acc[j] += v * v;
+  }
+  float total = 0.f;
+  for (int64_t j = 0; j < LANES; ++j) total += acc[j];
+  return total;
+}
+
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  // As F.rms_norm's fused CPU kernel: x * rsqrt(mean(x^2) + eps) * w in float32, rounded once.
+  const float scale = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<T>(static_cast<float>(x[i]) * scale * static_cast<float>(w[i]));
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "tide kernels run on CPU tensors");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and weight must share a dtype");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1), "weight must be [hidden]");
+}
+
+}  // namespace
+
+// rms_norm(x [..., H], w [H], eps) -> [..., H]
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
+  check(x_in, w_in);
+  const auto x = x_in.contiguous();
+  const auto w = w_in.contiguous();
+  auto out = torch::empty_like(x);
+  const int64_t H = x.size(-1), R = H ? x.numel() / H : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "tide_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) norm_row(xp + r * H, wp, op + r * H, H, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// add_rms_norm(x, delta, w, eps) -> (x + delta, rms_norm(x + delta)): the residual add and the next
+// norm in one pass. The sum is rounded to the dtype before the norm reads it, as `x = x + delta`.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x_in, const torch::Tensor& d_in,
+                                                      const torch::Tensor& w_in, double eps) {
+  check(x_in, w_in);
+  TORCH_CHECK(x_in.sizes() == d_in.sizes() && x_in.scalar_type() == d_in.scalar_type(),
+              "x and delta must match in shape and dtype");
+  const auto x = x_in.contiguous();
+  const auto d = d_in.contiguous();
+  const auto w = w_in.contiguous();
+  auto sum = torch::empty_like(x);
+  auto out = torch::empty_like(x);
+  const int64_t H = x.size(-1), R = H ? x.numel() / H : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "tide_add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* dp = d.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        const int64_t o = r * H;
+        for (int64_t i = 0; i < H; ++i)
+          sp[o + i] = static_cast<scalar_t>(static_cast<float>(xp[o + i]) + static_cast<float>(dp[o + i]));
+        norm_row(sp + o, wp, op + o, H, static_cast<float>(eps));
+      }
+    });
+  });
+  return {sum, out};
+}
+
+// silu_mul(gate_up [..., 2I]) -> silu(gate) * up [..., I], gate = the first half; each product
+// rounded as F.silu(gate) * up rounds it (silu to the dtype, then the product).
+torch::Tensor silu_mul(const torch::Tensor& gu_in) {
+  TORCH_CHECK(gu_in.device().is_cpu() && gu_in.size(-1) % 2 == 0, "silu_mul takes a CPU [..., 2I] tensor");
+  const auto gu = gu_in.contiguous();
+  const int64_t I = gu.size(-1) / 2, R = I ? gu.numel() / (2 * I) : 0;
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "tide_silu_mul", [&] {
+    const scalar_t* gp = gu.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        const scalar_t* g = gp + r * 2 * I;
+        const scalar_t* u = g + I;
+        scalar_t* o = op + r * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float v = static_cast<float>(g[i]);
+          const scalar_t s = static_cast<scalar_t>(v / (1.f + std::exp(-v)));
+          o[i] = static_cast<scalar_t>(static_cast<float>(s) * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// rope_kv_cache(qkv [B, q, (Hq + 2 Hkv) D], cos/sin [B, q, D], k_cache/v_cache [S, Hkv, L, D], slots [B],
+// positions [B, q], Hq, Hkv) -> q [B, Hq, q, D]: RoPE on the query and key heads of a fused q|k|v
+// projection (tide.layers.apply_rope: x * cos + roll(x, D/2) * sin, each product and the sum
+// rounded to the dtype as the torch ops round them: the same bits), the keys and values written
+// into the cache at (slot, position), the rotated queries returned. One pass instead of ~10 ops.
+torch::Tensor rope_kv_cache(const torch::Tensor& qkv_in, const torch::Tensor& cos_in, const torch::Tensor& sin_in,
+                            torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots_in,
+                            const torch::Tensor& pos_in, int64_t hq, int64_t hkv) {
+  const auto qkv = qkv_in.contiguous();
+  const auto cosr = cos_in.contiguous();
+  const auto sinr = sin_in.contiguous();
+  const auto slots = slots_in.to(at::kLong).contiguous();
+  const auto pos = pos_in.to(at::kLong).contiguous();
+  TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "rope_kv_cache: qkv [B, q, W], contiguous caches [S, Hkv, L, D]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "rope_kv_cache: float32 caches (the CPU engine's)");
+  const int64_t B = qkv.size(0), Q = qkv.size(1), D = k_cache.size(3), L = k_cache.size(2);
+  TORCH_CHECK(qkv.size(2) == (hq + 2 * hkv) * D && k_cache.size(1) == hkv && D % 2 == 0, "rope_kv_cache: shapes");
+  TORCH_CHECK(cosr.size(0) == B && cosr.size(1) == Q && cosr.size(2) == D && slots.numel() == B
+              && pos.size(0) == B && pos.size(1) == Q, "rope_kv_cache: cos/sin [B, q, D], slots [B], positions [B, q]");
+  auto q_out = torch::empty({B, hq, Q, D}, qkv.options());
+  const int64_t W = qkv.size(2), half = D / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "tide_rope_kv_cache", [&] {
+    using T = scalar_t;
+    const T* xp = qkv.data_ptr<T>();
+    const T* cp = cosr.data_ptr<T>();
+    const T* sp = sinr.data_ptr<T>();
+    const int64_t* slot_p = slots.data_ptr<int64_t>();
+    const int64_t* pos_p = pos.data_ptr<int64_t>();
+    float* kc = k_cache.data_ptr<float>();
+    float* vc = v_cache.data_ptr<float>();
+    T* qo = q_out.data_ptr<T>();
+    auto rotate = [&](const T* x, const T* c, const T* s, int64_t j) -> T {
+      const T xr = j < half ? x[j + half] : x[j - half];
+      const T a = static_cast<T>(static_cast<float>(x[j]) * static_cast<float>(c[j]));
+      const T b = static_cast<T>(static_cast<float>(xr) * static_cast<float>(s[j]));
+      return static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+    };
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t slot = slot_p[b];
+      TORCH_CHECK(slot >= 0 && slot < k_cache.size(0), "rope_kv_cache: slot out of range");
+      for (int64_t t = 0; t < Q; ++t) {
+        const int64_t p = pos_p[b * Q + t];
+        TORCH_CHECK(p >= 0 && p < L, "rope_kv_cache: position out of range");
+        const T* row = xp + (b * Q + t) * W;
+        const T* c = cp + (b * Q + t) * D;
+        const T* s = sp + (b * Q + t) * D;
+        for (int64_t h = 0; h < hq; ++h) {
+          T* dst = qo + ((b * hq + h) * Q + t) * D;
+          for (int64_t j = 0; j < D; ++j) dst[j] = rotate(row + h * D, c, s, j);
+        }
+        for (int64_t h = 0; h < hkv; ++h) {
+          float* kd = kc + ((slot * hkv + h) * L + p) * D;
+          float* vd = vc + ((slot * hkv + h) * L + p) * D;
+          const T* kx = row + (hq + h) * D;
+          const T* vx = row + (hq + hkv + h) * D;
+          for (int64_t j = 0; j < D; ++j) {
+            kd[j] = static_cast<float>(rotate(kx, c, s, j));
+            vd[j] = static_cast<float>(vx[j]);
+          }
+        }
+      }
+    }
+  });
+  return q_out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (rows independent)");
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate|up projection");
+  m.def("rope_kv_cache", &rope_kv_cache, "RoPE on q and k, k and v into the cache, rotated q out");
+}
