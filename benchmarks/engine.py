@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.report import write_json
+from benchmarks.report import cpu_name, write_json
 from services.inference.exporter import ChunkExporter
 from tide.engine.drafters import NgramDrafter
 from tide.engine.drafters.eagle3 import Eagle3Drafter
@@ -151,6 +151,45 @@ def capture_overhead(model: LlamaModel, exporter, prompts, batch: int, max_token
             "rows_exported": exporter.stats.tokens_exported - before}
 
 
+def kernels_ab(model: LlamaModel, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
+    """Plain greedy decoding, tok/s, the engine's CPU paths side by side in one process: torch ops
+    with F.linear's lm_head (the engine before tide.kernels), the fused kernels with that head, and
+    the fused kernels with the head this machine chose (LlamaModel's `_faster_head`: what serves).
+    Batch 1 (4 prompts one after another) and 16; every round runs each variant once, in rotated
+    order; medians of tok/s and of the per-round ratios to the first variant."""
+    from tide import kernels
+    from tide.layers import Linear
+
+    chosen = model.head
+    plain_head = Linear(chosen.weight) if getattr(chosen, "packed", None) is not None else chosen
+    variants = {"torch_ops": (False, plain_head), "kernels": (True, plain_head), "kernels_head": (True, chosen)}
+    out: dict = {"head_packed": getattr(chosen, "packed", None) is not None, "rounds": rounds,
+                 "max_tokens": max_tokens, "kernels_built": kernels.ops() is not None}
+    for b, batch_prompts in ((1, prompts[:4]), (16, prompts[:16])):
+        tok_s: dict[str, list[float]] = {k: [] for k in variants}
+        engine_cfg = EngineConfig(max_batch=b, max_seq_len=1024)
+        for r in range(rounds + 1):  # round 0 warms every variant up, not counted
+            names = list(variants)
+            names = names[r % len(names):] + names[:r % len(names)]
+            for name in names:
+                on, head = variants[name]
+                model.head = head
+                ctx = contextlib.nullcontext() if on else kernels.disabled()
+                with ctx:
+                    rate = throughput(LLMEngine(model, engine_cfg), batch_prompts, max_tokens, ignore_eos=True)[0]
+                if r:
+                    tok_s[name].append(rate)
+        model.head = chosen
+        base = tok_s["torch_ops"]
+        out[f"batch_{b}"] = {
+            name: {"tok_s": round(statistics.median(v), 2),
+                   "x_torch_ops": round(statistics.median(a / c for a, c in zip(v, base, strict=True)), 3)}
+            for name, v in tok_s.items()}
+        print(f"  batch {b:2d}: " + ", ".join(f"{n} {d['tok_s']} tok/s ({d['x_torch_ops']}x)"
+                                              for n, d in out[f"batch_{b}"].items()), flush=True)
+    return out
+
+
 def run(args) -> dict:
     t_start = time.perf_counter()
     target = resolve_target(args.target)
@@ -169,6 +208,12 @@ def run(args) -> dict:
             return {"target": target.model_id, "dtype": dtype_name(dtype), "weights": weight_format,
                     "threads": torch.get_num_threads(),
                     **serving, "wall_s": round(time.perf_counter() - t_start, 1)}
+    if args.kernels_only:
+        print("fused CPU kernels vs torch ops, plain greedy decoding:", flush=True)
+        return {"target": target.model_id, "dtype": dtype_name(dtype), "weights": weight_format,
+                "threads": torch.get_num_threads(), "cpu": cpu_name(),
+                "kernels_ab": kernels_ab(model, prompts, 64, 3 if quick else 7),
+                "wall_s": round(time.perf_counter() - t_start, 1)}
     reps = 5 if quick else 15
     batches, gammas = [1, 4, 16], list(range(6))
     max_tokens = 32 if quick else 96
@@ -214,6 +259,8 @@ def run(args) -> dict:
 
 
 def print_table(res: dict) -> None:
+    if "kernels_ab" in res and "T_ms" not in res:
+        return  # printed as it ran
     if "serve_breakdown_ms" in res:
         print("\nserving path, batch 1 (median over requests; ms per output token after the first):")
         for layer, v in res["serve_layers"].items():
@@ -255,6 +302,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default="spec_bench_questions.jsonl")
     parser.add_argument("--serve", metavar="URL", help="also break a served token's time down layer by layer "
                                                        "against the stack whose gateway is at URL (serve_breakdown)")
+    parser.add_argument("--kernels-only", action="store_true",
+                        help="only compare the engine's fused CPU kernels (tide.kernels) with torch ops, side by side")
     parser.add_argument("--serve-only", action="store_true", help="with --serve: only the breakdown")
 
 

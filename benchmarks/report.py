@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,3 +24,17 @@ def standalone_main(prog: str, doc: str | None, add_arguments: Callable[[argpars
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
+
+
+def cpu_name() -> str:
+    """This machine's CPU as /proc/cpuinfo names it, with the bf16 instructions it has: results
+    are only comparable between runs on the same kind of CPU."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "?"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    extras = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(extras) or 'no bf16 instructions'}; {os.cpu_count()} CPUs)"
+

@@ -17,6 +17,7 @@ bit-equal to the torch ops: an engine uses one path for every forward, never a m
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -37,8 +38,23 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the module or None once tried
 
 
+_off = threading.local()  # set by `disabled()`, per thread
+
+
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def disabled():
+    """The torch-op path on this thread for the duration (benchmarks compare the two side by side
+    in one process; an engine must not switch paths between forwards that have to agree)."""
+    before = getattr(_off, "on", False)
+    _off.on = True
+    try:
+        yield
+    finally:
+        _off.on = before
 
 
 def _cpu_fingerprint() -> str:
@@ -59,6 +75,8 @@ def build_dir() -> Path:
 
 def ops():
     """The compiled kernels, or None (disabled, or they could not be built here: logged once)."""
+    if getattr(_off, "on", False):
+        return None
     if "ops" in _state:
         return _state["ops"]
     with _lock:
