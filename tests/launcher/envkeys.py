@@ -4,7 +4,8 @@ A service reads a variable when its settings' `from_env` asks for it (observed b
 recording mapping, so nothing is hard-coded here) or when its own code names it as a string literal
 (`__main__` reads e.g. TIDE_SHUTDOWN_GRACE_S from os.environ). Shared modules the service uses add
 what they read (tide.target: TIDE_CACHE_DIR, for services that load a target; tide.service:
-TIDE_LOG_LEVEL, for the services whose `__main__` is `run_service`).
+TIDE_LOG_LEVEL, for the services whose `__main__` is `run_service`; tide.kernels: TIDE_CPU_KERNELS,
+for the services that run a model forward).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("registry", "trainer", "controller", "inference", "gateway")
 _LITERAL = re.compile(r"""["'](TIDE_[A-Z0-9_]+)["']""")
-_SHARED = {"inference": {"tide/target.py", "tide/service.py"}, "gateway": {"tide/target.py"},
-           "trainer": {"tide/target.py", "tide/service.py"}, "controller": {"tide/service.py"},
+_SHARED = {"inference": {"tide/target.py", "tide/service.py", "tide/kernels/__init__.py"},
+           "gateway": {"tide/target.py"},
+           "trainer": {"tide/target.py", "tide/service.py", "tide/kernels/__init__.py"}, "controller": {"tide/service.py"},
            "registry": {"tide/service.py"}}
 
 
