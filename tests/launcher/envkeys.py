@@ -20,7 +20,8 @@ SERVICES = ("registry", "trainer", "controller", "inference", "gateway")
 _LITERAL = re.compile(r"""["'](TIDE_[A-Z0-9_]+)["']""")
 _SHARED = {"inference": {"tide/target.py", "tide/service.py", "tide/kernels/__init__.py"},
            "gateway": {"tide/target.py"},
-           "trainer": {"tide/target.py", "tide/service.py", "tide/kernels/__init__.py"}, "controller": {"tide/service.py"},
+           "trainer": {"tide/target.py", "tide/service.py", "tide/kernels/__init__.py"},
+           "controller": {"tide/service.py"},
            "registry": {"tide/service.py"}}
 
 
