@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from tide import kernels
 from tide.eagle3 import Eagle3Config, Eagle3Draft
 from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.engine.llama import LlamaModel
@@ -248,7 +249,10 @@ def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags) -> d
             "drafter": drafter_shape(drafter), "batches": sorted(set(batches)), "ns": sorted(set(ns)),
             "lags": sorted(set(lags)) if isinstance(drafter, Eagle3Drafter) else [],
             # quantized weights (tide.quant) step at other costs; float keys stay as they were
-            **({"weights": model.weight_format} if getattr(model, "weight_format", "float") != "float" else {})}
+            **({"weights": model.weight_format} if getattr(model, "weight_format", "float") != "float" else {}),
+            # on CPU: the fused kernels or torch ops (tide.kernels), and the lm_head's GEMM
+            **({"cpu_ops": kernels.path_name(), "head_packed": getattr(model.head, "packed", None) is not None}
+               if model.device.type == "cpu" else {})}
 
 
 def cache_path(key: dict, directory: Path | None = None) -> Path:

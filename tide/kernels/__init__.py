@@ -103,6 +103,12 @@ def _load():
         return None
 
 
+def path_name() -> str:
+    """Which CPU path forwards on this thread take: the kernels' build key, or "torch-ops". Latency
+    profiles are keyed by it (the step costs differ by ~20 % at batch 1)."""
+    return build_dir().name if ops() is not None else "torch-ops"
+
+
 def use_for(*tensors: torch.Tensor):
     """The kernels when they apply to `tensors`: CPU tensors, no autograd graph to build (the
     kernels have no backward: a draft being trained takes the torch ops). Else None."""
