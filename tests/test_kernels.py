@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from tide import kernels
-from tide.layers import add_rms_norm, apply_rope, rms_norm, rope_inv_freq, rope_table, silu_mul
+from tide.layers import (
+    add_rms_norm,
+    apply_rope,
+    grouped_attention,
+    rms_norm,
+    rope_inv_freq,
+    rope_table,
+    silu_mul,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
 
@@ -114,6 +122,51 @@ def test_rope_kv_cache_gives_the_torch_ops_bits_and_writes_only_its_rows(ops):
         ops.rope_kv_cache(qkv, cos[pos], sin[pos], kc, vc, slots, pos + 250, nh, nkv)
 
 
+def _attention_case(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    B, hq, hkv, t, D, L = 3, 9, 3, 4, 64, 320
+    q = torch.randn(B, hq, t, D, generator=g).to(torch.bfloat16)
+    k_cache, v_cache = torch.randn(5, hkv, 512, D, generator=g), torch.randn(5, hkv, 512, D, generator=g)
+    bias = torch.zeros(B, t, L)
+    bias[:, :, 300:] = float("-inf")  # padding past the longest sequence
+    bias[1, :, 250:] = float("-inf")  # a shorter one
+    bias[2, 0, 299] = float("-inf")  # causal masking within the verified positions
+    return q, k_cache[1:4, :, :L], v_cache[1:4, :, :L], bias  # strided views, as the engine passes them
+
+
+def test_decode_attention_matches_the_torch_path(ops):
+    if not ops.has_decode_attention:
+        pytest.skip("decode_attention needs AVX-512")
+    q, k, v, bias = _attention_case()
+    ours = ops.decode_attention(q, k, v, bias)
+    with kernels.disabled():
+        ref = grouped_attention(q, k, v, bias)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=bias.double()[:, None],
+                                           enable_gqa=True)  # float64 reference
+    assert ours.shape == ref.shape == q.shape and ours.dtype == torch.bfloat16
+    assert (ours.double() - exact).abs().max() <= (ref.double() - exact).abs().max() + 2 ** -8
+    assert (ours != ref).float().mean() < 0.02  # both round float32 results to bf16: rarely apart
+
+
+def test_decode_attention_is_batch_position_and_padding_invariant(ops):
+    """A query's output may not depend on its batch mates, on which verified position it is, or on
+    how far the key length was padded (a longer batch mate pads everyone's keys)."""
+    if not ops.has_decode_attention:
+        pytest.skip("decode_attention needs AVX-512")
+    q, k, v, bias = _attention_case(1)
+    full = ops.decode_attention(q, k, v, bias)
+    alone = ops.decode_attention(q[1:2], k[1:2], v[1:2], bias[1:2])
+    assert torch.equal(alone[0], full[1])
+    one_position = ops.decode_attention(q[:, :, 2:3].contiguous(), k, v, bias[:, 2:3])
+    assert torch.equal(one_position[:, :, 0], full[:, :, 2])
+    extra = torch.randn(3, 3, 64, 64)
+    padded = ops.decode_attention(q, torch.cat([k, extra], 2), torch.cat([v, extra], 2),
+                                  torch.cat([bias, torch.full((3, 4, 64), float("-inf"))], 2))
+    assert torch.equal(padded, full)
+    no_bias = ops.decode_attention(q[:1], k[:1, :, :300], v[:1, :, :300], None)
+    assert torch.equal(no_bias, ops.decode_attention(q[:1], k[:1], v[:1], bias[:1]))
+
+
 def test_non_contiguous_inputs_are_read_correctly(ops):
     x = _rows(8, 1152, torch.bfloat16)[:, ::2]  # a strided view
     w = _rows(1, 576, torch.bfloat16, seed=1)[0]
@@ -149,4 +202,6 @@ def test_off_switch_and_a_failed_build_fall_back_to_torch_ops(tmp_path):
     broken = _probe({"CXX": "/bin/false", "TIDE_CACHE_DIR": str(tmp_path)})
     assert broken.returncode == 0, broken.stderr
     assert "ops False" in broken.stdout and "norm 16.0" in broken.stdout
-    assert "fused CPU kernels unavailable" in broken.stderr  # said once, with where to look
+    assert "fused CPU kernels unavailable" in broken.stderr and "build-error.log" in broken.stderr
+    again = _probe({"CXX": "/bin/false", "TIDE_CACHE_DIR": str(tmp_path)})  # no second compile attempt
+    assert "ops False" in again.stdout and "an earlier build failed" in again.stderr

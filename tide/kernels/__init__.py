@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -89,17 +90,29 @@ def _load():
     from torch.utils import cpp_extension
 
     path = build_dir()
+    failed = path / "build-error.log"
+    if failed.exists():  # this source already failed to build here: say so, do not pay the compile again
+        log.warning("fused CPU kernels unavailable (an earlier build failed: %s; delete it to build again); "
+                    "using torch ops", failed)
+        return None
     try:
         path.mkdir(parents=True, exist_ok=True)
         # The loader looks for ninja on PATH; the venv's copy sits beside this interpreter.
-        venv_bin = str(Path(os.sys.executable).parent)
+        venv_bin = str(Path(sys.executable).parent)
         if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-        return cpp_extension.load(name="tide_cpu_ops", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        # Built from a copy inside the keyed directory: the loader rebuilds whenever the source's
+        # path changes, and two checkouts of one version would otherwise rebuild for each other.
+        source = path / SOURCE.name
+        if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+            source.write_bytes(SOURCE.read_bytes())
+        return cpp_extension.load(name="tide_cpu_ops", sources=[str(source)], extra_cflags=FLAGS,
                                   build_directory=str(path), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: run the torch ops instead
-        log.warning("fused CPU kernels unavailable (%s: %s); using torch ops. Build log in %s",
-                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", path)
+        with contextlib.suppress(OSError):
+            failed.write_text(f"{type(e).__name__}: {e}\n")
+        log.warning("fused CPU kernels unavailable (%s: %s); using torch ops. Compiler output: %s",
+                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", failed)
         return None
 
 

@@ -14,7 +14,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -200,9 +203,138 @@ torch::Tensor rope_kv_cache(const torch::Tensor& qkv_in, const torch::Tensor& co
   return q_out;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+// exp(x) for x <= 0, 16 lanes (softmax of scores shifted by their max): Cephes' expf polynomial,
+// within 2 float32 ulps of exp. Lane-wise, so a score's bits do not depend on its lane or chunk.
+// Below -87 (and -inf: masked or padded keys) exactly 0, so a padded key adds nothing anywhere.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(e));
+}
+
+// One query head's attention over L keys (rows of D floats, `ks`/`vs` floats apart); D % 16 == 0,
+// D <= 256. `scores` holds L (rounded up to 16) floats of scratch.
+inline void attend_one(const float* q, const float* kb, int64_t ks, const float* vb, int64_t vs, const float* bias,
+                       int64_t L, int64_t D, float* scores, float* out) {
+  const int64_t nd = D / 16;
+  __m512 qv[16];
+  for (int64_t c = 0; c < nd; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < L; ++l) {
+    const float* k = kb + l * ks;
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    for (int64_t c = 1; c < nd; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc);
+    const float sc = _mm512_reduce_add_ps(acc) + (bias ? bias[l] : 0.f);
+    scores[l] = sc;
+    mx = sc > mx ? sc : mx;
+  }
+  const int64_t Lr = (L + 15) / 16 * 16;
+  for (int64_t l = L; l < Lr; ++l) scores[l] = -std::numeric_limits<float>::infinity();
+  const __m512 mxv = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t l = 0; l < Lr; l += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + l), mxv));
+    _mm512_storeu_ps(scores + l, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const float inv = 1.f / _mm512_reduce_add_ps(sum);
+  __m512 acc[16];
+  for (int64_t c = 0; c < nd; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < L; ++l) {
+    const float p = scores[l] * inv;
+    if (p == 0.f) continue;  // masked and padded keys: adding 0 * v would change no bit
+    const __m512 pv = _mm512_set1_ps(p);
+    const float* v = vb + l * vs;
+    for (int64_t c = 0; c < nd; ++c) acc[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 16 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < nd; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+
+}  // namespace
+
+constexpr bool kHasDecodeAttention = true;
+
+// decode_attention(q [B, Hq, t, D], k/v [B, Hkv, L, D] float32 (a contiguous last dim; other strides
+// free: the cache's [slots, :, :L] slices), bias [B, t, L] float32 additive or None) -> [B, Hq, t, D]
+// in q's dtype: tide.layers.grouped_attention's contract (query head h reads KV head h / (Hq/Hkv), q
+// scaled by D^-1/2 in float32). Each (sequence, head, position) is computed on its own by one
+// instruction sequence, so its result depends on its own inputs only, and padding the keys with
+// masked ones changes nothing.
+torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
+                               const c10::optional<torch::Tensor>& bias_in) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "decode_attention: float32 keys/values");
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
+              "decode_attention: k/v [B, Hkv, L, D] with a contiguous last dim");
+  const auto q = q_in.contiguous();
+  const int64_t B = q.size(0), hq = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t hkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && hq % hkv == 0 && D % 16 == 0 && D <= 256,
+              "decode_attention: shapes (D a multiple of 16, at most 256)");
+  const int64_t g = hq / hkv;
+  torch::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.dim() == 3 && bias.size(0) == B && bias.size(1) == T && bias.size(2) == L,
+                "decode_attention: bias [B, t, L]");
+  }
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  auto out = torch::empty({B, hq, T, D}, q.options());
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  // Threads only when there is enough work to pay for waking them (~1M multiply-adds).
+  const int64_t grain = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, T * L * D * 2));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "tide_decode_attention", [&] {
+    using T_ = scalar_t;
+    const T_* qp = q.data_ptr<T_>();
+    T_* op = out.data_ptr<T_>();
+    at::parallel_for(0, B * hq, grain, [&](int64_t a, int64_t e) {
+      std::vector<float> scores((L + 15) / 16 * 16), qs(D), o(D);
+      for (int64_t unit = a; unit < e; ++unit) {
+        const int64_t b = unit / hq, h = unit % hq, kh = h / g;
+        const float* kb = kp + b * k.stride(0) + kh * k.stride(1);
+        const float* vb = vp + b * v.stride(0) + kh * v.stride(1);
+        for (int64_t t = 0; t < T; ++t) {
+          const T_* qrow = qp + ((b * hq + h) * T + t) * D;
+          for (int64_t d = 0; d < D; ++d) qs[d] = static_cast<float>(qrow[d]) * scale;
+          attend_one(qs.data(), kb, k.stride(2), vb, v.stride(2), bp ? bp + (b * T + t) * L : nullptr, L, D,
+                     scores.data(), o.data());
+          T_* orow = op + ((b * hq + h) * T + t) * D;
+          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T_>(o[d]);
+        }
+      }
+    });
+  });
+  return out;
+}
+#else
+constexpr bool kHasDecodeAttention = false;
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (rows independent)");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate|up projection");
+#if defined(__AVX512F__)
+  m.def("decode_attention", &decode_attention, "grouped-query attention for few query tokens (AVX-512)");
+#endif
+  m.attr("has_decode_attention") = kHasDecodeAttention;
   m.def("rope_kv_cache", &rope_kv_cache, "RoPE on q and k, k and v into the cache, rotated q out");
 }
