@@ -3,12 +3,14 @@
 `ops()` returns the compiled module, or None where it cannot be had; callers then run the same
 math with torch ops. Built at first use with the system C++ compiler through torch's extension
 loader (~25 s on 2 cores, `-O3 -march=native`) into `$TIDE_CACHE_DIR/kernels/<key>`, where the key
-hashes the source, torch's version and this CPU's model and flags, so a cache shared between
-machines never hands one CPU another's build. Later processes load the built module in well under
-a second. `make setup` builds it, so neither a service's start nor a test pays the compile.
+hashes the source, torch's version and install path, and this CPU's model and flags, so a cache
+shared between machines never hands one CPU another's build. Later processes load the built module
+in well under a second. `make setup` builds it, so neither a service's start nor a test pays the compile.
 
 `TIDE_CPU_KERNELS=0` turns them off (the torch-op path everywhere). No compiler, or a failed build:
-one warning in the log, and the torch-op path.
+one warning in the log naming the compiler's output (`build-error.log`, which also stops later
+processes from trying again), and the torch-op path. The decode-attention kernel needs AVX-512;
+without it attention alone takes the torch path (`has_decode_attention`).
 
 The kernels give each row the same bits whatever the number of rows (see cpu_ops.cpp), as the
 torch ops they replace do, so batched verification still equals plain decoding. They are not
@@ -68,8 +70,10 @@ def _cpu_fingerprint() -> str:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(),
-                                     _cpu_fingerprint().encode()])).hexdigest()[:16]
+    # torch's install path too: the build compiles against its headers by path, so two virtual
+    # environments sharing one cache would otherwise rebuild for each other
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), torch.__file__.encode(),
+                                     " ".join(FLAGS).encode(), _cpu_fingerprint().encode()])).hexdigest()[:16]
     root = Path(os.environ.get("TIDE_CACHE_DIR", Path.home() / ".cache" / "tide"))
     return root / "kernels" / key
 
