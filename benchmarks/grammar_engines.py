@@ -26,6 +26,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from benchmarks.report import cpu_name
+
 SCHEMAS: dict[str, dict] = {
     "flat_required": {
         "type": "object",
@@ -228,7 +230,7 @@ def main() -> None:
     inp = Path(args.out).with_suffix(".input.json")
     inp.parent.mkdir(parents=True, exist_ok=True)
     inp.write_text(json.dumps(spec))
-    results = {"machine": {"cpus": os.cpu_count(), "cpu": _cpu_model()}, "engines": {}}
+    results = {"machine": {"cpus": os.cpu_count(), "cpu": cpu_name()}, "engines": {}}
     try:
         for name, python in (("xgrammar", args.xgrammar_python), ("llguidance", args.llguidance_python)):
             proc = subprocess.run([python, __file__, "--engine", name, "--input", str(inp)],
@@ -242,16 +244,6 @@ def main() -> None:
         inp.unlink(missing_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     _print_table(results)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "?"
 
 
 def _print_table(results: dict) -> None:

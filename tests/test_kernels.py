@@ -72,7 +72,7 @@ def test_each_row_gets_the_same_bits_whatever_shares_its_call(ops, dtype):
     for r in (0, 1, 17, 63):
         shifted = torch.cat([torch.zeros(1, dtype=dtype), x[r]])[1:]  # the same values one element further on
         assert torch.equal(ops.rms_norm(shifted.view(1, h), w, 1e-6)[0], full[r])
-        assert torch.equal(ops.rms_norm(x[r:r + 2], w, 1e-6)[0], full[r]) if r < 63 else True
+        assert torch.equal(ops.rms_norm(x[r:], w, 1e-6)[0], full[r])  # first of 64 - r rows
         assert torch.equal(ops.silu_mul(gu[r:r + 1])[0], full_silu[r])
         s, n = ops.add_rms_norm(x[r:r + 1], gu[r:r + 1, :h].contiguous(), w, 1e-6)
         assert torch.equal(s[0], s_full[r]) and torch.equal(n[0], n_full[r])

@@ -331,7 +331,7 @@ class LlamaModel:
                 span_bias = torch.zeros((span[1] - span[0], q, kv_len), dtype=torch.float32, device=x.device)
                 span_bias[rows] = bias if bias is not None else 0.0  # rows of idle slots: garbage in, ignored
                 bias = span_bias
-        single = B == 1 and fb.slot_range is not None
+        single = B == 1 and fb.slot_range is not None and fused is None  # the torch-op cache write below
         if single:
             s0, p0 = fb.slot_range[0], int(fb.positions[0, 0])
         a, b = fb.slot_range or span or (0, 0)
