@@ -92,12 +92,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear:
-    """y = x @ W.T with the weight pre-packed for oneDNN on CPU when that is available.
+    """y = x @ W.T on the fastest row-invariant GEMM this machine has, chosen once at construction.
 
-    Measured on the 2-core CI machine (bf16, 1-16 rows): prepacked oneDNN GEMMs are ~2x faster
-    than `F.linear` for the 576-wide SmolLM2 projections and bitwise identical to it, row by row
-    and independent of the number of rows (so batched verification equals plain decoding).
-    Wide outputs (the 49k-row lm_head) stay on `F.linear`, which is faster there.
+    - bf16 on a CPU with AVX512_BF16 (and the fused kernels built): tide.kernels' `bf16_linear`.
+      Every output element is one fixed instruction sequence whatever the row count, so a lone
+      decode row, a verification and a prompt give a token the same bits (`row_exact`). Measured
+      on a 2-vCPU Zen 4 guest, weights streamed from memory as in a step: 1.5-2.2x faster than
+      oneDNN's pre-packed GEMM at 1-5 rows, 1.0-1.5x at 16 (docs/results/engine-step).
+    - Else on CPU, oneDNN's pre-packed GEMM where it exists for the dtype: measured on the 2-core
+      CI machine (bf16, 1-16 rows) ~2x faster than `F.linear` for the 576-wide SmolLM2
+      projections, bitwise identical to it, and row-invariant for M >= 2. Wide outputs (the
+      49k-row lm_head) stay on `F.linear` unless `pack_wide`.
+    - Else `F.linear`.
     """
 
     PACK_MAX_OUT = 8192  # above this many output features F.linear wins (lm_head: 3.5 vs 4.2 ms)
@@ -107,15 +113,35 @@ class Linear:
         self.weight = weight
         self.bias = bias
         self.packed = None
+        self.kernel_packed = None  # [N/16, K/2, 16, 2] for tide.kernels' bf16_linear
+        self._kernels = None
+        kernels = use_for(weight)
+        if (kernels is not None and getattr(kernels, "has_bf16_gemm", False) and weight.dtype == torch.bfloat16
+                and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0):
+            self.kernel_packed = kernels.bf16_pack(weight)
+            self._kernels = kernels
+            return
         wide_ok = pack_wide or weight.shape[0] <= self.PACK_MAX_OUT
         if weight.device.type == "cpu" and wide_ok and _can_pack(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
+    @property
+    def row_exact(self) -> bool:
+        """A row's output is the same bits whatever the number of rows, one row included."""
+        return self.kernel_packed is not None
+
+    @property
+    def kind(self) -> str:
+        """Which GEMM serves: "bf16-kernel", "onednn" or "torch" (latency profiles are keyed by it)."""
+        return "bf16-kernel" if self.kernel_packed is not None else "onednn" if self.packed is not None else "torch"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in]. On CPU give it two or more rows: a single row takes oneDNN/MKL's GEMV
-        path, whose sums differ in the last bit from the GEMM path every M >= 2 shares (measured:
-        M = 2..256 agree row for row), and plain decoding must equal verification. LlamaModel.forward
-        runs a lone decode row as two for that reason."""
+        """x [..., in]. On CPU without the kernel give it two or more rows: a single row takes
+        oneDNN/MKL's GEMV path, whose sums differ in the last bit from the GEMM path every M >= 2
+        shares (measured: M = 2..256 agree row for row), and plain decoding must equal
+        verification. LlamaModel.forward runs a lone decode row as two for that reason."""
+        if self.kernel_packed is not None:
+            return self._kernels.bf16_linear(x, self.kernel_packed, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -168,8 +168,11 @@ def _faster_head(weight: torch.Tensor) -> Linear:
     The reference model's head on the Intel AMX machines: F.linear 3.5 ms, packed 4.2; on a Zen 4
     guest: F.linear 3.2 ms, packed 1.7. Both are row-invariant up to LOGITS_BLOCK_ROWS; packing is
     taken only if it gives F.linear's bits for 2 to LOGITS_BLOCK_ROWS rows of a probe, so the
-    choice never changes a token. ~20 head passes once per model load."""
+    choice never changes a token. ~20 head passes once per model load. Where tide.kernels' bf16
+    GEMM serves (Linear's first choice), it serves the head too: no choice to make."""
     plain = Linear(weight)
+    if plain.row_exact:
+        return plain
     packed = Linear(weight, pack_wide=True)
     if packed.packed is None or plain.packed is not None:
         return plain
@@ -194,11 +197,12 @@ def _faster_head(weight: torch.Tensor) -> Linear:
 def vocab_logits(rows: torch.Tensor, head) -> torch.Tensor:
     """rows [R, H] @ head[V, H].T in GEMMs of 2 to LOGITS_BLOCK_ROWS rows (batch-invariant). A lone
     row goes as two, as in the projections (see Linear): MKL's float32 GEMV rounds differently
-    from its GEMM."""
-    if rows.shape[0] == 1 and rows.device.type == "cpu" and not getattr(head, "row_exact", False):
+    from its GEMM. A `row_exact` head takes any number of rows in one GEMM."""
+    row_exact = getattr(head, "row_exact", False)
+    if rows.shape[0] == 1 and rows.device.type == "cpu" and not row_exact:
         return head(rows.expand(2, -1))[:1]
     R = rows.shape[0]
-    if R <= LOGITS_BLOCK_ROWS:
+    if R <= LOGITS_BLOCK_ROWS or row_exact:
         return head(rows)
     starts = list(range(0, R, LOGITS_BLOCK_ROWS))
     if R - starts[-1] == 1:  # never a block of one row (the GEMV path): end on 2
@@ -245,9 +249,6 @@ class LlamaModel:
             else "lm_head.weight"
         self.head = linear([head_name], head=True, fmt=weight_format)
         self.lm_head = getattr(self.head, "weight", None)  # [V, H] in `dtype` when the head is not quantized
-        # A lone decode row goes through the float projections as two (see `forward`); the
-        # quantized kernels give a row the same bits whatever the row count.
-        self._pair_single_row = self.device.type == "cpu" and not quantized
         # Per layer (ln1, qkv, o, ln2, gate|up, down): the projections decode and verification use.
         self.layers = []
         # With quantized weights, prompts (ForwardBatch.prefill) go through float copies of the
@@ -269,6 +270,11 @@ class LlamaModel:
                                 tensor(p + "post_attention_layernorm.weight"), gate_up, down))
             if quantized:
                 self.prefill_linears.append(tuple(linear(n, bias if j == 0 else None) for j, n in enumerate(names)))
+        # A lone decode row goes through the projections as two (see `forward`) unless every one of
+        # them gives a row the same bits whatever the row count (the quantized kernels, and
+        # tide.kernels' bf16 GEMM: `row_exact`).
+        self._pair_single_row = self.device.type == "cpu" and not all(
+            getattr(lin, "row_exact", False) for layer in self.layers for lin in layer[1:3] + layer[4:])
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.ensure_positions(cfg.max_position_embeddings)
         self._aux = cfg.aux_layers if cfg.num_layers >= 4 else ()

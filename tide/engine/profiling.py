@@ -251,7 +251,8 @@ def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags) -> d
             # quantized weights (tide.quant) step at other costs; float keys stay as they were
             **({"weights": model.weight_format} if getattr(model, "weight_format", "float") != "float" else {}),
             # on CPU: the fused kernels or torch ops (tide.kernels), and the lm_head's GEMM
-            **({"cpu_ops": kernels.path_name(), "head_packed": getattr(model.head, "packed", None) is not None}
+            **({"cpu_ops": kernels.path_name(), "head_packed": getattr(model.head, "packed", None) is not None,
+                "gemm": getattr(model.layers[0][1], "kind", "quantized")}
                if model.device.type == "cpu" else {})}
 
 

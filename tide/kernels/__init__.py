@@ -31,10 +31,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "bf16_gemm.cpp")]
 # No -ffast-math (reductions keep the order written) and no FMA contraction (a vectorised body
-# and its scalar tail would otherwise round the same expression differently).
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+# and its scalar tail would otherwise round the same expression differently). -fopenmp: without it
+# ATen's at::parallel_for compiles to a plain loop (one thread); the module then uses the libgomp
+# torch has already loaded (same soname), so its threads are torch's.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ENV = "TIDE_CPU_KERNELS"
 
 _lock = threading.Lock()
@@ -72,7 +74,7 @@ def _cpu_fingerprint() -> str:
 def build_dir() -> Path:
     # torch's install path too: the build compiles against its headers by path, so two virtual
     # environments sharing one cache would otherwise rebuild for each other
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), torch.__file__.encode(),
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), torch.__file__.encode(),
                                      " ".join(FLAGS).encode(), _cpu_fingerprint().encode()])).hexdigest()[:16]
     root = Path(os.environ.get("TIDE_CACHE_DIR", Path.home() / ".cache" / "tide"))
     return root / "kernels" / key
@@ -107,10 +109,13 @@ def _load():
             os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
         # Built from a copy inside the keyed directory: the loader rebuilds whenever the source's
         # path changes, and two checkouts of one version would otherwise rebuild for each other.
-        source = path / SOURCE.name
-        if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
-            source.write_bytes(SOURCE.read_bytes())
-        return cpp_extension.load(name="tide_cpu_ops", sources=[str(source)], extra_cflags=FLAGS,
+        sources = []
+        for original in SOURCES:
+            source = path / original.name
+            if not source.exists() or source.read_bytes() != original.read_bytes():
+                source.write_bytes(original.read_bytes())
+            sources.append(str(source))
+        return cpp_extension.load(name="tide_cpu_ops", sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                   build_directory=str(path), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: run the torch ops instead
         with contextlib.suppress(OSError):
