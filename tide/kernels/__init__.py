@@ -74,8 +74,9 @@ def _cpu_fingerprint() -> str:
 def build_dir() -> Path:
     # torch's install path too: the build compiles against its headers by path, so two virtual
     # environments sharing one cache would otherwise rebuild for each other
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), torch.__file__.encode(),
-                                     " ".join(FLAGS).encode(), _cpu_fingerprint().encode()])).hexdigest()[:16]
+    parts = [*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), torch.__file__.encode(),
+             " ".join(FLAGS).encode(), _cpu_fingerprint().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     root = Path(os.environ.get("TIDE_CACHE_DIR", Path.home() / ".cache" / "tide"))
     return root / "kernels" / key
 
