@@ -1,4 +1,4 @@
-"""tide.kernels' bf16 GEMM (bf16_gemm.cpp), the projections' and lm_head's path on CPUs with
+"""tide.kernels' bf16 GEMM (gemm.cpp), the projections' and lm_head's path on CPUs with
 AVX512_BF16: accurate against float64, and a row's output the same bits whatever shares its call
 (the property lossless speculation stands on: verification must reproduce plain decoding)."""
 
@@ -83,3 +83,20 @@ def test_linear_takes_the_kernel_for_bf16_and_falls_back_where_it_cannot(ops):
     assert torch.allclose(odd(x).float(), (x.float() @ odd.weight.float().T), rtol=0.02, atol=0.05)
     with kernels.disabled():
         assert Linear(_tensor(960, 576, seed=10)).kind != "bf16-kernel"
+
+
+def test_int8_weights_match_their_dequantized_values_and_keep_rows_invariant(ops):
+    from tide.quant import Int8Linear
+
+    w, bias = _tensor(960, 576, seed=13, scale=0.05).float(), _tensor(960, seed=14)
+    lin = Int8Linear(w, bias, torch.bfloat16)
+    assert lin.kind == "int8-kernel"
+    rows = _tensor(40, 576, seed=15, scale=3.0)
+    y = lin(rows)
+    q = torch.round(w / lin.scale.float()[:, None]).clamp(-127, 127)
+    ref = (rows.double() @ q.double().T) * lin.scale.double() + bias.double()
+    bound = ref.abs() * 2.0 ** -8 + (rows.double().abs() @ q.double().abs().T) * lin.scale.double() * 576 * 2.0 ** -24
+    assert bool(((y.double() - ref).abs() <= bound).all())
+    alone = torch.cat([lin(rows[i:i + 1]) for i in range(rows.shape[0])])
+    assert torch.equal(y, alone)
+    assert torch.equal(lin(rows[3:20]), alone[3:20])

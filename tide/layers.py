@@ -120,6 +120,7 @@ class Linear:
                 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0):
             self.kernel_packed = kernels.bf16_pack(weight)
             self._kernels = kernels
+            self._bias32 = None if bias is None else bias.float()  # the kernel adds it in float32
             return
         wide_ok = pack_wide or weight.shape[0] <= self.PACK_MAX_OUT
         if weight.device.type == "cpu" and wide_ok and _can_pack(weight.dtype):
@@ -141,7 +142,7 @@ class Linear:
         shares (measured: M = 2..256 agree row for row), and plain decoding must equal
         verification. LlamaModel.forward runs a lone decode row as two for that reason."""
         if self.kernel_packed is not None:
-            return self._kernels.bf16_linear(x, self.kernel_packed, self.bias)
+            return self._kernels.bf16_linear(x, self.kernel_packed, self._bias32)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

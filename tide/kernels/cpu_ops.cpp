@@ -377,9 +377,12 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
 constexpr bool kHasDecodeAttention = false;
 #endif
 
-// bf16_gemm.cpp
+// gemm.cpp
 torch::Tensor bf16_pack(const torch::Tensor& w);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
+torch::Tensor int8_pack(const torch::Tensor& q);
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const c10::optional<torch::Tensor>& bias);
 bool has_bf16_gemm();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -394,4 +397,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_bf16_gemm") = has_bf16_gemm();
   m.def("bf16_pack", &bf16_pack, "W [N, K] bf16 -> the layout bf16_linear reads");
   m.def("bf16_linear", &bf16_linear, "x @ W.T, bf16, row-invariant (AVX512_BF16)");
+  m.def("int8_pack", &int8_pack, "q [N, K] int8 -> the layout int8_linear reads");
+  m.def("int8_linear", &int8_linear, "(x @ q.T) * scale + bias, bf16 x, int8 q, row-invariant (AVX512_BF16)");
 }

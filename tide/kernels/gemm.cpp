@@ -1,0 +1,195 @@
+// y = x @ W.T for bf16 weights, and for int8 weights with a scale per output feature, on CPUs with
+// AVX512_BF16 (Zen 4, Sapphire Rapids and later): the engine's projections and lm_head
+// (tide.layers.Linear, tide.quant.Int8Linear).
+//
+// Why: a decode step streams every weight once. oneDNN's pre-packed GEMM read the reference
+// model's 576-wide projections at ~16 GB/s on the 2-vCPU Zen 4 guest, where a plain sum reads
+// 31 GB/s: its per-call set-up and blocking are made for big GEMMs, not for 1-16 rows of a 0.7 MB
+// matrix (docs/results/engine-step).
+//
+// Layout (`bf16_pack`, `int8_pack`): W [N, K] becomes [N/16, K/2, 16, 2]: for each block of 16
+// output features, K/2 pair-rows, each holding the pair (k, k+1) of all 16 features: one VDPBF16PS
+// operand (64 bytes in bf16; 32 in int8, widened to bf16 in registers, exactly: |q| <= 127 fits
+// bf16's 8-bit significand). int8 weights are y = (x @ q.T) * scale + bias, one scale per feature.
+//
+// Row invariance by construction: every output element is one float32 accumulator that starts at
+// zero and takes the pairs k = 0, 2, 4, ... in order, one VDPBF16PS each (a fixed-rounding
+// instruction: round to nearest even, denormals flushed), then (int8) multiplies by the scale, adds
+// the bias and rounds to bf16 once. Neither the number of rows, nor the row tiling, nor the thread split changes that
+// sequence, so a token's outputs are the same bits in a lone decode row, in a verification of
+// several, or in a prompt.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+
+namespace {
+
+constexpr int64_t COLS = 16;  // output features per block: one float32 register
+constexpr int MAX_ROWS = 6;   // rows per register tile (6 x 4 accumulators + 4 weights + 1 row value)
+constexpr int MAX_BLOCKS = 4; // blocks per register tile
+
+// One pair-row of a block (32 weights) as bf16.
+inline __m512bh load_pairs(const uint16_t* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(p)));
+}
+
+inline __m512bh load_pairs(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+inline __m512bh pair_of(const uint16_t* p) {  // x[k], x[k+1] in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(v));
+}
+
+// RT rows x CB blocks of 16 features: y[r, 16 c + j] for r < RT, c < CB. `w` is block 0's first
+// pair-row, `block` the weights (elements) from one block to the next; `scale` (int8) and `bias`
+// start at the tile's first feature, or are null.
+template <int RT, int CB, typename W>
+void tile(const uint16_t* x, int64_t ldx, const W* w, int64_t block, int64_t pairs, uint16_t* y, int64_t ldy,
+          const float* scale, const float* bias) {
+  __m512 acc[RT][CB];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[CB];
+    for (int c = 0; c < CB; ++c) wv[c] = load_pairs(w + c * block + p * 2 * COLS);
+    for (int r = 0; r < RT; ++r) {
+      const __m512bh xv = pair_of(x + r * ldx + 2 * p);
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CB; ++c) {
+      __m512 v = acc[r][c];
+      if (scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale + c * COLS));
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c * COLS));
+      const __m256bh out = _mm512_cvtneps_pbh(v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + c * COLS), reinterpret_cast<__m256i>(out));
+    }
+}
+
+template <typename W>
+using TileFn = void (*)(const uint16_t*, int64_t, const W*, int64_t, int64_t, uint16_t*, int64_t, const float*,
+                        const float*);
+
+template <int RT, typename W>
+TileFn<W> tile_for(int cb) {
+  switch (cb) {
+    case 1: return &tile<RT, 1, W>;
+    case 2: return &tile<RT, 2, W>;
+    case 3: return &tile<RT, 3, W>;
+    default: return &tile<RT, 4, W>;
+  }
+}
+
+template <typename W>
+TileFn<W> tile_for(int rt, int cb) {
+  switch (rt) {
+    case 1: return tile_for<1, W>(cb);
+    case 2: return tile_for<2, W>(cb);
+    case 3: return tile_for<3, W>(cb);
+    case 4: return tile_for<4, W>(cb);
+    case 5: return tile_for<5, W>(cb);
+    default: return tile_for<6, W>(cb);
+  }
+}
+
+torch::Tensor pack(const torch::Tensor& w, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype, name, ": a 2-D ", c10::toString(dtype), " weight");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % COLS == 0 && K % 2 == 0, name, ": N a multiple of 16 and K even");
+  return w.contiguous().view({N / COLS, COLS, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+c10::optional<torch::Tensor> floats(const c10::optional<torch::Tensor>& t, int64_t n, const char* what) {
+  if (!t.has_value() || !t->defined()) return c10::nullopt;
+  auto f = t->to(at::kFloat).contiguous();
+  TORCH_CHECK(f.numel() == n, what, " must have one value per output feature (", n, ")");
+  return f;
+}
+
+// x [..., K] bf16 -> [..., N] bf16 over a packed weight of element type W.
+template <typename W>
+torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale_in,
+                     const c10::optional<torch::Tensor>& bias_in, at::ScalarType wtype, const char* name) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == wtype, name, ": bf16 input and ",
+              c10::toString(wtype), " weight");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x_in.size(-1) && packed.is_contiguous(), name,
+              ": packed [N/16, K/2, 16, 2] matching x's last dim");
+  const int64_t K = x_in.size(-1), blocks = packed.size(0), N = blocks * COLS, pairs = K / 2;
+  const auto x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  const auto scale = floats(scale_in, N, "scale");
+  const auto bias = floats(bias_in, N, "bias");
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x_in.options());
+  if (M == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const W*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const float* sp = scale ? scale->data_ptr<float>() : nullptr;
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const int64_t block = K * COLS;
+  // Threads split the output features, at least ~32 KB of weights each: a thread's wake-up costs a
+  // few microseconds, the time to stream ~100 KB.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (block * static_cast<int64_t>(sizeof(W))));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b += MAX_BLOCKS) {
+      const int cb = static_cast<int>(std::min<int64_t>(MAX_BLOCKS, b1 - b));
+      for (int64_t r = 0; r < M; r += MAX_ROWS) {
+        const int rt = static_cast<int>(std::min<int64_t>(MAX_ROWS, M - r));
+        tile_for<W>(rt, cb)(xp + r * K, K, wp + b * block, block, pairs, yp + r * N + b * COLS, N,
+                            sp ? sp + b * COLS : nullptr, bp ? bp + b * COLS : nullptr);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+constexpr bool kHasBf16Gemm = true;
+
+// W [N, K] bf16 (N a multiple of 16, K even) -> [N/16, K/2, 16, 2] (see the layout above).
+torch::Tensor bf16_pack(const torch::Tensor& w) { return pack(w, at::kBFloat16, "bf16_pack"); }
+
+// q [N, K] int8 -> [N/16, K/2, 16, 2].
+torch::Tensor int8_pack(const torch::Tensor& q) { return pack(q, at::kChar, "int8_pack"); }
+
+// x [..., K] bf16, packed from bf16_pack, bias [N] or None -> [..., N] bf16.
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  return linear<uint16_t>(x, packed, c10::nullopt, bias, at::kBFloat16, "bf16_linear");
+}
+
+// x [..., K] bf16, packed from int8_pack, scale [N], bias [N] or None -> (x @ q.T) * scale + bias, bf16.
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const c10::optional<torch::Tensor>& bias) {
+  return linear<int8_t>(x, packed, scale, bias, at::kChar, "int8_linear");
+}
+
+#else
+constexpr bool kHasBf16Gemm = false;
+torch::Tensor bf16_pack(const torch::Tensor&) { TORCH_CHECK(false, "bf16_pack needs AVX512_BF16"); }
+torch::Tensor int8_pack(const torch::Tensor&) { TORCH_CHECK(false, "int8_pack needs AVX512_BF16"); }
+torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "bf16_linear needs AVX512_BF16");
+}
+torch::Tensor int8_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                          const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "int8_linear needs AVX512_BF16");
+}
+#endif
+
+bool has_bf16_gemm() { return kHasBf16Gemm; }
