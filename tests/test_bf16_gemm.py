@@ -100,3 +100,73 @@ def test_int8_weights_match_their_dequantized_values_and_keep_rows_invariant(ops
     alone = torch.cat([lin(rows[i:i + 1]) for i in range(rows.shape[0])])
     assert torch.equal(y, alone)
     assert torch.equal(lin(rows[3:20]), alone[3:20])
+
+
+@pytest.fixture(scope="module", params=["float", "int8"])
+def tiny_bf16_model(ops, tmp_path_factory, request):
+    """The tiny target with bf16 activations: bf16 weights, or int8 weights (tide.quant)."""
+    from support.engine import save_tiny_target
+
+    from tide.engine.llama import LlamaModel
+
+    model = LlamaModel.load(save_tiny_target(tmp_path_factory.mktemp("bf16-target")), dtype=torch.bfloat16,
+                            weight_format=request.param)
+    assert model._layer_args is not None and not model._pair_single_row  # every projection on the kernel
+    return model
+
+
+def _decode(model, cache, ids, starts, slots, capture=False, one_call=True):
+    from tide.engine.llama import ForwardBatch
+
+    B, q = ids.shape
+    positions = torch.tensor(starts)[:, None] + torch.arange(q)[None]
+    kv_len = int(positions.max()) + 1
+    mask = torch.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
+    consecutive = slots == list(range(slots[0], slots[0] + B))
+    fb = ForwardBatch(ids, positions, torch.tensor(slots), kv_len, mask if q > 1 or B > 1 else None,
+                      slot_range=(slots[0], slots[0] + B) if consecutive else None, capture=capture)
+    saved = model._layer_args
+    model._layer_args = saved if one_call else None
+    try:
+        return model.forward(fb, cache)
+    finally:
+        model._layer_args = saved
+
+
+def test_a_decode_layer_in_one_call_gives_the_per_op_loops_bits(tiny_bf16_model):
+    """LlamaModel.forward's one-call layer (tide.kernels' decode_layer) against its per-op loop:
+    lone decode rows, a verification of 4 tokens for 2 sequences in scattered slots, capture."""
+    model = tiny_bf16_model
+    g = torch.Generator().manual_seed(16)
+    prompt = torch.randint(3, 96, (2, 20), generator=g)
+    results = {}
+    for one_call in (True, False):
+        cache = model.new_cache(4, 64)
+        for b, slot in enumerate((3, 1)):  # prompts: the same (prefill) path either way
+            _decode(model, cache, prompt[b:b + 1], [0], [slot], one_call=False)
+        out = [_decode(model, cache, prompt[:1, :1], [20], [3], one_call=one_call)]
+        out.append(_decode(model, cache, prompt[:, 4:8], [21, 20], [3, 1], capture=True, one_call=one_call))
+        results[one_call] = out
+    for fast, slow in zip(results[True], results[False], strict=True):
+        for a, b in zip(fast, slow, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_speculation_on_the_kernels_emits_plain_decodings_tokens(tiny_bf16_model):
+    from support.engine import ScriptedDrafter
+
+    from tide.engine.engine import EngineConfig, LLMEngine
+    from tide.engine.sequence import SamplingParams
+    from tide.policies import FixedGamma
+
+    g = torch.Generator().manual_seed(17)
+    prompts = [(torch.randint(3, 96, (n,), generator=g).tolist() * 3)[:3 * n] for n in (4, 9, 6)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    config = EngineConfig(max_batch=4, max_seq_len=256)
+    plain = [s.output_ids for s in LLMEngine(tiny_bf16_model, config).generate(prompts, params)]
+    for batch in (1, 3):
+        drafter = ScriptedDrafter({f"gen-0-{i}": out for i, out in enumerate(plain)}, 96, corrupt_every=4)
+        engine = LLMEngine(tiny_bf16_model, config, drafter=drafter, policy=FixedGamma(4))
+        spec = engine.generate(prompts[:batch], params)
+        assert [s.output_ids for s in spec] == plain[:batch]
+        assert sum(s.accepted_tokens for s in spec) > 0

@@ -132,6 +132,12 @@ class Linear:
         return self.kernel_packed is not None
 
     @property
+    def kernel_args(self) -> tuple | None:
+        """(packed weight, scale, float32 bias) as tide.kernels' decode_layer takes a projection, or
+        None where this one does not run on the kernel."""
+        return None if self.kernel_packed is None else (self.kernel_packed, None, self._bias32)
+
+    @property
     def kind(self) -> str:
         """Which GEMM serves: "bf16-kernel", "onednn" or "torch" (latency profiles are keyed by it)."""
         return "bf16-kernel" if self.kernel_packed is not None else "onednn" if self.packed is not None else "torch"

@@ -62,6 +62,11 @@ class Int8Linear:
             self.q = q
 
     @property
+    def kernel_args(self) -> tuple | None:
+        """As tide.layers.Linear.kernel_args: (packed q, float32 scale, float32 bias), or None."""
+        return None if self._kernels is None else (self.q, self._scale32, self._bias32)
+
+    @property
     def kind(self) -> str:
         return "int8-kernel" if self._kernels is not None else "int8-torch"
 

@@ -275,9 +275,18 @@ class LlamaModel:
         # tide.kernels' bf16 GEMM: `row_exact`).
         self._pair_single_row = self.device.type == "cpu" and not all(
             getattr(lin, "row_exact", False) for layer in self.layers for lin in layer[1:3] + layer[4:])
+        # Each layer's projections as tide.kernels' decode_layer takes them, where all four run on
+        # the kernels (then a decode or verification layer is one call: see `forward`).
+        self._layer_args = self._kernel_layer_args([layer[1:3] + layer[4:] for layer in self.layers])
+        self._prefill_layer_args = self._kernel_layer_args(self.prefill_linears) if quantized else self._layer_args
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.ensure_positions(cfg.max_position_embeddings)
         self._aux = cfg.aux_layers if cfg.num_layers >= 4 else ()
+
+    @staticmethod
+    def _kernel_layer_args(layers) -> list[tuple] | None:
+        args = [tuple(getattr(lin, "kernel_args", None) for lin in projections) for projections in layers]
+        return args if args and all(a is not None for layer in args for a in layer) else None
 
     def ensure_positions(self, n: int) -> None:
         """Make the RoPE tables cover positions [0, n) (the cache may hold slack rows past the context)."""
@@ -343,10 +352,24 @@ class LlamaModel:
         a, b = fb.slot_range or span or (0, 0)
         aux: dict[int, torch.Tensor] = {}
         prefill_float = fb.prefill and bool(self.prefill_linears)
+        # Few query tokens a sequence, every projection on the kernels: one kernel call a layer
+        # (tide.kernels' decode_layer: the same kernels in the same order as the loop below).
+        layer_args = self._prefill_layer_args if prefill_float else self._layer_args
+        one_call = (fused is not None and small and span is None and not pair and layer_args is not None
+                    and fused.has_decode_attention and x.dtype == torch.bfloat16)
+        slot_lo, slot_hi = fb.slot_range or (-1, -1)
         # Each residual add is fused with the norm after it (add_rms_norm): the MLP's output waits
         # in `delta` for the next layer's input norm, or the final norm.
         delta = None
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
+            if one_call:
+                x, delta = fused.decode_layer(x, delta, ln1, ln2, cfg.rms_norm_eps, *layer_args[i], cache.k[i],
+                                              cache.v[i], cos_rows, sin_rows, fb.slots, fb.positions, slot_lo,
+                                              slot_hi, kv_len, bias, nh, nkv)
+                if fb.capture and i in self._aux:
+                    x, delta = x + delta, None
+                    aux[i] = x
+                continue
             if prefill_float:
                 qkv_proj, o_proj, gate_up_proj, down_proj = self.prefill_linears[i]
             if delta is None:

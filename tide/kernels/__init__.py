@@ -31,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "gemm.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "gemm.cpp", "layer.cpp")]
 # No -ffast-math (reductions keep the order written) and no FMA contraction (a vectorised body
 # and its scalar tail would otherwise round the same expression differently). -fopenmp: without it
 # ATen's at::parallel_for compiles to a plain loop (one thread); the module then uses the libgomp

@@ -384,6 +384,17 @@ torch::Tensor int8_pack(const torch::Tensor& q);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const c10::optional<torch::Tensor>& bias);
 bool has_bf16_gemm();
+// layer.cpp
+std::tuple<torch::Tensor, torch::Tensor> decode_layer(
+    const torch::Tensor& x, const c10::optional<torch::Tensor>& delta, const torch::Tensor& ln1,
+    const torch::Tensor& ln2, double eps,
+    const std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>& qkv,
+    const std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>& o,
+    const std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>& gate_up,
+    const std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>& down,
+    torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
+    const torch::Tensor& slots, const torch::Tensor& positions, int64_t slot_lo, int64_t slot_hi, int64_t kv_len,
+    const c10::optional<torch::Tensor>& bias, int64_t hq, int64_t hkv);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (rows independent)");
@@ -398,5 +409,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack, "W [N, K] bf16 -> the layout bf16_linear reads");
   m.def("bf16_linear", &bf16_linear, "x @ W.T, bf16, row-invariant (AVX512_BF16)");
   m.def("int8_pack", &int8_pack, "q [N, K] int8 -> the layout int8_linear reads");
+  m.def("decode_layer", &decode_layer, "one decoder layer for few query tokens a sequence (layer.cpp)");
   m.def("int8_linear", &int8_linear, "(x @ q.T) * scale + bias, bf16 x, int8 q, row-invariant (AVX512_BF16)");
 }
