@@ -151,20 +151,21 @@ def capture_overhead(model: LlamaModel, exporter, prompts, batch: int, max_token
             "rows_exported": exporter.stats.tokens_exported - before}
 
 
-def kernels_ab(model: LlamaModel, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
-    """Plain greedy decoding, tok/s, the engine's CPU paths side by side in one process: torch ops
-    with F.linear's lm_head (the engine before tide.kernels), the fused kernels with that head, and
-    the fused kernels with the head this machine chose (LlamaModel's `_faster_head`: what serves).
-    Batch 1 (4 prompts one after another) and 16; every round runs each variant once, in rotated
-    order; medians of tok/s and of the per-round ratios to the first variant."""
+def kernels_ab(model: LlamaModel, baseline: LlamaModel, prompts: list[list[int]], max_tokens: int,
+               rounds: int) -> dict:
+    """Plain greedy decoding, tok/s, the engine's CPU paths side by side in one process:
+    `torch_ops` (torch ops, oneDNN or torch's own GEMMs: the engine before tide.kernels),
+    `fused_ops` (the fused elementwise kernels, the same GEMMs, one Python call an op) and
+    `kernels` (what serves: the kernels' GEMMs too, and one call a decoder layer). `baseline` is
+    the same model loaded under `tide.kernels.disabled()` (its projections built without the
+    kernels' GEMMs). Batch 1 (4 prompts one after another) and 16; every round runs each variant
+    once, in rotated order; medians of tok/s and of the per-round ratios to the first variant."""
     from tide import kernels
-    from tide.layers import Linear
 
-    chosen = model.head
-    plain_head = Linear(chosen.weight) if getattr(chosen, "packed", None) is not None else chosen
-    variants = {"torch_ops": (False, plain_head), "kernels": (True, plain_head), "kernels_head": (True, chosen)}
-    out: dict = {"head_packed": getattr(chosen, "packed", None) is not None, "rounds": rounds,
-                 "max_tokens": max_tokens, "kernels_built": kernels.ops() is not None}
+    variants = {"torch_ops": (baseline, False), "fused_ops": (baseline, True), "kernels": (model, True)}
+    out: dict = {"rounds": rounds, "max_tokens": max_tokens, "kernels_built": kernels.ops() is not None,
+                 "gemm": getattr(model.layers[0][1], "kind", "?"), "baseline_gemm": getattr(baseline.layers[0][1],
+                                                                                              "kind", "?")}
     for b, batch_prompts in ((1, prompts[:4]), (16, prompts[:16])):
         tok_s: dict[str, list[float]] = {k: [] for k in variants}
         engine_cfg = EngineConfig(max_batch=b, max_seq_len=1024)
@@ -172,14 +173,11 @@ def kernels_ab(model: LlamaModel, prompts: list[list[int]], max_tokens: int, rou
             names = list(variants)
             names = names[r % len(names):] + names[:r % len(names)]
             for name in names:
-                on, head = variants[name]
-                model.head = head
-                ctx = contextlib.nullcontext() if on else kernels.disabled()
-                with ctx:
-                    rate = throughput(LLMEngine(model, engine_cfg), batch_prompts, max_tokens, ignore_eos=True)[0]
+                m, on = variants[name]
+                with contextlib.nullcontext() if on else kernels.disabled():
+                    rate = throughput(LLMEngine(m, engine_cfg), batch_prompts, max_tokens, ignore_eos=True)[0]
                 if r:
                     tok_s[name].append(rate)
-        model.head = chosen
         base = tok_s["torch_ops"]
         out[f"batch_{b}"] = {
             name: {"tok_s": round(statistics.median(v), 2),
@@ -209,10 +207,14 @@ def run(args) -> dict:
                     "threads": torch.get_num_threads(),
                     **serving, "wall_s": round(time.perf_counter() - t_start, 1)}
     if args.kernels_only:
-        print("fused CPU kernels vs torch ops, plain greedy decoding:", flush=True)
+        from tide import kernels
+
+        with kernels.disabled():
+            baseline = LlamaModel.load(target, dtype=dtype, weight_format=weight_format)
+        print("CPU kernels vs torch ops, plain greedy decoding:", flush=True)
         return {"target": target.model_id, "dtype": dtype_name(dtype), "weights": weight_format,
                 "threads": torch.get_num_threads(), "cpu": cpu_name(),
-                "kernels_ab": kernels_ab(model, prompts, 64, 3 if quick else 7),
+                "kernels_ab": kernels_ab(model, baseline, prompts, 64, 3 if quick else 7),
                 "wall_s": round(time.perf_counter() - t_start, 1)}
     reps = 5 if quick else 15
     batches, gammas = [1, 4, 16], list(range(6))
