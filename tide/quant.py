@@ -27,6 +27,7 @@ import functools
 import torch
 
 from tide.kernels import use_for
+from tide.resources import one_torch_thread
 
 INT4_GROUP = 32  # inputs per (scale, zero) pair: GGUF's Q4 block; the kernel takes 32, 64, 128 or 256
 INT4_ROWS_MULTIPLE = 16  # the int4 packing needs output rows in multiples of 16
@@ -128,9 +129,18 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, 
 
 @functools.cache
 def supported(fmt: str, device_type: str = "cpu") -> bool:
-    """True when this torch build has `fmt`'s kernel for `device_type` (CPU kernels only)."""
+    """True when this torch build has `fmt`'s kernel for `device_type` (CPU kernels only).
+
+    The probe runs on one thread: it is called where settings are resolved (a service's main
+    thread), and an OpenMP pool started there would outlive it and halve the model thread's speed
+    (tide.resources.one_torch_thread: an int8 worker's batch-1 step took 15 ms instead of 8.5)."""
     if device_type != "cpu":
         return False
+    with one_torch_thread():
+        return _probe(fmt)
+
+
+def _probe(fmt: str) -> bool:
     try:
         w = torch.linspace(-1, 1, 16 * INT4_GROUP).reshape(16, INT4_GROUP)
         x = torch.linspace(1, -0.5, 2 * INT4_GROUP).reshape(2, INT4_GROUP)
