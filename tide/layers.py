@@ -108,8 +108,11 @@ class Linear:
 
     PACK_MAX_OUT = 8192  # above this many output features F.linear wins (lm_head: 3.5 vs 4.2 ms)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack_wide: bool = False) -> None:
-        """`pack_wide`: pre-pack whatever the width (where row invariance matters more than speed)."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack_wide: bool = False,
+                 keep_weight: bool = True) -> None:
+        """`pack_wide`: pre-pack whatever the width (where row invariance matters more than speed).
+        `keep_weight=False`: where the kernel serves, drop the [out, in] tensor (`weight` is then
+        None): it is never read again, and the reference model's projections are 212 MB in bf16."""
         self.weight = weight
         self.bias = bias
         self.packed = None
@@ -121,6 +124,8 @@ class Linear:
             self.kernel_packed = kernels.bf16_pack(weight)
             self._kernels = kernels
             self._bias32 = None if bias is None else bias.float()  # the kernel adds it in float32
+            if not keep_weight:
+                self.weight = None
             return
         wide_ok = pack_wide or weight.shape[0] <= self.PACK_MAX_OUT
         if weight.device.type == "cpu" and wide_ok and _can_pack(weight.dtype):
@@ -130,6 +135,11 @@ class Linear:
     def row_exact(self) -> bool:
         """A row's output is the same bits whatever the number of rows, one row included."""
         return self.kernel_packed is not None
+
+    def nbytes(self) -> int:
+        """Bytes of the weight a call reads (the kernel's packed copy where it serves)."""
+        w = self.kernel_packed if self.kernel_packed is not None else self.weight
+        return w.numel() * w.element_size()
 
     @property
     def kernel_args(self) -> tuple | None:

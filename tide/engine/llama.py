@@ -241,7 +241,7 @@ class LlamaModel:
             if fmt != "float" and not (head and fmt == "int4"):
                 return quantized_linear(torch.cat([weights[n].float() for n in names]), bias, fmt, dtype)
             w = tensor(names[0]) if len(names) == 1 else torch.cat([tensor(n) for n in names])
-            return logits_head(w) if head else Linear(w, bias)
+            return logits_head(w) if head else Linear(w, bias, keep_weight=False)
 
         self.embed = tensor("model.embed_tokens.weight")
         self.norm = tensor("model.norm.weight")
