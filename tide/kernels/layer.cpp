@@ -64,8 +64,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layer(
     keys = k_cache.slice(0, slot_lo, slot_hi).slice(2, 0, kv_len);
     values = v_cache.slice(0, slot_lo, slot_hi).slice(2, 0, kv_len);
   } else {
-    keys = k_cache.index_select(0, slots).slice(2, 0, kv_len);
-    values = v_cache.index_select(0, slots).slice(2, 0, kv_len);
+    keys = k_cache.slice(2, 0, kv_len).index_select(0, slots);  // copies kv_len keys a slot, not the whole row
+    values = v_cache.slice(2, 0, kv_len).index_select(0, slots);
   }
   const int64_t B = x.size(0), T = x.size(1), D = q.size(3);
   const auto attn = decode_attention(q, keys, values, bias).transpose(1, 2).reshape({B, T, hq * D});
