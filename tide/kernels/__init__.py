@@ -1,16 +1,19 @@
-"""Fused CPU kernels (cpu_ops.cpp) for the engine's small per-token ops, built once per machine.
+"""The engine's CPU kernels, built once per machine: cpu_ops.cpp (the small per-token ops: norms,
+silu*up, RoPE with the cache writes, decode attention), gemm.cpp (row-invariant bf16 and int8-weight
+GEMMs for the projections and the lm_head, AVX512_BF16) and layer.cpp (a decode layer in one call).
 
 `ops()` returns the compiled module, or None where it cannot be had; callers then run the same
 math with torch ops. Built at first use with the system C++ compiler through torch's extension
-loader (~25 s on 2 cores, `-O3 -march=native`) into `$TIDE_CACHE_DIR/kernels/<key>`, where the key
-hashes the source, torch's version and install path, and this CPU's model and flags, so a cache
+loader (~45-60 s on 2 cores, `-O3 -march=native`) into `$TIDE_CACHE_DIR/kernels/<key>`, where the
+key hashes the sources, torch's version and install path, and this CPU's model and flags, so a cache
 shared between machines never hands one CPU another's build. Later processes load the built module
 in well under a second. `make setup` builds it, so neither a service's start nor a test pays the compile.
 
 `TIDE_CPU_KERNELS=0` turns them off (the torch-op path everywhere). No compiler, or a failed build:
 one warning in the log naming the compiler's output (`build-error.log`, which also stops later
 processes from trying again), and the torch-op path. The decode-attention kernel needs AVX-512;
-without it attention alone takes the torch path (`has_decode_attention`).
+without it attention alone takes the torch path (`has_decode_attention`); the GEMMs need
+AVX512_BF16, without it the projections take oneDNN's or torch's (`has_bf16_gemm`).
 
 The kernels give each row the same bits whatever the number of rows (see cpu_ops.cpp), as the
 torch ops they replace do, so batched verification still equals plain decoding. They are not
