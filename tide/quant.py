@@ -54,7 +54,7 @@ class Int8Linear:
         kernels = use_for(q)
         self._kernels = None
         if (kernels is not None and getattr(kernels, "has_bf16_gemm", False) and dtype == torch.bfloat16
-                and q.shape[0] % 16 == 0 and q.shape[1] % 2 == 0):
+                and q.shape[0] % 16 == 0 and q.shape[1] % 4 == 0):  # int8_pack: K a multiple of 4
             self._kernels = kernels
             self.q = kernels.int8_pack(q)  # [out/16, in/2, 16, 2]: the same bytes, the kernel's order
             self._scale32 = scale.float()

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
@@ -46,6 +47,41 @@ inline __m512bh load_pairs(const int8_t* p) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
+#if defined(__AVX512VBMI__)
+// Two pair-rows of int8 weights (64 bytes, in int8_pack's lane order) as two bf16 operands, by
+// table: bf16(|q|)'s low and high bytes looked up for |q| in 0..127 (VPERMI2B), the sign put back,
+// the bytes interleaved. Exact, and ~1.5x fewer instructions than widening through float32.
+struct Int8Tables {
+  __m512i lo0, lo1, hi0, hi1;
+  Int8Tables() {
+    alignas(64) uint8_t lo[128], hi[128];
+    for (int v = 0; v < 128; ++v) {
+      const float f = static_cast<float>(v);
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof bits);
+      const uint16_t b = static_cast<uint16_t>(bits >> 16);  // exact: v has at most 7 significant bits
+      lo[v] = static_cast<uint8_t>(b & 0xff);
+      hi[v] = static_cast<uint8_t>(b >> 8);
+    }
+    lo0 = _mm512_load_si512(lo), lo1 = _mm512_load_si512(lo + 64);
+    hi0 = _mm512_load_si512(hi), hi1 = _mm512_load_si512(hi + 64);
+  }
+};
+
+inline void load_two_pair_rows(const int8_t* p, const Int8Tables& t, __m512bh& first, __m512bh& second) {
+  const __m512i q = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+  const __m512i a = _mm512_abs_epi8(q);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, a, t.lo1);
+  const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t.hi0, a, t.hi1),
+                                     _mm512_and_si512(q, _mm512_set1_epi8(static_cast<char>(0x80))));
+  first = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(lo, hi));
+  second = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(lo, hi));
+}
+constexpr bool kInt8ByTable = true;
+#else
+constexpr bool kInt8ByTable = false;
+#endif
+
 inline __m512bh pair_of(const uint16_t* p) {  // x[k], x[k+1] in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, sizeof v);
@@ -61,6 +97,19 @@ void tile(const uint16_t* x, int64_t ldx, const W* w, int64_t block, int64_t pai
   __m512 acc[RT][CB];
   for (int r = 0; r < RT; ++r)
     for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+#if defined(__AVX512VBMI__)
+  if constexpr (std::is_same_v<W, int8_t>) {  // two pair-rows at a time (int8_pack: pairs is even)
+    static const Int8Tables tables;
+    for (int64_t p = 0; p < pairs; p += 2) {
+      __m512bh w0[CB], w1[CB];
+      for (int c = 0; c < CB; ++c) load_two_pair_rows(w + c * block + p * 2 * COLS, tables, w0[c], w1[c]);
+      for (int r = 0; r < RT; ++r) {
+        const __m512bh x0 = pair_of(x + r * ldx + 2 * p), x1 = pair_of(x + r * ldx + 2 * p + 2);
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][c], w0[c], x0), w1[c], x1);
+      }
+    }
+  } else
+#endif
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[CB];
     for (int c = 0; c < CB; ++c) wv[c] = load_pairs(w + c * block + p * 2 * COLS);
@@ -166,7 +215,15 @@ constexpr bool kHasBf16Gemm = true;
 torch::Tensor bf16_pack(const torch::Tensor& w) { return pack(w, at::kBFloat16, "bf16_pack"); }
 
 // q [N, K] int8 -> [N/16, K/2, 16, 2].
-torch::Tensor int8_pack(const torch::Tensor& q) { return pack(q, at::kChar, "int8_pack"); }
+// q [N, K] int8 -> [N/16, K/2, 16, 2]; with the byte tables (AVX512_VBMI; K a multiple of 4) each
+// two pair-rows regrouped as [4 lanes][2 pair-rows][8 bytes], the order the bytes' interleave reads.
+torch::Tensor int8_pack(const torch::Tensor& q) {
+  auto packed = pack(q, at::kChar, "int8_pack");
+  if (!kInt8ByTable) return packed;
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(K % 4 == 0, "int8_pack: K a multiple of 4");
+  return packed.view({N / COLS, K / 4, 2, 4, 8}).permute({0, 1, 3, 2, 4}).contiguous().view({N / COLS, K / 2, COLS, 2});
+}
 
 // x [..., K] bf16, packed from bf16_pack, bias [N] or None -> [..., N] bf16.
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
