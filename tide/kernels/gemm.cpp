@@ -10,14 +10,15 @@
 // Layout (`bf16_pack`, `int8_pack`): W [N, K] becomes [N/16, K/2, 16, 2]: for each block of 16
 // output features, K/2 pair-rows, each holding the pair (k, k+1) of all 16 features: one VDPBF16PS
 // operand (64 bytes in bf16; 32 in int8, widened to bf16 in registers, exactly: |q| <= 127 fits
-// bf16's 8-bit significand). int8 weights are y = (x @ q.T) * scale + bias, one scale per feature.
+// bf16's 8-bit significand). int8 weights are y = (x @ q.T) * scale + bias, one scale per feature;
+// with AVX512_VBMI each two int8 pair-rows are regrouped for the byte-table widening (int8_pack).
 //
 // Row invariance by construction: every output element is one float32 accumulator that starts at
 // zero and takes the pairs k = 0, 2, 4, ... in order, one VDPBF16PS each (a fixed-rounding
 // instruction: round to nearest even, denormals flushed), then (int8) multiplies by the scale, adds
-// the bias and rounds to bf16 once. Neither the number of rows, nor the row tiling, nor the thread split changes that
-// sequence, so a token's outputs are the same bits in a lone decode row, in a verification of
-// several, or in a prompt.
+// the bias and rounds to bf16 once. Neither the number of rows, nor the row tiling, nor the thread
+// split changes that sequence, so a token's outputs are the same bits in a lone decode row, in a
+// verification of several, or in a prompt.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
