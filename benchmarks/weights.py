@@ -151,7 +151,7 @@ def speed(models: dict[str, LlamaModel], prompts: list[list[int]], rounds: int, 
 
 
 def _nbytes(lin) -> int:
-    return lin.nbytes() if hasattr(lin, "nbytes") else lin.weight.numel() * lin.weight.element_size()
+    return lin.nbytes()  # Linear, Int8Linear and Int4Linear all report the bytes a call reads
 
 
 def weight_bytes(model: LlamaModel) -> tuple[int, int]:
