@@ -200,7 +200,7 @@ def run(args) -> dict:
     if args.serve:  # first, while this process has not yet filled the caches with the tables below
         from benchmarks.serve_breakdown import breakdown
 
-        serving = breakdown(model, args.serve, prompts[:8 if quick else 16], 64)
+        serving = breakdown(model, args.serve, prompts[:8 if quick else 16], 64, rounds=args.serve_rounds)
         print(f"serving path at batch 1, ms per output token: {serving['serve_breakdown_ms']}", flush=True)
         if args.serve_only:
             return {"target": target.model_id, "dtype": dtype_name(dtype), "weights": weight_format,
@@ -268,7 +268,7 @@ def print_table(res: dict) -> None:
         for layer, v in res["serve_layers"].items():
             print(f"  {layer:8s} TTFT {v['ttft_ms']:8.1f}  TPOT {v['tpot_ms']:7.2f}")
         print("  parts: " + ", ".join(f"{k} {v:.2f}" for k, v in res["serve_breakdown_ms"].items())
-              + f"  (the engine is {res['serve_engine_share']:.0%} of the served token)")
+              + f"  (the engine is {res['serve_engine_share']:.0%} of the served token: median of per-round ratios)")
         if "T_ms" not in res:
             return
     print(f"\nT(n) ms at {CONTEXT} cached tokens (rows: batch; cols: new tokens per sequence)")
@@ -307,6 +307,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels-only", action="store_true",
                         help="only compare the engine's fused CPU kernels (tide.kernels) with torch ops, side by side")
     parser.add_argument("--serve-only", action="store_true", help="with --serve: only the breakdown")
+    parser.add_argument("--serve-rounds", type=int, default=3, help="with --serve: rounds, the layers' order rotated "
+                                                                     "each round [3]")
 
 
 def run_cli(args) -> int:

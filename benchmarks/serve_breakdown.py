@@ -11,7 +11,11 @@ one request at a time, decoded four ways:
               client sees each TokenChunk arrive;
   gateway     the gateway's /v1/completions, streamed (SSE), through `tide bench serve`'s client.
 
-Per layer the medians over requests of TTFT and TPOT (time per output token after the first, ms).
+The layers take turns: every round decodes all prompts through each layer, the layers' order
+rotated from round to round, so that a slow spell of the machine (this guest's speed moves by
+±15 % within minutes) lands on all of them. Per layer the medians over all its requests of TTFT
+and TPOT (time per output token after the first, ms); `serve_engine_share` is the median over
+rounds of engine TPOT / gateway TPOT, each ratio taken within one round.
 `serve_breakdown_ms` splits the gateway's TPOT into additive parts:
   engine_step            the engine alone;
   worker_process         worker - engine: what running inside the service costs the engine loop;
@@ -44,12 +48,13 @@ def _summary(ttft_s: list[float], tpot_s: list[float]) -> dict:
             "requests": len(tpot_s)}
 
 
-def engine_alone(model, prompts: list[list[int]], max_tokens: int) -> dict:
+def _timings() -> dict[str, list[float]]:
+    return {"ttft": [], "tpot": []}
+
+
+def engine_alone(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, out: dict[str, list[float]]) -> None:
     """Plain decode in this process, one request at a time; client-side times as the servers' clients see them."""
-    engine = LLMEngine(model, EngineConfig(max_batch=1, max_seq_len=4096))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    engine.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    ttft, tpot = [], []
     for ids in prompts:
         t0 = time.perf_counter()
         engine.add_request(uuid.uuid4().hex, ids, params)
@@ -62,17 +67,16 @@ def engine_alone(model, prompts: list[list[int]], max_tokens: int) -> dict:
                 if o.new_token_ids:
                     first = now if first is None else first
                     last, n = now, n + len(o.new_token_ids)
-        ttft.append(first - t0)
-        tpot.append((last - first) / (n - 1))
-    return _summary(ttft, tpot)
+        out["ttft"].append(first - t0)
+        out["tpot"].append((last - first) / (n - 1))
 
 
-async def worker_direct(address: str, prompts: list[list[int]], max_tokens: int) -> tuple[dict, dict]:
-    """(what the client of the worker's gRPC stream saw, what the worker reported of itself)."""
-    ttft, tpot, own_ttft, own_tpot = [], [], [], []
+async def worker_direct(address: str, prompts: list[list[int]], max_tokens: int, seen: dict[str, list[float]],
+                        own: dict[str, list[float]]) -> None:
+    """What the client of the worker's gRPC stream saw (`seen`) and what the worker reported of itself (`own`)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
-        for i, ids in enumerate([prompts[0], *prompts]):  # the first is a warm-up
+        for ids in prompts:
             req = inference_pb2.GenerateRequest(
                 request_id=f"breakdown-{uuid.uuid4().hex}", speculative=False,
                 prompt_token_ids=inference_pb2.TokenIds(ids=ids),
@@ -91,30 +95,21 @@ async def worker_direct(address: str, prompts: list[list[int]], max_tokens: int)
                     final = msg.final
                 elif kind == "error":
                     raise RuntimeError(f"worker {address}: {msg.error.message}")
-            if i == 0:
-                continue
-            ttft.append(first - t0)
-            tpot.append((last - first) / (n - 1))
-            own_ttft.append(final.time_to_first_token_ms / 1e3)
-            own_tpot.append((final.total_ms - final.time_to_first_token_ms) / 1e3 / (final.completion_tokens - 1))
-    return _summary(ttft, tpot), _summary(own_ttft, own_tpot)
+            seen["ttft"].append(first - t0)
+            seen["tpot"].append((last - first) / (n - 1))
+            own["ttft"].append(final.time_to_first_token_ms / 1e3)
+            own["tpot"].append((final.total_ms - final.time_to_first_token_ms) / 1e3 / (final.completion_tokens - 1))
 
 
-async def gateway_sse(base_url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    target = serve.Target(url=serve.endpoint_url(base_url, "completions"), api="completions", model=model,
-                          max_tokens=max_tokens, temperature=0.0,
-                          extra_body={"speculative": False, "ignore_eos": True}, headers={}, timeout=300.0)
-    ttft, tpot = [], []
+async def gateway_sse(target: serve.Target, prompts: list[list[int]], out: dict[str, list[float]]) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-        for i, ids in enumerate([prompts[0], *prompts]):  # the first is a warm-up
+        for ids in prompts:
             # a list of token ids is a valid completions prompt: the same ids as the other layers
             o = await serve.send(client, target, Prompt(text=ids, domain="breakdown", source="breakdown"))  # type: ignore[arg-type]
             if not o.ok:
-                raise RuntimeError(f"gateway {base_url}: {o.error}")
-            if i:
-                ttft.append(o.ttft)
-                tpot.append(o.tpot)
-    return _summary(ttft, tpot)
+                raise RuntimeError(f"gateway {target.url}: {o.error}")
+            out["ttft"].append(o.ttft)
+            out["tpot"].append(o.tpot)
 
 
 def stack_facts(base_url: str) -> dict:
@@ -128,18 +123,40 @@ def stack_facts(base_url: str) -> dict:
             "trainer": tr.get("state"), "model": doc.get("target_model")}
 
 
-def breakdown(model, base_url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+def breakdown(model, base_url: str, prompts: list[list[int]], max_tokens: int, rounds: int = 3) -> dict:
     facts = stack_facts(base_url)
     gateway_model = serve.discover_model(serve.Target(serve.endpoint_url(base_url, "completions"), "completions", "",
                                                       max_tokens, 0.0, {}, {}, 30.0))
-    layers = {"engine": engine_alone(model, prompts, max_tokens)}
-    layers["grpc"], layers["worker"] = asyncio.run(worker_direct(facts["worker"], prompts, max_tokens))
-    layers["gateway"] = asyncio.run(gateway_sse(base_url, gateway_model, prompts, max_tokens))
+    target = serve.Target(url=serve.endpoint_url(base_url, "completions"), api="completions", model=gateway_model,
+                          max_tokens=max_tokens, temperature=0.0,
+                          extra_body={"speculative": False, "ignore_eos": True}, headers={}, timeout=300.0)
+    engine = LLMEngine(model, EngineConfig(max_batch=1, max_seq_len=4096))
+    times = {name: _timings() for name in ("engine", "worker", "grpc", "gateway")}
+    runs = {
+        "engine": lambda ids, sink: engine_alone(engine, ids, max_tokens, sink["engine"]),
+        "grpc": lambda ids, sink: asyncio.run(worker_direct(facts["worker"], ids, max_tokens, sink["grpc"],
+                                                            sink["worker"])),
+        "gateway": lambda ids, sink: asyncio.run(gateway_sse(target, ids, sink["gateway"])),
+    }
+    for run in runs.values():  # warm-up, counted nowhere
+        run(prompts[:1], {name: _timings() for name in times})
+    shares = []
+    for r in range(rounds):
+        names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
+        this = {name: _timings() for name in times}
+        for name in names:
+            runs[name](prompts, this)
+        for name, t in this.items():
+            times[name]["ttft"] += t["ttft"]
+            times[name]["tpot"] += t["tpot"]
+        shares.append(statistics.median(this["engine"]["tpot"]) / statistics.median(this["gateway"]["tpot"]))
+    layers = {name: _summary(t["ttft"], t["tpot"]) for name, t in times.items()}
     tpot = {k: v["tpot_ms"] for k, v in layers.items()}
     parts = {"engine_step": tpot["engine"], "worker_process": tpot["worker"] - tpot["engine"],
              "worker_handoff_grpc": tpot["grpc"] - tpot["worker"], "gateway_sse": tpot["gateway"] - tpot["grpc"],
              "total": tpot["gateway"]}
     return {"serve_breakdown_ms": {k: round(v, 3) for k, v in parts.items()},
             "serve_layers": layers, "serve_stack": {**facts, "base_url": base_url, "max_tokens": max_tokens,
-                                                    "prompts": len(prompts)},
-            "serve_engine_share": round(tpot["engine"] / tpot["gateway"], 3)}
+                                                    "prompts": len(prompts), "rounds": rounds},
+            "serve_engine_share": round(statistics.median(shares), 3),
+            "serve_engine_share_by_round": [round(x, 3) for x in shares]}

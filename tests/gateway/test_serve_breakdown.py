@@ -18,9 +18,10 @@ def test_the_parts_add_up_to_the_served_token(gateway, chat_target):
     layers = res["serve_layers"]
     assert set(layers) == {"engine", "worker", "grpc", "gateway"}
     for name, layer in layers.items():
-        assert layer["requests"] == 3, name
+        assert layer["requests"] == 3 * res["serve_stack"]["rounds"], name
         assert layer["tpot_ms"] > 0 and layer["ttft_ms"] > 0, (name, layer)
     parts = res["serve_breakdown_ms"]
     assert parts["total"] == layers["gateway"]["tpot_ms"]
     assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], abs=0.01)
     assert res["serve_stack"]["worker"] and res["serve_engine_share"] > 0
+    assert len(res["serve_engine_share_by_round"]) == res["serve_stack"]["rounds"]
