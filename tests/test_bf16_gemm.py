@@ -170,3 +170,55 @@ def test_speculation_on_the_kernels_emits_plain_decodings_tokens(tiny_bf16_model
         spec = engine.generate(prompts[:batch], params)
         assert [s.output_ids for s in spec] == plain[:batch]
         assert sum(s.accepted_tokens for s in spec) > 0
+
+
+@pytest.fixture
+def stalled_helpers(ops):
+    """The kernels' pool on 2 threads, its helper sleeping 3 ms inside every chunk it takes: a
+    stand-in for a helper the OS has preempted (no test can make the OS do that on demand), so
+    the calling thread must run the helper's chunks again (pool.h)."""
+    threads = torch.get_num_threads()
+    ops.set_pool(True)
+    ops.set_pool_threads(2)
+    ops._set_pool_helper_delay_us(3000)
+    try:
+        yield ops
+    finally:
+        ops._set_pool_helper_delay_us(0)
+        ops.set_pool_threads(0)
+        torch.set_num_threads(threads)
+
+
+def test_a_stalled_helpers_chunks_are_redone_with_the_same_bits(stalled_helpers):
+    ops = stalled_helpers
+    w, bias = _tensor(3072, 576, seed=7, scale=0.05), _tensor(3072, seed=8)
+    packed = ops.bf16_pack(w)
+    rows = _tensor(9, 576, seed=9, scale=3.0)
+    ops._set_pool_helper_delay_us(0)
+    ops.set_pool(False)  # OpenMP's static split: the reference
+    reference = ops.bf16_linear(rows, packed, bias)
+    ops.set_pool(True)
+    ops._set_pool_helper_delay_us(3000)
+    redone = ops.pool_chunks_redone()
+    for _ in range(200):  # until the helper has taken a chunk (it may still be waking up for the first)
+        assert torch.equal(ops.bf16_linear(rows, packed, bias), reference)
+        if ops.pool_chunks_redone() > redone:
+            break
+    assert ops.pool_chunks_redone() > redone  # the caller did not wait 3 ms a chunk: it redid them
+    assert torch.equal(ops.silu_mul(reference), ops.silu_mul(reference.clone()))
+
+
+def test_decoding_beside_a_stalled_helper_gives_the_same_tokens(tiny_bf16_model, stalled_helpers):
+    from tide.engine.engine import EngineConfig, LLMEngine
+    from tide.engine.sequence import SamplingParams
+
+    ops = stalled_helpers
+    prompts = [[5, 9, 2, 44, 17, 3], [8, 8, 31]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = EngineConfig(max_batch=2, max_seq_len=64)
+    ops._set_pool_helper_delay_us(0)
+    ops.set_pool(False)
+    reference = [s.output_ids for s in LLMEngine(tiny_bf16_model, config).generate(prompts, params)]
+    ops.set_pool(True)
+    ops._set_pool_helper_delay_us(3000)
+    assert [s.output_ids for s in LLMEngine(tiny_bf16_model, config).generate(prompts, params)] == reference

@@ -230,6 +230,10 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        with self.runner.step_threads():
+            return self._run_step()
+
+    def _run_step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}

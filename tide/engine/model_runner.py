@@ -6,6 +6,7 @@ returns per-sequence logits rows and, when asked, the captured states of every f
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,15 @@ class ModelRunner:
         # Slack beyond max_seq_len: padded rows of a verify step may write past a sequence's end.
         self.cache = model.new_cache(max_batch, max_seq_len + max_new_per_step + 1)
         model.ensure_positions(self.cache.max_len)
+
+    def step_threads(self):
+        """The threads a step runs on: on CPU, the kernels' own pool for the kernels and this thread
+        alone for torch's ops (tide.kernels.own_threads); elsewhere as they are."""
+        if self.device.type != "cpu":
+            return contextlib.nullcontext()
+        from tide import kernels
+
+        return kernels.own_threads()
 
     def run(
         self,

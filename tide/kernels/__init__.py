@@ -35,6 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "gemm.cpp", "layer.cpp")]
+HEADERS = [Path(__file__).with_name("pool.h")]  # the kernels' thread pool, included by the sources
 # No -ffast-math (reductions keep the order written) and no FMA contraction (a vectorised body
 # and its scalar tail would otherwise round the same expression differently). -fopenmp: without it
 # ATen's at::parallel_for compiles to a plain loop (one thread); the module then uses the libgomp
@@ -77,7 +78,7 @@ def _cpu_fingerprint() -> str:
 def build_dir() -> Path:
     # torch's install path too: the build compiles against its headers by path, so two virtual
     # environments sharing one cache would otherwise rebuild for each other
-    parts = [*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), torch.__file__.encode(),
+    parts = [*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(), torch.__file__.encode(),
              " ".join(FLAGS).encode(), _cpu_fingerprint().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     root = Path(os.environ.get("TIDE_CACHE_DIR", Path.home() / ".cache" / "tide"))
@@ -114,11 +115,12 @@ def _load():
         # Built from a copy inside the keyed directory: the loader rebuilds whenever the source's
         # path changes, and two checkouts of one version would otherwise rebuild for each other.
         sources = []
-        for original in SOURCES:
+        for original in SOURCES + HEADERS:
             source = path / original.name
             if not source.exists() or source.read_bytes() != original.read_bytes():
                 source.write_bytes(original.read_bytes())
-            sources.append(str(source))
+            if original in SOURCES:
+                sources.append(str(source))
         return cpp_extension.load(name="tide_cpu_ops", sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                   build_directory=str(path), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: run the torch ops instead
@@ -141,6 +143,28 @@ def use_for(*tensors: torch.Tensor):
     if tensors[0].device.type != "cpu" or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return None
     return ops()
+
+
+@contextlib.contextmanager
+def own_threads():
+    """Run the block's kernels on tide_pool (pool.h) with this thread's torch thread count, and its
+    torch ops on this thread alone. For an engine step: the kernels' pool does not wait for a
+    thread the OS has lent to another process, OpenMP's static split does; and every torch op
+    that went parallel (a step's logits conversion and argmax did) left OpenMP's helper spinning
+    for milliseconds beside the pool's. At batch 1, with 1.5 ms of another process's CPU every
+    12 ms, a step took 12.8 ms this way against 14.8 with OpenMP (docs/results/engine-step). A no-op
+    without the kernels, on one thread, or with the pool off."""
+    module = ops()
+    threads = torch.get_num_threads()
+    if module is None or threads <= 1 or not module.pool_enabled():
+        yield
+        return
+    module.set_pool_threads(threads)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def main() -> int:

@@ -11,6 +11,8 @@
 // accumulate in LANES float32 partial sums in a fixed order: vectorizable without -ffast-math, and
 // independent of alignment.
 #include <torch/extension.h>
+
+#include "pool.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -86,7 +88,15 @@ inline void silu_mul_row_bf16(const c10::BFloat16* g, const c10::BFloat16* u, c1
 #endif
 
 constexpr int64_t LANES = 16;       // float32 partial sums per row (one AVX-512 register)
-constexpr int64_t ROW_GRAIN = 32;   // rows per thread: decode's few rows run inline, prompts split
+constexpr int64_t ROW_GRAIN = 32;   // rows per chunk: decode's few rows run inline, prompts split
+
+// fn(a, b) over rows [a, b) in chunks of `grain` rows on tide_pool (pool.h): `fn` captures by value,
+// `keep` holds the tensors it reads and writes.
+template <typename F>
+void for_rows(int64_t R, int64_t grain, F fn, std::vector<at::Tensor> keep) {
+  tide_pool::parallel((R + grain - 1) / grain, [=](int64_t c) { fn(c * grain, std::min(R, (c + 1) * grain)); },
+                      std::move(keep));
+}
 
 template <typename T>
 inline float sum_squares(const T* x, int64_t n) {
@@ -133,9 +143,10 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, dou
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t a, int64_t b) {
-      for (int64_t r = a; r < b; ++r) norm_row(xp + r * H, wp, op + r * H, H, static_cast<float>(eps));
-    });
+    const float e = static_cast<float>(eps);
+    for_rows(R, ROW_GRAIN, [=](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) norm_row(xp + r * H, wp, op + r * H, H, e);
+    }, {x, w, out});
   });
   return out;
 }
@@ -159,14 +170,15 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x_in,
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* sp = sum.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t a, int64_t b) {
+    const float e = static_cast<float>(eps);
+    for_rows(R, ROW_GRAIN, [=](int64_t a, int64_t b) {
       for (int64_t r = a; r < b; ++r) {
         const int64_t o = r * H;
         for (int64_t i = 0; i < H; ++i)
           sp[o + i] = static_cast<scalar_t>(static_cast<float>(xp[o + i]) + static_cast<float>(dp[o + i]));
-        norm_row(sp + o, wp, op + o, H, static_cast<float>(eps));
+        norm_row(sp + o, wp, op + o, H, e);
       }
-    });
+    }, {x, d, w, sum, out});
   });
   return {sum, out};
 }
@@ -183,7 +195,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu_in) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "tide_silu_mul", [&] {
     const scalar_t* gp = gu.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t a, int64_t b) {
+    for_rows(R, ROW_GRAIN, [=](int64_t a, int64_t b) {
       for (int64_t r = a; r < b; ++r) {
         const scalar_t* g = gp + r * 2 * I;
         const scalar_t* u = g + I;
@@ -201,7 +213,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu_in) {
           o[i] = static_cast<scalar_t>(static_cast<float>(s) * static_cast<float>(u[i]));
         }
       }
-    });
+    }, {gu, out});
   });
   return out;
 }
@@ -347,29 +359,35 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  // Threads once a (sequence, head) pair is worth ~64K multiply-adds: waking the second thread costs
-  // a few microseconds, and at batch 1 with 320 cached keys one layer's 9 heads took 45 us on one.
+  // Chunks of (sequence, head) pairs worth ~64K multiply-adds: taking a chunk costs an atomic, and at
+  // batch 1 with 320 cached keys one layer's 9 heads took 45 us on one thread.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, T * L * D * 2));
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const int64_t units = B * hq;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "tide_decode_attention", [&] {
     using T_ = scalar_t;
     const T_* qp = q.data_ptr<T_>();
     T_* op = out.data_ptr<T_>();
-    at::parallel_for(0, B * hq, grain, [&](int64_t a, int64_t e) {
-      std::vector<float> scores((L + 15) / 16 * 16), qs(D), o(D);
-      for (int64_t unit = a; unit < e; ++unit) {
-        const int64_t b = unit / hq, h = unit % hq, kh = h / g;
-        const float* kb = kp + b * k.stride(0) + kh * k.stride(1);
-        const float* vb = vp + b * v.stride(0) + kh * v.stride(1);
-        for (int64_t t = 0; t < T; ++t) {
-          const T_* qrow = qp + ((b * hq + h) * T + t) * D;
-          for (int64_t d = 0; d < D; ++d) qs[d] = static_cast<float>(qrow[d]) * scale;
-          attend_one(qs.data(), kb, k.stride(2), vb, v.stride(2), bp ? bp + (b * T + t) * L : nullptr, L, D,
-                     scores.data(), o.data());
-          T_* orow = op + ((b * hq + h) * T + t) * D;
-          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T_>(o[d]);
-        }
-      }
-    });
+    tide_pool::parallel(
+        (units + grain - 1) / grain,
+        [=](int64_t chunk) {
+          std::vector<float> scores((L + 15) / 16 * 16), qs(D), o(D);
+          for (int64_t unit = chunk * grain; unit < std::min(units, (chunk + 1) * grain); ++unit) {
+            const int64_t b = unit / hq, h = unit % hq, kh = h / g;
+            const float* kb = kp + b * ks0 + kh * ks1;
+            const float* vb = vp + b * vs0 + kh * vs1;
+            for (int64_t t = 0; t < T; ++t) {
+              const T_* qrow = qp + ((b * hq + h) * T + t) * D;
+              for (int64_t d = 0; d < D; ++d) qs[d] = static_cast<float>(qrow[d]) * scale;
+              attend_one(qs.data(), kb, ks2, vb, vs2, bp ? bp + (b * T + t) * L : nullptr, L, D, scores.data(),
+                         o.data());
+              T_* orow = op + ((b * hq + h) * T + t) * D;
+              for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T_>(o[d]);
+            }
+          }
+        },
+        {q, k, v, out, bias});
   });
   return out;
 }
@@ -415,4 +433,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "(x @ q.T) * scale + bias, bf16 x, int8 q, row-invariant (AVX512_BF16)",
         nogil);
   m.def("decode_layer", &decode_layer, "one decoder layer for few query tokens a sequence (layer.cpp)", nogil);
+  m.def("set_pool", [](bool on) { tide_pool::Pool::get().set_enabled(on); },
+        "on: the kernels' threads are tide_pool's (pool.h); off: OpenMP's static split");
+  m.def("set_pool_threads", [](int n) { tide_pool::Pool::get().set_threads(n); },
+        "threads a job runs on, the caller included (0: the caller's torch thread count)");
+  m.def("pool_enabled", [] { return tide_pool::Pool::get().enabled(); });
+  m.def("pool_chunks_redone", [] { return tide_pool::Pool::get().chunks_redone(); },
+        "chunks the calling thread ran again because a helper held them too long");
+  m.def("_set_pool_helper_delay_us", [](int64_t us) { tide_pool::Pool::get().set_helper_delay_us(us); },
+        "tests only: helpers sleep this long in every chunk they take (a stand-in for a preemption)");
 }

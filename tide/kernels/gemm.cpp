@@ -24,6 +24,8 @@
 
 #include <immintrin.h>
 
+#include "pool.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -192,19 +194,24 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, con
   const float* sp = scale ? scale->data_ptr<float>() : nullptr;
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const int64_t block = K * COLS;
-  // Threads split the output features, at least ~32 KB of weights each: a thread's wake-up costs a
-  // few microseconds, the time to stream ~100 KB.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (block * static_cast<int64_t>(sizeof(W))));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b += MAX_BLOCKS) {
-      const int cb = static_cast<int>(std::min<int64_t>(MAX_BLOCKS, b1 - b));
-      for (int64_t r = 0; r < M; r += MAX_ROWS) {
-        const int rt = static_cast<int>(std::min<int64_t>(MAX_ROWS, M - r));
-        tile_for<W>(rt, cb)(xp + r * K, K, wp + b * block, block, pairs, yp + r * N + b * COLS, N,
-                            sp ? sp + b * COLS : nullptr, bp ? bp + b * COLS : nullptr);
-      }
-    }
-  });
+  // Chunks of output features, ~64 KB of weights each (a few microseconds at the guest's ~30 GB/s):
+  // small enough that a thread the OS takes away leaves little for the others to redo, large enough
+  // that taking one (an atomic on a shared line) costs a few percent of it. See pool.h.
+  const int64_t per = std::max<int64_t>(1, (int64_t{1} << 16) / (block * static_cast<int64_t>(sizeof(W))));
+  tide_pool::parallel(
+      (blocks + per - 1) / per,
+      [=](int64_t chunk) {
+        const int64_t b0 = chunk * per, b1 = std::min(blocks, b0 + per);
+        for (int64_t b = b0; b < b1; b += MAX_BLOCKS) {
+          const int cb = static_cast<int>(std::min<int64_t>(MAX_BLOCKS, b1 - b));
+          for (int64_t r = 0; r < M; r += MAX_ROWS) {
+            const int rt = static_cast<int>(std::min<int64_t>(MAX_ROWS, M - r));
+            tile_for<W>(rt, cb)(xp + r * K, K, wp + b * block, block, pairs, yp + r * N + b * COLS, N,
+                                sp ? sp + b * COLS : nullptr, bp ? bp + b * COLS : nullptr);
+          }
+        }
+      },
+      {x, packed, y, scale ? *scale : at::Tensor(), bias ? *bias : at::Tensor()});
   return y;
 }
 
