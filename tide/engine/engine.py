@@ -230,10 +230,6 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        with self.runner.step_threads():
-            return self._run_step()
-
-    def _run_step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
@@ -243,7 +239,8 @@ class LLMEngine:
         draft_ms = verify_ms = 0.0
         decoded: list[_Decoded] = []
         if plan.decode:
-            decoded, draft_ms, verify_ms = self._decode(plan.decode, outputs)
+            with self.runner.decode_threads():
+                decoded, draft_ms, verify_ms = self._decode(plan.decode, outputs)
         total_ms = (time.perf_counter() - t_start) * 1e3
         self._step += 1
         if decoded:

@@ -37,9 +37,10 @@ class ModelRunner:
         self.cache = model.new_cache(max_batch, max_seq_len + max_new_per_step + 1)
         model.ensure_positions(self.cache.max_len)
 
-    def step_threads(self):
-        """The threads a step runs on: on CPU, the kernels' own pool for the kernels and this thread
-        alone for torch's ops (tide.kernels.own_threads); elsewhere as they are."""
+    def decode_threads(self):
+        """The threads decoding (and verification) runs on: on CPU, the kernels' own pool for the
+        kernels and this thread alone for torch's few small ops (tide.kernels.own_threads);
+        elsewhere as they are. Prompts keep torch's threads: their attention is torch's."""
         if self.device.type != "cpu":
             return contextlib.nullcontext()
         from tide import kernels

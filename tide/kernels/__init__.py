@@ -9,7 +9,8 @@ key hashes the sources, torch's version and install path, and this CPU's model a
 shared between machines never hands one CPU another's build. Later processes load the built module
 in well under a second. `make setup` builds it, so neither a service's start nor a test pays the compile.
 
-`TIDE_CPU_KERNELS=0` turns them off (the torch-op path everywhere). No compiler, or a failed build:
+`TIDE_CPU_KERNELS=0` turns them off (the torch-op path everywhere); `TIDE_KERNEL_POOL=0` keeps them
+but runs them on OpenMP's threads instead of their own pool (pool.h, `own_threads`). No compiler, or a failed build:
 one warning in the log naming the compiler's output (`build-error.log`, which also stops later
 processes from trying again), and the torch-op path. The decode-attention kernel needs AVX-512;
 without it attention alone takes the torch path (`has_decode_attention`); the GEMMs need
@@ -42,6 +43,7 @@ HEADERS = [Path(__file__).with_name("pool.h")]  # the kernels' thread pool, incl
 # torch has already loaded (same soname), so its threads are torch's.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ENV = "TIDE_CPU_KERNELS"
+POOL_ENV = "TIDE_KERNEL_POOL"  # 0: the kernels' threads are OpenMP's (a static split), not pool.h's
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the module or None once tried
@@ -121,8 +123,10 @@ def _load():
                 source.write_bytes(original.read_bytes())
             if original in SOURCES:
                 sources.append(str(source))
-        return cpp_extension.load(name="tide_cpu_ops", sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                  build_directory=str(path), verbose=False)
+        module = cpp_extension.load(name="tide_cpu_ops", sources=sources, extra_cflags=FLAGS,
+                                    extra_ldflags=["-fopenmp"], build_directory=str(path), verbose=False)
+        module.set_pool(os.environ.get(POOL_ENV, "1").strip().lower() not in ("0", "false", "no", "off"))
+        return module
     except Exception as e:  # noqa: BLE001 - any build failure means: run the torch ops instead
         with contextlib.suppress(OSError):
             failed.write_text(f"{type(e).__name__}: {e}\n")
@@ -148,7 +152,7 @@ def use_for(*tensors: torch.Tensor):
 @contextlib.contextmanager
 def own_threads():
     """Run the block's kernels on tide_pool (pool.h) with this thread's torch thread count, and its
-    torch ops on this thread alone. For an engine step: the kernels' pool does not wait for a
+    torch ops on this thread alone. For an engine's decode steps: the kernels' pool does not wait for a
     thread the OS has lent to another process, OpenMP's static split does; and every torch op
     that went parallel (a step's logits conversion and argmax did) left OpenMP's helper spinning
     for milliseconds beside the pool's. At batch 1, with 1.5 ms of another process's CPU every
@@ -165,6 +169,7 @@ def own_threads():
         yield
     finally:
         torch.set_num_threads(threads)
+        module.set_pool_threads(0)
 
 
 def main() -> int:

@@ -436,7 +436,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool", [](bool on) { tide_pool::Pool::get().set_enabled(on); },
         "on: the kernels' threads are tide_pool's (pool.h); off: OpenMP's static split");
   m.def("set_pool_threads", [](int n) { tide_pool::Pool::get().set_threads(n); },
-        "threads a job runs on, the caller included (0: the caller's torch thread count)");
+        "threads a pool job runs on, the caller included (0: no pool; at::parallel_for)");
   m.def("pool_enabled", [] { return tide_pool::Pool::get().enabled(); });
   m.def("pool_chunks_redone", [] { return tide_pool::Pool::get().chunks_redone(); },
         "chunks the calling thread ran again because a helper held them too long");

@@ -18,8 +18,11 @@
 // helper that comes back late still writes into memory that is allocated: the job is freed when
 // the last thread leaves it, not when the caller returns.
 //
-// One caller at a time: a second thread that calls while a job runs (or a thread whose torch
-// thread count is 1, e.g. inside tide.resources.one_torch_thread) runs its chunks inline. Helpers
+// The pool serves only while `set_threads(n > 0)` is in effect: an engine's decode and verification
+// (tide.kernels.own_threads, which also keeps torch's own ops on one thread so that no OpenMP
+// helper spins beside the pool's). Everything else, prompts included (torch's attention runs on
+// OpenMP there), keeps at::parallel_for. One caller at a time: a second thread that calls while a
+// job runs takes its chunks inline. Helpers
 // spin for SPIN_US after a job (the next layer's job comes within microseconds), then sleep; the
 // caller never waits for a sleeping helper to wake.
 #pragma once
@@ -66,10 +69,9 @@ class Pool {
 
   // Runs job->run(c) for c in [0, n) on this thread and the helpers; returns when all are done.
   void run(const std::shared_ptr<Job>& job) {
-    const int configured = threads_.load(std::memory_order_relaxed);
-    const int want = (configured > 0 ? configured : at::get_num_threads()) - 1;
+    const int want = threads_.load(std::memory_order_relaxed) - 1;
     bool expected = false;
-    if (!enabled_.load(std::memory_order_relaxed)) {  // OpenMP's static split (benchmarks compare the two)
+    if (!enabled_.load(std::memory_order_relaxed) || want < 0) {  // OpenMP's static split
       at::parallel_for(0, job->n, 1, [&](int64_t a, int64_t b) {
         for (int64_t c = a; c < b; ++c) job->run(c);
       });
@@ -100,7 +102,7 @@ class Pool {
 
   // Off: the chunks go to at::parallel_for instead (OpenMP, a static split), as before this pool.
   void set_enabled(bool on) { enabled_.store(on); }
-  // Threads a job runs on, the caller included (0: the caller's torch thread count).
+  // Threads a job runs on, the caller included; 0: none, jobs go to OpenMP (at::parallel_for).
   void set_threads(int n) { threads_.store(n); }
   bool enabled() const { return enabled_.load(); }
   // Tests only: helpers sleep this long inside every chunk they take (a stand-in for a preemption,
