@@ -188,6 +188,56 @@ def kernels_ab(model: LlamaModel, baseline: LlamaModel, prompts: list[list[int]]
     return out
 
 
+# A stand-in for the processes that share a small machine with the engine (the gateway, the client,
+# the worker's gRPC threads: ~1.5 ms of CPU a token at one stream): busy 1.5 ms every 12 ms.
+_BUSY = ("import time\nwhile True:\n    t = time.perf_counter()\n    while time.perf_counter() - t < 0.0015: pass\n"
+         "    time.sleep(0.0105)\n")
+
+
+def pool_ab(model: LlamaModel, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
+    """Plain greedy decoding at batch 1 (the prompts one after another), tok/s, with the kernels on
+    OpenMP's static split and on their own pool (tide/kernels/pool.h), on a quiet machine and beside
+    another process busy 1.5 ms every 12 ms. Each round runs both threadings under both loads, the
+    order flipped every round; medians of tok/s and of the per-round ratio pool / OpenMP."""
+    import subprocess
+    import sys
+
+    from tide import kernels
+
+    module = kernels.ops()
+    if module is None:
+        return {"skipped": "no kernels here"}
+    engine = LLMEngine(model, EngineConfig(max_batch=1, max_seq_len=1024))
+    tok_s: dict[str, list[float]] = {}
+    try:
+        for r in range(rounds + 1):  # round 0 warms up, not counted
+            for load in ("quiet", "busy"):
+                busy = subprocess.Popen([sys.executable, "-c", _BUSY]) if load == "busy" else None
+                try:
+                    for mode in ("openmp", "pool") if r % 2 else ("pool", "openmp"):
+                        module.set_pool(mode == "pool")
+                        rate = throughput(engine, prompts, max_tokens, ignore_eos=True)[0]
+                        if r:
+                            tok_s.setdefault(f"{mode}_{load}", []).append(rate)
+                finally:
+                    if busy is not None:
+                        busy.kill()
+                        busy.wait()
+    finally:
+        module.set_pool(kernels.pool_wanted())
+    out: dict = {"rounds": rounds, "max_tokens": max_tokens, "prompts": len(prompts),
+                 "busy": "another process, 1.5 ms busy every 12 ms"}
+    for key, v in tok_s.items():
+        out[key] = round(statistics.median(v), 2)
+    for load in ("quiet", "busy"):
+        ratios = [a / b for a, b in zip(tok_s[f"pool_{load}"], tok_s[f"openmp_{load}"], strict=True)]
+        out[f"pool_x_openmp_{load}"] = round(statistics.median(ratios), 3)
+    print(f"  kernels' pool vs OpenMP, batch 1: quiet {out['pool_quiet']} vs {out['openmp_quiet']} tok/s "
+          f"({out['pool_x_openmp_quiet']}x); beside a busy process {out['pool_busy']} vs {out['openmp_busy']} "
+          f"({out['pool_x_openmp_busy']}x)", flush=True)
+    return out
+
+
 def run(args) -> dict:
     t_start = time.perf_counter()
     target = resolve_target(args.target)
@@ -215,6 +265,7 @@ def run(args) -> dict:
         return {"target": target.model_id, "dtype": dtype_name(dtype), "weights": weight_format,
                 "threads": torch.get_num_threads(), "cpu": cpu_name(),
                 "kernels_ab": kernels_ab(model, baseline, prompts, 64, 3 if quick else 7),
+                "pool_ab": pool_ab(model, prompts[:4], 48, 3 if quick else 5),
                 "wall_s": round(time.perf_counter() - t_start, 1)}
     reps = 5 if quick else 15
     batches, gammas = [1, 4, 16], list(range(6))

@@ -52,6 +52,11 @@ _state: dict[str, object] = {}  # "ops": the module or None once tried
 _off = threading.local()  # set by `disabled()`, per thread
 
 
+def pool_wanted() -> bool:
+    """Whether the kernels run on their own pool (pool.h): yes unless TIDE_KERNEL_POOL=0."""
+    return os.environ.get(POOL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -125,7 +130,7 @@ def _load():
                 sources.append(str(source))
         module = cpp_extension.load(name="tide_cpu_ops", sources=sources, extra_cflags=FLAGS,
                                     extra_ldflags=["-fopenmp"], build_directory=str(path), verbose=False)
-        module.set_pool(os.environ.get(POOL_ENV, "1").strip().lower() not in ("0", "false", "no", "off"))
+        module.set_pool(pool_wanted())
         return module
     except Exception as e:  # noqa: BLE001 - any build failure means: run the torch ops instead
         with contextlib.suppress(OSError):
