@@ -119,7 +119,8 @@ class Pool {
     for (;;) {
       const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
       if (c >= job.n) break;
-      job.state[c].store(1, std::memory_order_relaxed);
+      uint8_t open = 0;  // the caller may have redone it already (this thread was away since the fetch)
+      if (!job.state[c].compare_exchange_strong(open, 1, std::memory_order_acq_rel)) continue;
       if (helper) {
         const int64_t delay = helper_delay_us_.load(std::memory_order_relaxed);
         if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
@@ -131,10 +132,15 @@ class Pool {
     return ran;
   }
 
+  // Mark chunk c done (from open or taken); the first to do so counts it.
   static void complete(Job& job, int64_t c) {
-    uint8_t taken = 1;
-    if (job.state[c].compare_exchange_strong(taken, 2, std::memory_order_acq_rel))
-      job.finished.fetch_add(1, std::memory_order_release);
+    uint8_t s = job.state[c].load(std::memory_order_acquire);
+    while (s != 2) {
+      if (job.state[c].compare_exchange_weak(s, 2, std::memory_order_acq_rel)) {
+        job.finished.fetch_add(1, std::memory_order_release);
+        return;
+      }
+    }
   }
 
   // The caller's wait for chunks still in a helper's hands; redoes those held too long.
@@ -146,8 +152,10 @@ class Pool {
     while (job.finished.load(std::memory_order_acquire) < job.n) {
       _mm_pause();
       if (++spins % 64 || Clock::now() - since < patience) continue;
+      // Every chunk was fetched (this thread ran out of them): one not done is in a helper's hands,
+      // taken (1), or fetched and not yet marked (0) if the helper was stopped in between.
       for (int64_t c = 0; c < job.n; ++c) {
-        if (job.state[c].load(std::memory_order_acquire) != 1) continue;
+        if (job.state[c].load(std::memory_order_acquire) == 2) continue;
         job.run(c);  // same inputs, same instructions: the same bits the helper will write
         complete(job, c);
         redone_.fetch_add(1, std::memory_order_relaxed);
