@@ -157,12 +157,13 @@ def use_for(*tensors: torch.Tensor):
 @contextlib.contextmanager
 def own_threads():
     """Run the block's kernels on tide_pool (pool.h) with this thread's torch thread count, and its
-    torch ops on this thread alone. For an engine's decode steps: the kernels' pool does not wait for a
-    thread the OS has lent to another process, OpenMP's static split does; and every torch op
+    torch ops on this thread alone. For an engine's decode steps: the kernels' pool does not wait
+    for a thread the OS has lent to another process, OpenMP's static split does; and every torch op
     that went parallel (a step's logits conversion and argmax did) left OpenMP's helper spinning
-    for milliseconds beside the pool's. At batch 1, with 1.5 ms of another process's CPU every
-    12 ms, a step took 12.8 ms this way against 14.8 with OpenMP (docs/results/engine-step). A no-op
-    without the kernels, on one thread, or with the pool off."""
+    for milliseconds beside the pool's. Measured (docs/results/engine-step 2b): through the gateway
+    2-4 % more tokens at one stream and a lower p99 inter-token latency; the engine alone ~4 %
+    slower on a quiet machine, 1-9 % faster beside a busy process. A no-op without the kernels, on
+    one thread, or with the pool off."""
     module = ops()
     threads = torch.get_num_threads()
     if module is None or threads <= 1 or not module.pool_enabled():
