@@ -85,16 +85,21 @@ class Pool {
     job->state.reset(new std::atomic<uint8_t>[job->n]);
     for (int64_t c = 0; c < job->n; ++c) job->state[c].store(0, std::memory_order_relaxed);
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      std::lock_guard<Spin> js(job_lock_);
       job_ = job;
-      seq_.fetch_add(1, std::memory_order_release);
+      seq_.fetch_add(1, std::memory_order_seq_cst);
     }
-    if (sleeping_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
+      // A helper counts itself sleeping and checks the sequence number under mu_, then waits: taking
+      // mu_ here orders this notify after that check or before it (no wake-up lost).
+      { std::lock_guard<std::mutex> lk(mu_); }
+      cv_.notify_all();
+    }
     const auto t0 = Clock::now();
     const int64_t mine = work(*job, /*helper=*/false);
     finish(*job, mine, Clock::now() - t0);
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      std::lock_guard<Spin> js(job_lock_);
       job_.reset();  // helpers still inside hold their own reference
     }
     busy_.store(false, std::memory_order_release);
@@ -180,15 +185,15 @@ class Pool {
         if (++spins % 256) continue;
         if (Clock::now() - last > std::chrono::microseconds(SPIN_US)) {
           std::unique_lock<std::mutex> lk(mu_);
-          sleeping_.fetch_add(1, std::memory_order_acq_rel);
-          cv_.wait(lk, [&] { return seq_.load(std::memory_order_acquire) != seen; });
+          sleeping_.fetch_add(1, std::memory_order_seq_cst);
+          cv_.wait(lk, [&] { return seq_.load(std::memory_order_seq_cst) != seen; });
           sleeping_.fetch_sub(1, std::memory_order_acq_rel);
           break;
         }
       }
       std::shared_ptr<Job> job;
       {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::lock_guard<Spin> js(job_lock_);  // a few instructions: no syscall against the caller
         job = job_;
         seen = seq_.load(std::memory_order_acquire);
       }
@@ -196,9 +201,19 @@ class Pool {
     }
   }
 
-  std::mutex mu_;
+  // A lock for a few instructions (copying job_): spins instead of sleeping in the kernel.
+  struct Spin {
+    std::atomic_flag flag = ATOMIC_FLAG_INIT;
+    void lock() {
+      while (flag.test_and_set(std::memory_order_acquire)) _mm_pause();
+    }
+    void unlock() { flag.clear(std::memory_order_release); }
+  };
+
+  std::mutex mu_;  // for the helpers' sleep (cv_)
   std::condition_variable cv_;
-  std::shared_ptr<Job> job_;  // guarded by mu_
+  Spin job_lock_;
+  std::shared_ptr<Job> job_;  // guarded by job_lock_
   std::atomic<uint64_t> seq_{0};
   std::atomic<int> sleeping_{0};
   std::atomic<bool> busy_{false};
