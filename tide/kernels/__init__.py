@@ -161,9 +161,9 @@ def own_threads():
     for a thread the OS has lent to another process, OpenMP's static split does; and every torch op
     that went parallel (a step's logits conversion and argmax did) left OpenMP's helper spinning
     for milliseconds beside the pool's. Measured (docs/results/engine-step 2b): through the gateway
-    2-4 % more tokens at one stream and a lower p99 inter-token latency; the engine alone ~4 %
-    slower on a quiet machine, 1-9 % faster beside a busy process. A no-op without the kernels, on
-    one thread, or with the pool off."""
+    2-4 % more tokens at one stream and a lower p99 inter-token latency; the engine alone within
+    ~1 % of OpenMP, quiet or beside a busy process. A no-op without the kernels, on one thread, or
+    with the pool off."""
     module = ops()
     threads = torch.get_num_threads()
     if module is None or threads <= 1 or not module.pool_enabled():
