@@ -27,7 +27,7 @@ from tide.engine.llama import LlamaModel
 from tide.engine.profiling import CONTEXT, profile_draft, profile_target, random_draft
 from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma
-from tide.precision import DTYPE_NAMES, WEIGHTS_NAMES, dtype_name, resolve_weights
+from tide.precision import DTYPE_NAMES, WEIGHTS_NAMES, dtype_name, native_bf16, resolve_weights
 from tide.prompts import encode_prompt, load_prompts
 from tide.streams import StreamNames
 from tide.target import load_tokenizer, resolve_target
@@ -152,17 +152,21 @@ def capture_overhead(model: LlamaModel, exporter, prompts, batch: int, max_token
 
 
 def kernels_ab(model: LlamaModel, baseline: LlamaModel, prompts: list[list[int]], max_tokens: int,
-               rounds: int) -> dict:
+               rounds: int, float32: LlamaModel | None = None) -> dict:
     """Plain greedy decoding, tok/s, the engine's CPU paths side by side in one process:
     `torch_ops` (torch ops, oneDNN or torch's own GEMMs: the engine before tide.kernels),
     `fused_ops` (the fused elementwise kernels, the same GEMMs, one Python call an op) and
     `kernels` (what serves: the kernels' GEMMs too, and one call a decoder layer). `baseline` is
     the same model loaded under `tide.kernels.disabled()` (its projections built without the
-    kernels' GEMMs). Batch 1 (4 prompts one after another) and 16; every round runs each variant
-    once, in rotated order; medians of tok/s and of the per-round ratios to the first variant."""
+    kernels' GEMMs). `float32`, where given: the model in float32 on torch ops (`fp32_torch_ops`,
+    "auto"'s choice on a CPU without native bf16 before the kernels' AVX2 GEMM). Batch 1 (4 prompts
+    one after another) and 16; every round runs each variant once, in rotated order; medians of
+    tok/s and of the per-round ratios to the first variant."""
     from tide import kernels
 
     variants = {"torch_ops": (baseline, False), "fused_ops": (baseline, True), "kernels": (model, True)}
+    if float32 is not None:
+        variants["fp32_torch_ops"] = (float32, False)
     out: dict = {"rounds": rounds, "max_tokens": max_tokens, "kernels_built": kernels.ops() is not None,
                  "gemm": getattr(model.layers[0][1], "kind", "?"), "baseline_gemm": getattr(baseline.layers[0][1],
                                                                                               "kind", "?")}
@@ -261,10 +265,11 @@ def run(args) -> dict:
 
         with kernels.disabled():
             baseline = LlamaModel.load(target, dtype=dtype, weight_format=weight_format)
+            float32 = LlamaModel.load(target, dtype=torch.float32) if dtype != torch.float32 else None
         print("CPU kernels vs torch ops, plain greedy decoding:", flush=True)
         return {"target": target.model_id, "dtype": dtype_name(dtype), "weights": weight_format,
-                "threads": torch.get_num_threads(), "cpu": cpu_name(),
-                "kernels_ab": kernels_ab(model, baseline, prompts, 64, 3 if quick else 7),
+                "threads": torch.get_num_threads(), "cpu": cpu_name(), "native_bf16": native_bf16("cpu"),
+                "kernels_ab": kernels_ab(model, baseline, prompts, 64, 3 if quick else 7, float32),
                 "pool_ab": pool_ab(model, prompts[:4], 48, 3 if quick else 5),
                 "wall_s": round(time.perf_counter() - t_start, 1)}
     reps = 5 if quick else 15

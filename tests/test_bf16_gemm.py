@@ -1,6 +1,7 @@
 """tide.kernels' bf16 GEMM (gemm.cpp), the projections' and lm_head's path on CPUs with
-AVX512_BF16: accurate against float64, and a row's output the same bits whatever shares its call
-(the property lossless speculation stands on: verification must reproduce plain decoding)."""
+AVX512_BF16 or AVX2 + FMA (each CPU runs one of the two): accurate against float64, and a row's
+output the same bits whatever shares its call (the property lossless speculation stands on:
+verification must reproduce plain decoding)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def ops():
     module = kernels.ops()
     assert module is not None, "the kernels must build where a compiler exists (see the log's warning)"
     if not module.has_bf16_gemm:
-        pytest.skip("this CPU has no AVX512_BF16: Linear takes oneDNN's GEMM instead")
+        pytest.skip("this CPU has neither AVX512_BF16 nor AVX2: Linear takes oneDNN's GEMM instead")
     return module
 
 
@@ -88,6 +89,8 @@ def test_linear_takes_the_kernel_for_bf16_and_falls_back_where_it_cannot(ops):
 def test_int8_weights_match_their_dequantized_values_and_keep_rows_invariant(ops):
     from tide.quant import Int8Linear
 
+    if not ops.has_int8_gemm:
+        pytest.skip("the int8 kernel needs AVX512_BF16 (tide.quant takes torch's int8 GEMM here)")
     w, bias = _tensor(960, 576, seed=13, scale=0.05).float(), _tensor(960, seed=14)
     lin = Int8Linear(w, bias, torch.bfloat16)
     assert lin.kind == "int8-kernel"
@@ -109,6 +112,8 @@ def tiny_bf16_model(ops, tmp_path_factory, request):
 
     from tide.engine.llama import LlamaModel
 
+    if request.param == "int8" and not ops.has_int8_gemm:
+        pytest.skip("the int8 kernel needs AVX512_BF16")
     model = LlamaModel.load(save_tiny_target(tmp_path_factory.mktemp("bf16-target")), dtype=torch.bfloat16,
                             weight_format=request.param)
     assert model._layer_args is not None and not model._pair_single_row  # every projection on the kernel
@@ -136,6 +141,8 @@ def _decode(model, cache, ids, starts, slots, capture=False, one_call=True):
 def test_a_decode_layer_in_one_call_gives_the_per_op_loops_bits(tiny_bf16_model):
     """LlamaModel.forward's one-call layer (tide.kernels' decode_layer) against its per-op loop:
     lone decode rows, a verification of 4 tokens for 2 sequences in scattered slots, capture."""
+    if not kernels.ops().has_decode_attention:
+        pytest.skip("the one-call layer needs the AVX-512 attention kernel")
     model = tiny_bf16_model
     g = torch.Generator().manual_seed(16)
     prompt = torch.randint(3, 96, (2, 20), generator=g)

@@ -41,17 +41,24 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def test_auto_dtype_is_bf16_exactly_where_it_is_native():
+def test_auto_dtype_is_bf16_exactly_where_it_is_fast():
     # an oracle independent of torch: the CPU's own flags. bf16 instructions (avx512_bf16, AMX) mean
-    # native; without AVX-512's bw/vl/dq nor avx_ne_convert oneDNN has no bf16 path at all (AVX2 only).
+    # native; AVX2 + FMA mean tide.kernels' bf16 GEMM (when the kernels build); with neither, and
+    # without AVX-512's bw/vl/dq or avx_ne_convert, nothing runs bf16 fast: float32.
+    from tide import kernels
+
     flags = _cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags on this OS")
     auto = precision.resolve_dtype("auto", "cpu")
     if flags & {"avx512_bf16", "amx_bf16"}:
         assert auto == torch.bfloat16
-    if not ({"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags):
+    if {"avx2", "fma"} <= flags and kernels.ops() is not None:
+        assert auto == torch.bfloat16
+    if not ({"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags or "avx2" in flags):
         assert auto == torch.float32
+    if kernels.ops() is None and not precision.native_bf16("cpu"):
+        assert auto == torch.float32  # emulated bf16 GEMMs: float32 is faster
     assert precision.dtype_name(auto) in precision.DTYPE_NAMES
 
 

@@ -1,9 +1,13 @@
-"""Which floating-point type to compute in, per device: "auto" picks bf16 only where it is native.
+"""Which floating-point type to compute in, per device: "auto" picks bf16 where it is fast.
 
 bf16 halves memory traffic and, on hardware with bf16 arithmetic (CUDA GPUs from Ampere on,
 x86 CPUs with AVX512-BF16 or AMX), roughly doubles GEMM throughput. On a CPU without it, torch
 emulates bf16 GEMMs: measured on a 2-core AVX2-only EPYC (Zen 1), 10 GFLOP/s in bf16 against
-55 GFLOP/s in float32 for the reference model's shapes, so there "auto" means float32.
+55 GFLOP/s in float32 for the reference model's shapes. There tide.kernels' AVX2 GEMM (bf16
+weights widened to float32 in registers, float32 sums) serves the projections and the lm_head
+instead: on a 2-vCPU Zen 3 guest plain decoding at batch 1 ran 54-56 tok/s in bf16 against
+13-19 tok/s in float32 (docs/results/engine-step, section 2c), so "auto" means bf16 wherever
+those kernels are built, and float32 only on a CPU with neither.
 """
 
 from __future__ import annotations
@@ -38,12 +42,27 @@ def native_bf16(device_type: str = "cpu") -> bool:
     return False
 
 
+@functools.cache
+def fast_bf16(device_type: str = "cpu") -> bool:
+    """True when bf16 is the faster type to serve in on `device_type`: native bf16 GEMMs, or on a
+    CPU tide.kernels' bf16 GEMM (AVX512_BF16, or AVX2 + FMA)."""
+    if native_bf16(device_type):
+        return True
+    if device_type != "cpu":
+        return False
+    from tide import kernels
+
+    module = kernels.ops()
+    return bool(module is not None and getattr(module, "has_bf16_gemm", False))
+
+
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
-    """The torch dtype for a name of DTYPE_NAMES on `device`; "auto" = bf16 where native, else float32."""
+    """The torch dtype for a name of DTYPE_NAMES on `device`; "auto" = bf16 where fast (`fast_bf16`),
+    else float32."""
     import torch
 
     if name == "auto":
-        return torch.bfloat16 if native_bf16(torch.device(device).type) else torch.float32
+        return torch.bfloat16 if fast_bf16(torch.device(device).type) else torch.float32
     if name not in _TORCH_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
     return getattr(torch, _TORCH_NAMES[name])

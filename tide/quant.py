@@ -53,7 +53,7 @@ class Int8Linear:
         self.out_features = weight.shape[0]
         kernels = use_for(q)
         self._kernels = None
-        if (kernels is not None and getattr(kernels, "has_bf16_gemm", False) and dtype == torch.bfloat16
+        if (kernels is not None and getattr(kernels, "has_int8_gemm", False) and dtype == torch.bfloat16
                 and q.shape[0] % 16 == 0 and q.shape[1] % 4 == 0):  # int8_pack: K a multiple of 4
             self._kernels = kernels
             self.q = kernels.int8_pack(q)  # [out/16, in/2, 16, 2]: the same bytes, the kernel's order

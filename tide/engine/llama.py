@@ -279,6 +279,9 @@ class LlamaModel:
         # the kernels (then a decode or verification layer is one call: see `forward`).
         self._layer_args = self._kernel_layer_args([layer[1:3] + layer[4:] for layer in self.layers])
         self._prefill_layer_args = self._kernel_layer_args(self.prefill_linears) if quantized else self._layer_args
+        # Whether decoding's projections run on tide.kernels' GEMMs (then on the kernels' own threads:
+        # ModelRunner.decode_threads).
+        self.projections_on_kernels = self._layer_args is not None
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.ensure_positions(cfg.max_position_embeddings)
         self._aux = cfg.aux_layers if cfg.num_layers >= 4 else ()

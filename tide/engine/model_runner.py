@@ -38,10 +38,12 @@ class ModelRunner:
         model.ensure_positions(self.cache.max_len)
 
     def decode_threads(self):
-        """The threads decoding (and verification) runs on: on CPU, the kernels' own pool for the
-        kernels and this thread alone for torch's few small ops (tide.kernels.own_threads);
-        elsewhere as they are. Prompts keep torch's threads: their attention is torch's."""
-        if self.device.type != "cpu":
+        """The threads decoding (and verification) runs on: on CPU with the projections on the
+        kernels, the kernels' own pool for them and this thread alone for torch's few small ops
+        (tide.kernels.own_threads); elsewhere as they are (where torch's GEMMs serve, one thread
+        for them made a Zen 3 guest's float32 step 1.4x slower). Prompts keep torch's threads:
+        their attention is torch's."""
+        if self.device.type != "cpu" or not self.model.projections_on_kernels:
             return contextlib.nullcontext()
         from tide import kernels
 

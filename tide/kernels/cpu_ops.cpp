@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -328,7 +328,81 @@ inline void attend_one(const float* q, const float* kb, int64_t ks, const float*
 }
 
 }  // namespace
+#elif defined(__AVX2__) && defined(__FMA__)
+namespace {
 
+// AVX2 + FMA (Zen 2/3, Haswell to Alder Lake): the same algorithm 8 lanes at a time, with the
+// same exp polynomial. Its bits differ from the AVX-512 path's (other lane sums): a machine uses one.
+
+inline __m256 exp_core(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// exp(x) for x <= 0, lane-wise; below -87 (and -inf) exactly 0. See the AVX-512 version.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+  return _mm256_and_ps(live, exp_core(_mm256_max_ps(x, _mm256_set1_ps(-87.0f))));
+}
+
+inline float reduce_add(__m256 v) {  // a fixed order: halves, then pairs, then the last two
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One query head's attention over L keys (rows of D floats, `ks`/`vs` floats apart); D % 16 == 0,
+// D <= 256. `scores` holds L (rounded up to 16) floats of scratch.
+inline void attend_one(const float* q, const float* kb, int64_t ks, const float* vb, int64_t vs, const float* bias,
+                       int64_t L, int64_t D, float* scores, float* out) {
+  const int64_t nd = D / 8;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < L; ++l) {
+    const float* k = kb + l * ks;
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+    for (int64_t c = 1; c < nd; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+    const float sc = reduce_add(acc) + (bias ? bias[l] : 0.f);
+    scores[l] = sc;
+    mx = sc > mx ? sc : mx;
+  }
+  const int64_t Lr = (L + 15) / 16 * 16;
+  for (int64_t l = L; l < Lr; ++l) scores[l] = -std::numeric_limits<float>::infinity();
+  const __m256 mxv = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t l = 0; l < Lr; l += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + l), mxv));
+    _mm256_storeu_ps(scores + l, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  const float inv = 1.f / reduce_add(sum);
+  __m256 acc[32];
+  for (int64_t c = 0; c < nd; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t l = 0; l < L; ++l) {
+    const float p = scores[l] * inv;
+    if (p == 0.f) continue;  // masked and padded keys: adding 0 * v would change no bit
+    const __m256 pv = _mm256_set1_ps(p);
+    const float* v = vb + l * vs;
+    for (int64_t c = 0; c < nd; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < nd; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+}  // namespace
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 constexpr bool kHasDecodeAttention = true;
 
 // decode_attention(q [B, Hq, t, D], k/v [B, Hkv, L, D] float32 (a contiguous last dim; other strides
@@ -402,6 +476,7 @@ torch::Tensor int8_pack(const torch::Tensor& q);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const c10::optional<torch::Tensor>& bias);
 bool has_bf16_gemm();
+bool has_int8_gemm();
 // layer.cpp
 std::tuple<torch::Tensor, torch::Tensor> decode_layer(
     const torch::Tensor& x, const c10::optional<torch::Tensor>& delta, const torch::Tensor& ln1,
@@ -421,14 +496,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (rows independent)", nogil);
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate|up projection", nogil);
-#if defined(__AVX512F__)
-  m.def("decode_attention", &decode_attention, "grouped-query attention for few query tokens (AVX-512)", nogil);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  m.def("decode_attention", &decode_attention, "grouped-query attention for few query tokens (AVX-512 or AVX2)", nogil);
 #endif
   m.attr("has_decode_attention") = kHasDecodeAttention;
   m.def("rope_kv_cache", &rope_kv_cache, "RoPE on q and k, k and v into the cache, rotated q out", nogil);
   m.attr("has_bf16_gemm") = has_bf16_gemm();
+  m.attr("has_int8_gemm") = has_int8_gemm();
   m.def("bf16_pack", &bf16_pack, "W [N, K] bf16 -> the layout bf16_linear reads", nogil);
-  m.def("bf16_linear", &bf16_linear, "x @ W.T, bf16, row-invariant (AVX512_BF16)", nogil);
+  m.def("bf16_linear", &bf16_linear, "x @ W.T, bf16, row-invariant (AVX512_BF16 or AVX2)", nogil);
   m.def("int8_pack", &int8_pack, "q [N, K] int8 -> the layout int8_linear reads", nogil);
   m.def("int8_linear", &int8_linear, "(x @ q.T) * scale + bias, bf16 x, int8 q, row-invariant (AVX512_BF16)",
         nogil);

@@ -244,12 +244,156 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return linear<int8_t>(x, packed, scale, bias, at::kChar, "int8_linear");
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// AVX2 + FMA (Zen 2/3, Haswell to Alder Lake): bf16 weights in bf16_pack's layout, products and
+// sums in float32. A bf16 value widens to float32 exactly (its bits are the float's high half), so
+// each 32-bit lane of a pair-row, the pair (w[k], w[k+1]) of one feature, gives w[k] by a shift and
+// w[k+1] by a mask. Every output element is one float32 accumulator taking k = 0, 1, 2, ... in
+// order, one FMA each, then the bias, then one round to nearest even: the same bits whatever the
+// number of rows, the tiling or the threads (row invariance, as above). The bits differ from the
+// AVX512_BF16 path's (VDPBF16PS rounds its inputs and pairs differently): a machine uses one.
+// Why: torch's bf16 GEMM on these CPUs has no native bf16 and ran the reference model's step at
+// ~60 ms (float32 weights: ~55 ms, twice the bytes); this streams half of float32's bytes.
+
+namespace {
+
+constexpr int64_t COLS = 16;  // output features per block: two float32 registers
+constexpr int MAX_ROWS = 3;   // rows per register tile (3 x 4 accumulators + 2 weights + broadcasts)
+constexpr int MAX_BLOCKS = 2; // blocks per register tile
+
+inline __m256 even_of_pairs(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 odd_of_pairs(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// 8 floats -> 8 bf16, round to nearest even, NaN -> quiet NaN: torch's float -> bfloat16 conversion.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// RT rows (float32, `ldx` apart) x CB blocks of 16 features; `w` is block 0's first pair-row,
+// `block` the elements from one block to the next; `bias` starts at the tile's first feature or is null.
+template <int RT, int CB>
+void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs, uint16_t* y, int64_t ldy,
+          const float* bias) {
+  __m256 acc[RT][2 * CB];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < 2 * CB; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m256 x0[RT], x1[RT];
+    for (int r = 0; r < RT; ++r) {
+      x0[r] = _mm256_broadcast_ss(x + r * ldx + 2 * p);
+      x1[r] = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+    }
+    for (int c = 0; c < 2 * CB; ++c) {  // half c % 2 of block c / 2: features 8 (c % 2) .. + 7
+      const __m256i v = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(w + (c / 2) * block + p * 2 * COLS + (c % 2) * COLS));
+      const __m256 w0 = even_of_pairs(v), w1 = odd_of_pairs(v);
+      for (int r = 0; r < RT; ++r) acc[r][c] = _mm256_fmadd_ps(x1[r], w1, _mm256_fmadd_ps(x0[r], w0, acc[r][c]));
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < 2 * CB; ++c) {
+      __m256 v = acc[r][c];
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c * 8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * ldy + c * 8), to_bf16(v));
+    }
+}
+
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, const float*);
+
+// A lone row takes 4 blocks a tile: each accumulator's chain of FMAs waits on itself (~4 cycles an
+// FMA), so one row needs 8 chains in flight to stream weights at memory speed.
+inline int blocks_for(int rt) { return rt == 1 ? 4 : MAX_BLOCKS; }
+
+TileFn tile_for(int rt, int cb) {
+  switch (rt) {
+    case 1: return cb == 1 ? &tile<1, 1> : cb == 2 ? &tile<1, 2> : cb == 3 ? &tile<1, 3> : &tile<1, 4>;
+    case 2: return cb == 1 ? &tile<2, 1> : &tile<2, 2>;
+    default: return cb == 1 ? &tile<3, 1> : &tile<3, 2>;
+  }
+}
+
+}  // namespace
+
+constexpr bool kHasBf16Gemm = true;
+
+// W [N, K] bf16 (N a multiple of 16, K even) -> [N/16, K/2, 16, 2], the AVX512_BF16 path's layout.
+torch::Tensor bf16_pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: a 2-D bf16 weight");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % COLS == 0 && K % 2 == 0, "bf16_pack: N a multiple of 16 and K even");
+  return w.contiguous().view({N / COLS, COLS, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+torch::Tensor int8_pack(const torch::Tensor&) { TORCH_CHECK(false, "int8_pack needs AVX512_BF16"); }
+
+// x [..., K] bf16, packed from bf16_pack, bias [N] or None -> [..., N] bf16.
+torch::Tensor bf16_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
+                          const c10::optional<torch::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "bf16_linear: bf16 input and weight");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x_in.size(-1) && packed.is_contiguous(),
+              "bf16_linear: packed [N/16, K/2, 16, 2] matching x's last dim");
+  const int64_t K = x_in.size(-1), blocks = packed.size(0), N = blocks * COLS, pairs = K / 2;
+  const auto x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();  // exact: bf16 widens to float32
+  const int64_t M = x.size(0);
+  c10::optional<torch::Tensor> bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias->numel() == N, "bias must have one value per output feature (", N, ")");
+  }
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x_in.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const int64_t block = K * COLS;
+  // Chunks of ~64 KB of weights, as in the AVX512_BF16 path (see there and pool.h), and at least
+  // the 4 blocks a lone row's tile takes (blocks_for).
+  const int64_t per = std::max<int64_t>(4, (int64_t{1} << 16) / (block * 2));
+  tide_pool::parallel(
+      (blocks + per - 1) / per,
+      [=](int64_t chunk) {
+        const int64_t b0 = chunk * per, b1 = std::min(blocks, b0 + per);
+        // Rows in tiles of as equal a size as MAX_ROWS allows (4 rows: 2 + 2, not 3 + 1).
+        const int64_t tiles = (M + MAX_ROWS - 1) / MAX_ROWS;
+        for (int64_t b = b0; b < b1; b += 4) {
+          const int64_t nb = std::min<int64_t>(4, b1 - b);
+          for (int64_t t = 0, r = 0; t < tiles; ++t) {
+            const int rt = static_cast<int>((M - r + (tiles - t) - 1) / (tiles - t));
+            for (int64_t c = 0; c < nb; c += blocks_for(rt)) {
+              const int cb = static_cast<int>(std::min<int64_t>(blocks_for(rt), nb - c));
+              tile_for(rt, cb)(xp + r * K, K, wp + (b + c) * block, block, pairs, yp + r * N + (b + c) * COLS, N,
+                               bp ? bp + (b + c) * COLS : nullptr);
+            }
+            r += rt;
+          }
+        }
+      },
+      {x, packed, y, bias ? *bias : at::Tensor()});
+  return y;
+}
+
+torch::Tensor int8_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                          const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "int8_linear needs AVX512_BF16");
+}
+
 #else
 constexpr bool kHasBf16Gemm = false;
-torch::Tensor bf16_pack(const torch::Tensor&) { TORCH_CHECK(false, "bf16_pack needs AVX512_BF16"); }
+torch::Tensor bf16_pack(const torch::Tensor&) { TORCH_CHECK(false, "bf16_pack needs AVX512_BF16 or AVX2"); }
 torch::Tensor int8_pack(const torch::Tensor&) { TORCH_CHECK(false, "int8_pack needs AVX512_BF16"); }
 torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&) {
-  TORCH_CHECK(false, "bf16_linear needs AVX512_BF16");
+  TORCH_CHECK(false, "bf16_linear needs AVX512_BF16 or AVX2");
 }
 torch::Tensor int8_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                           const c10::optional<torch::Tensor>&) {
@@ -258,3 +402,10 @@ torch::Tensor int8_linear(const torch::Tensor&, const torch::Tensor&, const torc
 #endif
 
 bool has_bf16_gemm() { return kHasBf16Gemm; }
+bool has_int8_gemm() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}

@@ -14,7 +14,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up);
 torch::Tensor rope_kv_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                             torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
                             const torch::Tensor& positions, int64_t hq, int64_t hkv);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& bias);
 #endif
@@ -51,7 +51,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layer(
     const Projection& down, torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& cos,
     const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& positions, int64_t slot_lo,
     int64_t slot_hi, int64_t kv_len, const c10::optional<torch::Tensor>& bias, int64_t hq, int64_t hkv) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   torch::Tensor x = x_in, h;
   if (delta.has_value() && delta->defined()) {
     std::tie(x, h) = add_rms_norm(x, *delta, ln1, eps);
@@ -72,6 +72,6 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layer(
   std::tie(x, h) = add_rms_norm(x, project(o, attn), ln2, eps);
   return {x, project(down, silu_mul(project(gate_up, h)))};
 #else
-  TORCH_CHECK(false, "decode_layer needs AVX-512");
+  TORCH_CHECK(false, "decode_layer needs AVX-512 or AVX2");
 #endif
 }

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tide.eagle3 import Eagle3Config, Eagle3Draft
+from tide.layers import Linear
 from tide.precision import resolve_dtype
 from tide.target import EMBED_TENSOR, LM_HEAD_TENSOR, NORM_TENSOR, TargetFiles, load_head_tensors
 
@@ -25,8 +26,9 @@ _ARGMAX_ROWS = 1024
 # stores. On a bootstrap's greedy chunks that gives the token the engine generated on every row
 # checked (1,221 rows), where a float32 lm_head disagreed on 0.8 % of them (near-ties); and it is
 # ~2x cheaper there: the full-vocabulary matmul was 3 of a 30-minute bootstrap's minutes at 650k
-# rows in float32. Without native bf16 the engine serves in float32, and so does this (3.7x faster
-# than emulated bf16 for the 49152-wide head on a 2-core AVX2 CPU).
+# rows in float32. The bf16 head is tide.layers.Linear, the engine's own (tide.kernels' GEMM where
+# built, on AVX2 CPUs too: torch's emulated bf16 matmul was 3.7x slower than float32 there). Where
+# the engine serves in float32 (no kernels, no native bf16), so does this.
 GREEDY_DTYPE = resolve_dtype("auto", "cpu")
 
 
@@ -41,7 +43,8 @@ class TargetHead:
     lm_head: torch.Tensor
 
     def __post_init__(self) -> None:
-        self._greedy_head = self.lm_head.to(GREEDY_DTYPE)  # see GREEDY_DTYPE
+        weight = self.lm_head.to(GREEDY_DTYPE)  # see GREEDY_DTYPE
+        self._greedy_head = Linear(weight) if weight.dtype == torch.bfloat16 else (lambda x: x @ weight.T)
 
     @classmethod
     def load(cls, target: TargetFiles) -> TargetHead:
@@ -65,7 +68,7 @@ class TargetHead:
         idx = torch.arange(final.shape[0]) if rows is None else rows.nonzero().squeeze(1)
         for a in range(0, idx.shape[0], _ARGMAX_ROWS):
             part = idx[a:a + _ARGMAX_ROWS]
-            out[part] = (final[part].to(GREEDY_DTYPE) @ self._greedy_head.T).argmax(-1)
+            out[part] = self._greedy_head(final[part].to(GREEDY_DTYPE)).argmax(-1)
         return out
 
 

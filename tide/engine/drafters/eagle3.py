@@ -37,7 +37,7 @@ class Eagle3Drafter:
     algorithm = DraftAlgorithm.EAGLE3
 
     def __init__(self, draft: Eagle3Draft, version: str, max_batch: int, max_len: int) -> None:
-        self.draft = draft.eval()
+        self.draft = draft.eval().freeze_for_serving()  # its projections on tide.kernels' GEMM
         self.version = version
         cfg = draft.cfg
         p = draft.fc.weight
