@@ -94,7 +94,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Linear:
     """y = x @ W.T on the fastest row-invariant GEMM this machine has, chosen once at construction.
 
-    - bf16 on a CPU with AVX512_BF16 (and the fused kernels built): tide.kernels' `bf16_linear`.
+    - bf16 on a CPU with AVX512_BF16, or AVX2 + FMA (and the fused kernels built): tide.kernels'
+      `bf16_linear` (on AVX2 the bf16 weights widened to float32 in registers, float32 sums).
       Every output element is one fixed instruction sequence whatever the row count, so a lone
       decode row, a verification and a prompt give a token the same bits (`row_exact`). Measured
       on a 2-vCPU Zen 4 guest, weights streamed from memory as in a step: 1.5-2.2x faster than

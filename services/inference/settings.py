@@ -47,7 +47,8 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
 
     target: str = Field("ref", description='target model: "ref", a HF directory or a .gguf file')
     dtype: Annotated[str, one_of(DTYPE_NAMES)] = Field(
-        "auto", description="auto = bf16 where the device computes it natively, else fp32 (tide/precision.py)")
+        "auto",
+        description="auto = bf16 where it is fast (native, or tide.kernels' AVX2 GEMM), else fp32 (tide/precision.py)")
     weights: Annotated[str, one_of(WEIGHTS_NAMES)] = Field(
         "auto", description="how the target's weights are stored: auto = in the compute dtype; bf16 / fp16 / fp32 "
         "(also the compute dtype); int8 / int4 = weight-only quantized, CPU only (tide/quant.py)")

@@ -1,6 +1,7 @@
 """The engine's CPU kernels, built once per machine: cpu_ops.cpp (the small per-token ops: norms,
-silu*up, RoPE with the cache writes, decode attention), gemm.cpp (row-invariant bf16 and int8-weight
-GEMMs for the projections and the lm_head, AVX512_BF16) and layer.cpp (a decode layer in one call).
+silu*up, RoPE with the cache writes, decode attention), gemm.cpp (row-invariant bf16-weight GEMMs
+for the projections and the lm_head on AVX512_BF16 or AVX2 + FMA, int8-weight ones on AVX512_BF16)
+and layer.cpp (a decode layer in one call).
 
 `ops()` returns the compiled module, or None where it cannot be had; callers then run the same
 math with torch ops. Built at first use with the system C++ compiler through torch's extension
@@ -12,9 +13,12 @@ in well under a second. `make setup` builds it, so neither a service's start nor
 `TIDE_CPU_KERNELS=0` turns them off (the torch-op path everywhere); `TIDE_KERNEL_POOL=0` keeps them
 but runs them on OpenMP's threads instead of their own pool (pool.h, `own_threads`). No compiler, or a failed build:
 one warning in the log naming the compiler's output (`build-error.log`, which also stops later
-processes from trying again), and the torch-op path. The decode-attention kernel needs AVX-512;
-without it attention alone takes the torch path (`has_decode_attention`); the GEMMs need
-AVX512_BF16, without it the projections take oneDNN's or torch's (`has_bf16_gemm`).
+processes from trying again), and the torch-op path. The decode-attention kernel needs AVX-512
+or AVX2 + FMA; without either attention alone takes the torch path (`has_decode_attention`); the
+bf16 GEMM needs AVX512_BF16 or AVX2 + FMA, without either the projections take oneDNN's or torch's
+(`has_bf16_gemm`); the int8 GEMM needs AVX512_BF16 (`has_int8_gemm`), else tide.quant takes torch's.
+Each AVX2 kernel computes what its AVX-512 twin computes, in other lanes: other bits, and a machine
+runs one of the two.
 
 The kernels give each row the same bits whatever the number of rows (see cpu_ops.cpp), as the
 torch ops they replace do, so batched verification still equals plain decoding. They are not
