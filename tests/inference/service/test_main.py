@@ -27,9 +27,9 @@ def test_settings_from_env():
     assert (s.target, s.dtype, s.drafter, s.listen) == ("ref", "auto", "ngram", "127.0.0.1:50051")
     import torch
 
-    from tide.precision import native_bf16
+    from tide.precision import fast_bf16
 
-    assert s.torch_dtype == (torch.bfloat16 if native_bf16("cpu") else torch.float32)  # bf16 only where native
+    assert s.torch_dtype == (torch.bfloat16 if fast_bf16("cpu") else torch.float32)  # bf16 only where fast
     assert InferenceSettings.from_env({"TIDE_DTYPE": "fp32"}).torch_dtype == torch.float32
     int4 = InferenceSettings.from_env({"TIDE_WEIGHTS": "int4", "TIDE_DTYPE": "fp32"})
     assert (int4.weight_format, int4.torch_dtype) == ("int4", torch.float32)
