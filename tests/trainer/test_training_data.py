@@ -17,7 +17,7 @@ from services.trainer.training.data import (
     s3_source,
     split,
 )
-from services.trainer.training.head import GREEDY_DTYPE, TargetHead
+from services.trainer.training.head import TargetHead, greedy_dtype
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +46,19 @@ def test_invalid_foreign_and_duplicate_chunks_are_never_trained_on(head, copy_ch
     assert again.chunk_ids == ["test-1-1"]
 
 
+def _engine_logits(head, final):
+    """The lm_head as the engine serves it in the default dtype (tide.engine.llama's head)."""
+    from tide.engine.llama import logits_head, vocab_logits
+
+    dtype = greedy_dtype()
+    return vocab_logits(final.to(dtype), logits_head(head.lm_head.to(dtype)))
+
+
 def test_pieces_hold_rows_and_the_targets_greedy_tokens(head, copy_chunks):
     data = load_dataset(copy_chunks[:1], head, max_len=16)
     assert all(2 <= len(p) <= 16 for p in data.pieces)
     p = data.pieces[0]
-    logits = p.final.to(GREEDY_DTYPE) @ head.lm_head.to(GREEDY_DTYPE).T  # the lm_head as the engine serves it
+    logits = _engine_logits(head, p.final)
     learn = p.loss_mask  # greedy tokens are computed where they are read: on learnable rows
     assert learn.any() and not learn.all()
     assert torch.equal(p.greedy[learn], logits.argmax(-1)[learn])
@@ -69,7 +77,7 @@ def test_prompt_rows_can_be_learnt_with_the_targets_labels(head, copy_chunks):
     assert [len(p) for p in full.pieces] == [len(p) for p in plain.pieces]
     for a, b in zip(plain.pieces, full.pieces, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and b.loss_mask.all()
-        assert torch.equal(b.greedy, (b.final.to(GREEDY_DTYPE) @ head.lm_head.to(GREEDY_DTYPE).T).argmax(-1))
+        assert torch.equal(b.greedy, _engine_logits(head, b.final).argmax(-1))
         assert torch.equal(b.greedy[a.loss_mask], a.greedy[a.loss_mask])
     prompt = ~plain.pieces[0].loss_mask
     assert prompt.any() and full.pieces[0].greedy[prompt].any()

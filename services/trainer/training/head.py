@@ -29,7 +29,22 @@ _ARGMAX_ROWS = 1024
 # rows in float32. The bf16 head is tide.layers.Linear, the engine's own (tide.kernels' GEMM where
 # built, on AVX2 CPUs too: torch's emulated bf16 matmul was 3.7x slower than float32 there). Where
 # the engine serves in float32 (no kernels, no native bf16), so does this.
-GREEDY_DTYPE = resolve_dtype("auto", "cpu")
+def greedy_dtype() -> torch.dtype:
+    """The dtype greedy tokens are computed in (see above); resolved when a head is built, not at
+    import: "auto" may have to load (or build) tide.kernels to decide."""
+    return resolve_dtype("auto", "cpu")
+
+
+class GreedyHead:
+    """rows -> logits over the full vocabulary, as the engine computes them in `weight.dtype`."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.dtype = weight.dtype
+        self._linear = Linear(weight) if weight.dtype == torch.bfloat16 else None
+        self._weight = weight
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._linear(rows) if self._linear is not None else rows @ self._weight.T
 
 
 @dataclass
@@ -43,8 +58,8 @@ class TargetHead:
     lm_head: torch.Tensor
 
     def __post_init__(self) -> None:
-        weight = self.lm_head.to(GREEDY_DTYPE)  # see GREEDY_DTYPE
-        self._greedy_head = Linear(weight) if weight.dtype == torch.bfloat16 else (lambda x: x @ weight.T)
+        weight = self.lm_head.to(greedy_dtype())
+        self._greedy_head = GreedyHead(weight)
 
     @classmethod
     def load(cls, target: TargetFiles) -> TargetHead:
@@ -68,7 +83,7 @@ class TargetHead:
         idx = torch.arange(final.shape[0]) if rows is None else rows.nonzero().squeeze(1)
         for a in range(0, idx.shape[0], _ARGMAX_ROWS):
             part = idx[a:a + _ARGMAX_ROWS]
-            out[part] = self._greedy_head(final[part].to(GREEDY_DTYPE)).argmax(-1)
+            out[part] = self._greedy_head(final[part].to(self._greedy_head.dtype)).argmax(-1)
         return out
 
 
