@@ -28,32 +28,83 @@
 
 namespace {
 
+// The float32 vector operations the exp polynomial and decode attention take, per ISA: 16 lanes
+// (AVX-512) or 8 (AVX2 + FMA: Zen 2/3, Haswell to Alder Lake). The same algorithm either way; the
+// bits differ between the two (other lane sums), and a machine runs one.
 #if defined(__AVX512F__)
+struct Lanes {
+  using V = __m512;
+  static constexpr int64_t W = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {  // 2^n for integral n in [-126, 127], by the exponent bits
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static V zero_below(V x, float t, V y) {  // y where x >= t, else 0
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(t), _CMP_GE_OQ), y);
+  }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Lanes {
+  using V = __m256;
+  static constexpr int64_t W = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static V zero_below(V x, float t, V y) { return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(t), _CMP_GE_OQ), y); }
+  static float sum(V v) {  // a fixed order: halves, then pairs, then the last two
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+using L = Lanes;
+
 // exp(x) for x in [-87, 88] (the same polynomial; callers clamp).
-inline __m512 exp_core(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+inline L::V exp_core(L::V x) {
+  const L::V n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
+  L::V r = L::sub(x, L::mul(n, L::set1(0.693359375f)));
+  r = L::sub(r, L::mul(n, L::set1(-2.12194440e-4f)));
+  L::V p = L::set1(1.9875691500e-4f);
+  p = L::fma(p, r, L::set1(1.3981999507e-3f));
+  p = L::fma(p, r, L::set1(8.3334519073e-3f));
+  p = L::fma(p, r, L::set1(4.1665795894e-2f));
+  p = L::fma(p, r, L::set1(1.6666665459e-1f));
+  p = L::fma(p, r, L::set1(5.0000001201e-1f));
+  const L::V y = L::add(L::fma(L::mul(p, r), r, r), L::set1(1.0f));
+  return L::mul(y, L::pow2(n));
 }
 
-// exp(x) for x <= 0, 16 lanes (softmax of scores shifted by their max): Cephes' expf polynomial,
+// exp(x) for x <= 0, lane-wise (softmax of scores shifted by their max): Cephes' expf polynomial,
 // within 2 float32 ulps of exp. Lane-wise, so a score's bits do not depend on its lane or chunk.
 // Below -87 (and -inf: masked or padded keys) exactly 0, so a padded key adds nothing anywhere.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(live, exp_core(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))));
-}
+inline L::V exp_nonpositive(L::V x) { return L::zero_below(x, -87.0f, exp_core(L::max(x, L::set1(-87.0f)))); }
+#endif
 
+#if defined(__AVX512F__)
 // float32 -> bf16 bits, round to nearest even (c10::BFloat16's rounding; NaNs stay NaNs).
 inline __m256i to_bf16(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);
@@ -286,117 +337,47 @@ torch::Tensor rope_kv_cache(const torch::Tensor& qkv_in, const torch::Tensor& co
   return q_out;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 namespace {
 
 // One query head's attention over L keys (rows of D floats, `ks`/`vs` floats apart); D % 16 == 0,
 // D <= 256. `scores` holds L (rounded up to 16) floats of scratch.
 inline void attend_one(const float* q, const float* kb, int64_t ks, const float* vb, int64_t vs, const float* bias,
                        int64_t L, int64_t D, float* scores, float* out) {
-  const int64_t nd = D / 16;
-  __m512 qv[16];
-  for (int64_t c = 0; c < nd; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  using V = Lanes::V;
+  constexpr int64_t W = Lanes::W;
+  const int64_t nd = D / W;
+  V qv[256 / W];
+  for (int64_t c = 0; c < nd; ++c) qv[c] = Lanes::load(q + W * c);
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t l = 0; l < L; ++l) {
     const float* k = kb + l * ks;
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    for (int64_t c = 1; c < nd; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc);
-    const float sc = _mm512_reduce_add_ps(acc) + (bias ? bias[l] : 0.f);
+    V acc = Lanes::mul(qv[0], Lanes::load(k));
+    for (int64_t c = 1; c < nd; ++c) acc = Lanes::fma(qv[c], Lanes::load(k + W * c), acc);
+    const float sc = Lanes::sum(acc) + (bias ? bias[l] : 0.f);
     scores[l] = sc;
     mx = sc > mx ? sc : mx;
   }
   const int64_t Lr = (L + 15) / 16 * 16;
   for (int64_t l = L; l < Lr; ++l) scores[l] = -std::numeric_limits<float>::infinity();
-  const __m512 mxv = _mm512_set1_ps(mx);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t l = 0; l < Lr; l += 16) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + l), mxv));
-    _mm512_storeu_ps(scores + l, e);
-    sum = _mm512_add_ps(sum, e);
+  const V mxv = Lanes::set1(mx);
+  V sum = Lanes::zero();
+  for (int64_t l = 0; l < Lr; l += W) {
+    const V e = exp_nonpositive(Lanes::sub(Lanes::load(scores + l), mxv));
+    Lanes::store(scores + l, e);
+    sum = Lanes::add(sum, e);
   }
-  const float inv = 1.f / _mm512_reduce_add_ps(sum);
-  __m512 acc[16];
-  for (int64_t c = 0; c < nd; ++c) acc[c] = _mm512_setzero_ps();
+  const float inv = 1.f / Lanes::sum(sum);
+  V acc[256 / W];
+  for (int64_t c = 0; c < nd; ++c) acc[c] = Lanes::zero();
   for (int64_t l = 0; l < L; ++l) {
     const float p = scores[l] * inv;
     if (p == 0.f) continue;  // masked and padded keys: adding 0 * v would change no bit
-    const __m512 pv = _mm512_set1_ps(p);
+    const V pv = Lanes::set1(p);
     const float* v = vb + l * vs;
-    for (int64_t c = 0; c < nd; ++c) acc[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 16 * c), acc[c]);
+    for (int64_t c = 0; c < nd; ++c) acc[c] = Lanes::fma(pv, Lanes::load(v + W * c), acc[c]);
   }
-  for (int64_t c = 0; c < nd; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
-}
-
-}  // namespace
-#elif defined(__AVX2__) && defined(__FMA__)
-namespace {
-
-// AVX2 + FMA (Zen 2/3, Haswell to Alder Lake): the same algorithm 8 lanes at a time, with the
-// same exp polynomial. Its bits differ from the AVX-512 path's (other lane sums): a machine uses one.
-
-inline __m256 exp_core(__m256 x) {
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-// exp(x) for x <= 0, lane-wise; below -87 (and -inf) exactly 0. See the AVX-512 version.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
-  return _mm256_and_ps(live, exp_core(_mm256_max_ps(x, _mm256_set1_ps(-87.0f))));
-}
-
-inline float reduce_add(__m256 v) {  // a fixed order: halves, then pairs, then the last two
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// One query head's attention over L keys (rows of D floats, `ks`/`vs` floats apart); D % 16 == 0,
-// D <= 256. `scores` holds L (rounded up to 16) floats of scratch.
-inline void attend_one(const float* q, const float* kb, int64_t ks, const float* vb, int64_t vs, const float* bias,
-                       int64_t L, int64_t D, float* scores, float* out) {
-  const int64_t nd = D / 8;
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < L; ++l) {
-    const float* k = kb + l * ks;
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-    for (int64_t c = 1; c < nd; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
-    const float sc = reduce_add(acc) + (bias ? bias[l] : 0.f);
-    scores[l] = sc;
-    mx = sc > mx ? sc : mx;
-  }
-  const int64_t Lr = (L + 15) / 16 * 16;
-  for (int64_t l = L; l < Lr; ++l) scores[l] = -std::numeric_limits<float>::infinity();
-  const __m256 mxv = _mm256_set1_ps(mx);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t l = 0; l < Lr; l += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + l), mxv));
-    _mm256_storeu_ps(scores + l, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  const float inv = 1.f / reduce_add(sum);
-  __m256 acc[32];
-  for (int64_t c = 0; c < nd; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t l = 0; l < L; ++l) {
-    const float p = scores[l] * inv;
-    if (p == 0.f) continue;  // masked and padded keys: adding 0 * v would change no bit
-    const __m256 pv = _mm256_set1_ps(p);
-    const float* v = vb + l * vs;
-    for (int64_t c = 0; c < nd; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);
-  }
-  for (int64_t c = 0; c < nd; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+  for (int64_t c = 0; c < nd; ++c) Lanes::store(out + W * c, acc[c]);
 }
 
 }  // namespace
