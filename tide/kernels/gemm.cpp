@@ -31,6 +31,28 @@
 #include <cstring>
 #include <type_traits>
 
+namespace {
+
+constexpr int64_t PACK_COLS = 16;  // output features per packed block, on every path
+
+// W [N, K] -> [N/16, K/2, 16, 2]: for each block of 16 features, K/2 pair-rows, each holding the
+// pair (k, k+1) of all 16 features (see each path's notes for how it reads them).
+torch::Tensor pack(const torch::Tensor& w, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype, name, ": a 2-D ", c10::toString(dtype), " weight");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % PACK_COLS == 0 && K % 2 == 0, name, ": N a multiple of 16 and K even");
+  return w.contiguous().view({N / PACK_COLS, PACK_COLS, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+c10::optional<torch::Tensor> floats(const c10::optional<torch::Tensor>& t, int64_t n, const char* what) {
+  if (!t.has_value() || !t->defined()) return c10::nullopt;
+  auto f = t->to(at::kFloat).contiguous();
+  TORCH_CHECK(f.numel() == n, what, " must have one value per output feature (", n, ")");
+  return f;
+}
+
+}  // namespace
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
 namespace {
@@ -155,20 +177,6 @@ TileFn<W> tile_for(int rt, int cb) {
     case 5: return tile_for<5, W>(cb);
     default: return tile_for<6, W>(cb);
   }
-}
-
-torch::Tensor pack(const torch::Tensor& w, at::ScalarType dtype, const char* name) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype, name, ": a 2-D ", c10::toString(dtype), " weight");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(N % COLS == 0 && K % 2 == 0, name, ": N a multiple of 16 and K even");
-  return w.contiguous().view({N / COLS, COLS, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
-
-c10::optional<torch::Tensor> floats(const c10::optional<torch::Tensor>& t, int64_t n, const char* what) {
-  if (!t.has_value() || !t->defined()) return c10::nullopt;
-  auto f = t->to(at::kFloat).contiguous();
-  TORCH_CHECK(f.numel() == n, what, " must have one value per output feature (", n, ")");
-  return f;
 }
 
 // x [..., K] bf16 -> [..., N] bf16 over a packed weight of element type W.
@@ -324,12 +332,7 @@ TileFn tile_for(int rt, int cb) {
 constexpr bool kHasBf16Gemm = true;
 
 // W [N, K] bf16 (N a multiple of 16, K even) -> [N/16, K/2, 16, 2], the AVX512_BF16 path's layout.
-torch::Tensor bf16_pack(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: a 2-D bf16 weight");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(N % COLS == 0 && K % 2 == 0, "bf16_pack: N a multiple of 16 and K even");
-  return w.contiguous().view({N / COLS, COLS, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
+torch::Tensor bf16_pack(const torch::Tensor& w) { return pack(w, at::kBFloat16, "bf16_pack"); }
 
 torch::Tensor int8_pack(const torch::Tensor&) { TORCH_CHECK(false, "int8_pack needs AVX512_BF16"); }
 
@@ -343,11 +346,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x_in, const torch::Tensor& packed
   const int64_t K = x_in.size(-1), blocks = packed.size(0), N = blocks * COLS, pairs = K / 2;
   const auto x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();  // exact: bf16 widens to float32
   const int64_t M = x.size(0);
-  c10::optional<torch::Tensor> bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    bias = bias_in->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias->numel() == N, "bias must have one value per output feature (", N, ")");
-  }
+  const auto bias = floats(bias_in, N, "bias");
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x_in.options());
