@@ -90,7 +90,7 @@ def test_int8_weights_match_their_dequantized_values_and_keep_rows_invariant(ops
     from tide.quant import Int8Linear
 
     if not ops.has_int8_gemm:
-        pytest.skip("the int8 kernel needs AVX512_BF16 (tide.quant takes torch's int8 GEMM here)")
+        pytest.skip("the int8 kernel needs AVX512_BF16 or AVX2 + FMA (tide.quant takes torch's int8 GEMM here)")
     w, bias = _tensor(960, 576, seed=13, scale=0.05).float(), _tensor(960, seed=14)
     lin = Int8Linear(w, bias, torch.bfloat16)
     assert lin.kind == "int8-kernel"
@@ -113,7 +113,7 @@ def tiny_bf16_model(ops, tmp_path_factory, request):
     from tide.engine.llama import LlamaModel
 
     if request.param == "int8" and not ops.has_int8_gemm:
-        pytest.skip("the int8 kernel needs AVX512_BF16")
+        pytest.skip("the int8 kernel needs AVX512_BF16 or AVX2 + FMA")
     model = LlamaModel.load(save_tiny_target(tmp_path_factory.mktemp("bf16-target")), dtype=torch.bfloat16,
                             weight_format=request.param)
     assert model._layer_args is not None and not model._pair_single_row  # every projection on the kernel

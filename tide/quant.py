@@ -1,6 +1,6 @@
 """Weight-only quantized linear layers for CPU serving: int8 per output channel, int4 per group of 32.
 
-Activations stay in the compute dtype (bf16 where native); only the weights are stored narrow and
+Activations stay in the compute dtype (bf16 where fast: tide.precision); only the weights are stored narrow and
 widened inside the kernels: tide.kernels' `int8_linear` where the CPU has AVX512_BF16, else torch's
 own (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`).
 At batch 1 a decode step streams every weight once, so fewer bytes are a faster step: the reference

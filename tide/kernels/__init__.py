@@ -1,6 +1,6 @@
 """The engine's CPU kernels, built once per machine: cpu_ops.cpp (the small per-token ops: norms,
 silu*up, RoPE with the cache writes, decode attention), gemm.cpp (row-invariant bf16-weight GEMMs
-for the projections and the lm_head on AVX512_BF16 or AVX2 + FMA, int8-weight ones on AVX512_BF16)
+and int8-weight GEMMs for the projections and the lm_head on AVX512_BF16 or AVX2 + FMA)
 and layer.cpp (a decode layer in one call).
 
 `ops()` returns the compiled module, or None where it cannot be had; callers then run the same
@@ -16,7 +16,7 @@ one warning in the log naming the compiler's output (`build-error.log`, which al
 processes from trying again), and the torch-op path. The decode-attention kernel needs AVX-512
 or AVX2 + FMA; without either attention alone takes the torch path (`has_decode_attention`); the
 bf16 GEMM needs AVX512_BF16 or AVX2 + FMA, without either the projections take oneDNN's or torch's
-(`has_bf16_gemm`); the int8 GEMM needs AVX512_BF16 (`has_int8_gemm`), else tide.quant takes torch's.
+(`has_bf16_gemm`); the int8 GEMM needs the same (`has_int8_gemm`), else tide.quant takes torch's.
 Each AVX2 kernel computes what its AVX-512 twin computes, in other lanes: other bits, and a machine
 runs one of the two.
 

@@ -1,6 +1,6 @@
 // y = x @ W.T for bf16 weights, and for int8 weights with a scale per output feature, on CPUs with
-// AVX512_BF16 (Zen 4, Sapphire Rapids and later): the engine's projections and lm_head
-// (tide.layers.Linear, tide.quant.Int8Linear).
+// AVX512_BF16 (Zen 4, Sapphire Rapids and later) or AVX2 + FMA (the second path, below): the
+// engine's projections and lm_head (tide.layers.Linear, tide.quant.Int8Linear).
 //
 // Why: a decode step streams every weight once. oneDNN's pre-packed GEMM read the reference
 // model's 576-wide projections at ~16 GB/s on the 2-vCPU Zen 4 guest, where a plain sum reads
@@ -226,11 +226,11 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, con
 }  // namespace
 
 constexpr bool kHasBf16Gemm = true;
+constexpr bool kHasInt8Gemm = true;
 
 // W [N, K] bf16 (N a multiple of 16, K even) -> [N/16, K/2, 16, 2] (see the layout above).
 torch::Tensor bf16_pack(const torch::Tensor& w) { return pack(w, at::kBFloat16, "bf16_pack"); }
 
-// q [N, K] int8 -> [N/16, K/2, 16, 2].
 // q [N, K] int8 -> [N/16, K/2, 16, 2]; with the byte tables (AVX512_VBMI; K a multiple of 4) each
 // two pair-rows regrouped as [4 lanes][2 pair-rows][8 bytes], the order the bytes' interleave reads.
 torch::Tensor int8_pack(const torch::Tensor& q) {
@@ -254,15 +254,19 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
-// AVX2 + FMA (Zen 2/3, Haswell to Alder Lake): bf16 weights in bf16_pack's layout, products and
-// sums in float32. A bf16 value widens to float32 exactly (its bits are the float's high half), so
-// each 32-bit lane of a pair-row, the pair (w[k], w[k+1]) of one feature, gives w[k] by a shift and
-// w[k+1] by a mask. Every output element is one float32 accumulator taking k = 0, 1, 2, ... in
-// order, one FMA each, then the bias, then one round to nearest even: the same bits whatever the
-// number of rows, the tiling or the threads (row invariance, as above). The bits differ from the
-// AVX512_BF16 path's (VDPBF16PS rounds its inputs and pairs differently): a machine uses one.
+// AVX2 + FMA (Zen 2/3, Haswell to Alder Lake): bf16 or int8 weights, products and sums in float32.
+// bf16: bf16_pack's layout. A bf16 value widens to float32 exactly (its bits are the float's high
+// half), so each 32-bit lane of a pair-row, the pair (w[k], w[k+1]) of one feature, gives w[k] by a
+// shift and w[k+1] by a mask. int8: int8_pack regroups each pair-row of a block as [2 (k, k+1)][16
+// features], so 8 bytes widen (VPMOVSXBD, VCVTDQ2PS: exact) to one k of 8 features, three
+// instructions for 8 weights. Every output element is one float32 accumulator taking k = 0, 1, 2,
+// ... in order, one FMA each, then (int8) the scale, then the bias, then one round to nearest even:
+// the same bits whatever the number of rows, the tiling or the threads (row invariance, as above).
+// The bits differ from the AVX512_BF16 path's (VDPBF16PS rounds its inputs and pairs differently):
+// a machine uses one.
 // Why: torch's bf16 GEMM on these CPUs has no native bf16 and ran the reference model's step at
-// ~60 ms (float32 weights: ~55 ms, twice the bytes); this streams half of float32's bytes.
+// ~60 ms (float32 weights: ~55 ms, twice the bytes); this streams half of float32's bytes, int8 a
+// quarter. torch's int8 kernel (`_weight_int8pack_mm`) ran the int8 step slower than bf16 here.
 
 namespace {
 
@@ -275,6 +279,20 @@ inline __m256 odd_of_pairs(__m256i v) {
   return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
+// Features 8 h .. 8 h + 7 of one block's pair-row `row` as float32: w0 at k, w1 at k + 1.
+inline void widen(const uint16_t* row, int h, __m256& w0, __m256& w1) {  // bf16_pack: [16 features][2]
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + h * 2 * 8));
+  w0 = even_of_pairs(v);
+  w1 = odd_of_pairs(v);
+}
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void widen(const int8_t* row, int h, __m256& w0, __m256& w1) {  // int8_pack: [2][16 features]
+  w0 = widen8(row + h * 8);
+  w1 = widen8(row + COLS + h * 8);
+}
+
 // 8 floats -> 8 bf16, round to nearest even, NaN -> quiet NaN: torch's float -> bfloat16 conversion.
 inline __m128i to_bf16(__m256 v) {
   const __m256i b = _mm256_castps_si256(v);
@@ -285,10 +303,11 @@ inline __m128i to_bf16(__m256 v) {
 }
 
 // RT rows (float32, `ldx` apart) x CB blocks of 16 features; `w` is block 0's first pair-row,
-// `block` the elements from one block to the next; `bias` starts at the tile's first feature or is null.
-template <int RT, int CB>
-void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs, uint16_t* y, int64_t ldy,
-          const float* bias) {
+// `block` the elements from one block to the next; `scale` (int8) and `bias` start at the tile's
+// first feature, or are null.
+template <int RT, int CB, typename W>
+void tile(const float* x, int64_t ldx, const W* w, int64_t block, int64_t pairs, uint16_t* y, int64_t ldy,
+          const float* scale, const float* bias) {
   __m256 acc[RT][2 * CB];
   for (int r = 0; r < RT; ++r)
     for (int c = 0; c < 2 * CB; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -299,66 +318,63 @@ void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t block, int64_t
       x1[r] = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
     }
     for (int c = 0; c < 2 * CB; ++c) {  // half c % 2 of block c / 2: features 8 (c % 2) .. + 7
-      const __m256i v = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(w + (c / 2) * block + p * 2 * COLS + (c % 2) * COLS));
-      const __m256 w0 = even_of_pairs(v), w1 = odd_of_pairs(v);
+      __m256 w0, w1;
+      widen(w + (c / 2) * block + p * 2 * COLS, c % 2, w0, w1);
       for (int r = 0; r < RT; ++r) acc[r][c] = _mm256_fmadd_ps(x1[r], w1, _mm256_fmadd_ps(x0[r], w0, acc[r][c]));
     }
   }
   for (int r = 0; r < RT; ++r)
     for (int c = 0; c < 2 * CB; ++c) {
       __m256 v = acc[r][c];
+      if (scale) v = _mm256_mul_ps(v, _mm256_loadu_ps(scale + c * 8));
       if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c * 8));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * ldy + c * 8), to_bf16(v));
     }
 }
 
-using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, const float*);
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, uint16_t*, int64_t, const float*,
+                        const float*);
 
 // A lone row takes 4 blocks a tile: each accumulator's chain of FMAs waits on itself (~4 cycles an
 // FMA), so one row needs 8 chains in flight to stream weights at memory speed.
 inline int blocks_for(int rt) { return rt == 1 ? 4 : MAX_BLOCKS; }
 
-TileFn tile_for(int rt, int cb) {
+template <typename W>
+TileFn<W> tile_for(int rt, int cb) {
   switch (rt) {
-    case 1: return cb == 1 ? &tile<1, 1> : cb == 2 ? &tile<1, 2> : cb == 3 ? &tile<1, 3> : &tile<1, 4>;
-    case 2: return cb == 1 ? &tile<2, 1> : &tile<2, 2>;
-    default: return cb == 1 ? &tile<3, 1> : &tile<3, 2>;
+    case 1: return cb == 1 ? &tile<1, 1, W> : cb == 2 ? &tile<1, 2, W> : cb == 3 ? &tile<1, 3, W> : &tile<1, 4, W>;
+    case 2: return cb == 1 ? &tile<2, 1, W> : &tile<2, 2, W>;
+    default: return cb == 1 ? &tile<3, 1, W> : &tile<3, 2, W>;
   }
 }
 
-}  // namespace
-
-constexpr bool kHasBf16Gemm = true;
-
-// W [N, K] bf16 (N a multiple of 16, K even) -> [N/16, K/2, 16, 2], the AVX512_BF16 path's layout.
-torch::Tensor bf16_pack(const torch::Tensor& w) { return pack(w, at::kBFloat16, "bf16_pack"); }
-
-torch::Tensor int8_pack(const torch::Tensor&) { TORCH_CHECK(false, "int8_pack needs AVX512_BF16"); }
-
-// x [..., K] bf16, packed from bf16_pack, bias [N] or None -> [..., N] bf16.
-torch::Tensor bf16_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
-                          const c10::optional<torch::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "bf16_linear: bf16 input and weight");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x_in.size(-1) && packed.is_contiguous(),
-              "bf16_linear: packed [N/16, K/2, 16, 2] matching x's last dim");
+// x [..., K] bf16 -> [..., N] bf16 over a packed weight of element type W.
+template <typename W>
+torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale_in,
+                     const c10::optional<torch::Tensor>& bias_in, at::ScalarType wtype, const char* name) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == wtype, name, ": bf16 input and ",
+              c10::toString(wtype), " weight");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x_in.size(-1) && packed.is_contiguous(), name,
+              ": packed [N/16, K/2, 16, 2] matching x's last dim");
   const int64_t K = x_in.size(-1), blocks = packed.size(0), N = blocks * COLS, pairs = K / 2;
   const auto x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();  // exact: bf16 widens to float32
   const int64_t M = x.size(0);
+  const auto scale = floats(scale_in, N, "scale");
   const auto bias = floats(bias_in, N, "bias");
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x_in.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const W*>(packed.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const float* sp = scale ? scale->data_ptr<float>() : nullptr;
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const int64_t block = K * COLS;
   // Chunks of ~64 KB of weights, as in the AVX512_BF16 path (see there and pool.h), and at least
   // the 4 blocks a lone row's tile takes (blocks_for).
-  const int64_t per = std::max<int64_t>(4, (int64_t{1} << 16) / (block * 2));
+  const int64_t per = std::max<int64_t>(4, (int64_t{1} << 16) / (block * static_cast<int64_t>(sizeof(W))));
   tide_pool::parallel(
       (blocks + per - 1) / per,
       [=](int64_t chunk) {
@@ -371,40 +387,56 @@ torch::Tensor bf16_linear(const torch::Tensor& x_in, const torch::Tensor& packed
             const int rt = static_cast<int>((M - r + (tiles - t) - 1) / (tiles - t));
             for (int64_t c = 0; c < nb; c += blocks_for(rt)) {
               const int cb = static_cast<int>(std::min<int64_t>(blocks_for(rt), nb - c));
-              tile_for(rt, cb)(xp + r * K, K, wp + (b + c) * block, block, pairs, yp + r * N + (b + c) * COLS, N,
-                               bp ? bp + (b + c) * COLS : nullptr);
+              const int64_t f = (b + c) * COLS;  // the tile's first feature
+              tile_for<W>(rt, cb)(xp + r * K, K, wp + (b + c) * block, block, pairs, yp + r * N + f, N,
+                                  sp ? sp + f : nullptr, bp ? bp + f : nullptr);
             }
             r += rt;
           }
         }
       },
-      {x, packed, y, bias ? *bias : at::Tensor()});
+      {x, packed, y, scale ? *scale : at::Tensor(), bias ? *bias : at::Tensor()});
   return y;
 }
 
-torch::Tensor int8_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                          const c10::optional<torch::Tensor>&) {
-  TORCH_CHECK(false, "int8_linear needs AVX512_BF16");
+}  // namespace
+
+constexpr bool kHasBf16Gemm = true;
+constexpr bool kHasInt8Gemm = true;
+
+// W [N, K] bf16 (N a multiple of 16, K even) -> [N/16, K/2, 16, 2], the AVX512_BF16 path's layout.
+torch::Tensor bf16_pack(const torch::Tensor& w) { return pack(w, at::kBFloat16, "bf16_pack"); }
+
+// q [N, K] int8 -> [N/16, K/2, 16, 2] in shape; each pair-row's 32 bytes regrouped as [2 (k, k+1)][16 features].
+torch::Tensor int8_pack(const torch::Tensor& q) {
+  const auto packed = pack(q, at::kChar, "int8_pack");
+  return packed.transpose(2, 3).contiguous().view(packed.sizes());
+}
+
+// x [..., K] bf16, packed from bf16_pack, bias [N] or None -> [..., N] bf16.
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  return linear<uint16_t>(x, packed, c10::nullopt, bias, at::kBFloat16, "bf16_linear");
+}
+
+// x [..., K] bf16, packed from int8_pack, scale [N], bias [N] or None -> (x @ q.T) * scale + bias, bf16.
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const c10::optional<torch::Tensor>& bias) {
+  return linear<int8_t>(x, packed, scale, bias, at::kChar, "int8_linear");
 }
 
 #else
 constexpr bool kHasBf16Gemm = false;
+constexpr bool kHasInt8Gemm = false;
 torch::Tensor bf16_pack(const torch::Tensor&) { TORCH_CHECK(false, "bf16_pack needs AVX512_BF16 or AVX2"); }
-torch::Tensor int8_pack(const torch::Tensor&) { TORCH_CHECK(false, "int8_pack needs AVX512_BF16"); }
+torch::Tensor int8_pack(const torch::Tensor&) { TORCH_CHECK(false, "int8_pack needs AVX512_BF16 or AVX2"); }
 torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&) {
   TORCH_CHECK(false, "bf16_linear needs AVX512_BF16 or AVX2");
 }
 torch::Tensor int8_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                           const c10::optional<torch::Tensor>&) {
-  TORCH_CHECK(false, "int8_linear needs AVX512_BF16");
+  TORCH_CHECK(false, "int8_linear needs AVX512_BF16 or AVX2");
 }
 #endif
 
 bool has_bf16_gemm() { return kHasBf16Gemm; }
-bool has_int8_gemm() {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool has_int8_gemm() { return kHasInt8Gemm; }

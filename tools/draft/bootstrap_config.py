@@ -31,7 +31,7 @@ class BootstrapConfig:
     max_tokens: int = 256  # output tokens per prompt
     max_prompt_tokens: int = 768  # longer prompts are skipped
     chunk_tokens: int = 2048  # rows per chunk file (the workers' default)
-    dtype: str = "auto"  # target dtype for generation (tide.precision: "auto" = bf16 where native, else fp32)
+    dtype: str = "auto"  # target dtype for generation (tide.precision: "auto" = bf16 where fast, else fp32)
     draft_vocab: int = 8192
     max_epochs: float = 20.0  # cap on passes over the training data
     evals: int = 8  # evaluations on the held-out chunks during training (the curve; see bootstrap_train.EVAL_SHARE)

@@ -141,7 +141,7 @@ def test_requests_joining_and_leaving_between_steps(tiny_model, prompts, plain_o
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp32", "int8", "int4"])
 def test_reference_model_speculative_equals_plain(dtype, request):
-    """The production dtypes ("auto": bf16 where native, else fp32) and TIDE_WEIGHTS=int8 / int4
+    """The production dtypes ("auto": bf16 where fast, else fp32) and TIDE_WEIGHTS=int8 / int4
     (bf16 activations) on the reference model, n-gram drafts, batch 1 and 3."""
     ref_model = request.getfixturevalue(f"ref_model_{dtype}")
     prompts = [[1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
