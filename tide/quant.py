@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers for CPU serving: int8 per output channel, int4 per group of 32.
 
 Activations stay in the compute dtype (bf16 where fast: tide.precision); only the weights are stored narrow and
-widened inside the kernels: tide.kernels' `int8_linear` where the CPU has AVX512_BF16, else torch's
+widened inside the kernels: tide.kernels' `int8_linear` where the CPU has AVX512_BF16 or AVX2 + FMA, else torch's
 own (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`).
 At batch 1 a decode step streams every weight once, so fewer bytes are a faster step: the reference
 model's 121 projections + lm_head took 18.8 ms a step in bf16 (oneDNN, pre-packed), 14.5 ms in int8
@@ -37,10 +37,12 @@ QUANT_FORMATS = ("int8", "int4")
 class Int8Linear:
     """y = x @ (q * scale).T, q int8 [out, in], scale [out] in the compute dtype.
 
-    With bf16 activations on a CPU with AVX512_BF16, tide.kernels' `int8_linear` serves: q widened
-    to bf16 in registers (exactly) and multiplied as the bf16 GEMM multiplies, 2-3x faster than
-    torch's int8 kernel at 1-80 rows and 1.1-1.5x faster than the bf16 GEMM at 1-5 rows on a
-    2-vCPU Zen 4 guest (docs/results/engine-step). Elsewhere torch's `_weight_int8pack_mm`."""
+    With bf16 activations, tide.kernels' `int8_linear` serves where it is built: on AVX512_BF16, q
+    widened to bf16 in registers (exactly) and multiplied as the bf16 GEMM multiplies, 2-3x faster
+    than torch's int8 kernel at 1-80 rows and 1.1-1.5x faster than the bf16 GEMM at 1-5 rows on a
+    2-vCPU Zen 4 guest (docs/results/engine-step); on AVX2 + FMA, q widened to float32, 2-3.5x
+    faster than torch's kernel at 1 row and 1.6x the bf16 GEMM on the lm_head at 1 row on a 2-vCPU
+    Zen 3 guest (docs/results/weights). Elsewhere torch's `_weight_int8pack_mm`."""
 
     row_exact = True  # a lone row gives the bits it gets among others (see the module doc)
 

@@ -271,8 +271,15 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 namespace {
 
 constexpr int64_t COLS = 16;  // output features per block: two float32 registers
-constexpr int MAX_ROWS = 3;   // rows per register tile (3 x 4 accumulators + 2 weights + broadcasts)
-constexpr int MAX_BLOCKS = 2; // blocks per register tile
+// Register tiles. AVX2 has 16 ymm registers; a tile that needs more spills its accumulators to
+// the stack every step (a first version with 3 rows x 2 blocks ran ~1 FMA a cycle, half of Zen 3's
+// two). Each accumulator is one chain of FMAs that waits on itself (~4 cycles an FMA), so a tile
+// needs ~8 of them to keep both FMA units busy: 1 row x 4 blocks, 2 rows x 2 blocks, 4 rows x 1
+// block (3 rows x 1 block: 6). Budget: 2 x rows x blocks accumulators, plus either every row's two
+// broadcasts and one widened half-block (the order for 1-3 rows), or one row's broadcasts and the
+// block's four widened halves (4 rows), plus the bf16 mask: at most 15.
+constexpr int MAX_ROWS = 4;
+constexpr int LONE_ROW_BLOCKS = 4;  // the most blocks a tile takes (a lone row's)
 
 inline __m256 even_of_pairs(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline __m256 odd_of_pairs(__m256i v) {
@@ -304,26 +311,49 @@ inline __m128i to_bf16(__m256 v) {
 
 // RT rows (float32, `ldx` apart) x CB blocks of 16 features; `w` is block 0's first pair-row,
 // `block` the elements from one block to the next; `scale` (int8) and `bias` start at the tile's
-// first feature, or are null.
+// first feature, or are null. Each accumulator takes x[k] w[k] then x[k+1] w[k+1] per pair-row,
+// whatever RT and CB: the two loop orders below only interleave independent chains.
 template <int RT, int CB, typename W>
 void tile(const float* x, int64_t ldx, const W* w, int64_t block, int64_t pairs, uint16_t* y, int64_t ldy,
           const float* scale, const float* bias) {
+  constexpr bool rows_held = 2 * RT + 2 + 2 * RT * CB <= 15;  // every row's broadcasts stay in registers
+  static_assert(rows_held || CB == 1, "a tile of many rows takes one block (see the budget above)");
   __m256 acc[RT][2 * CB];
+  // (GCC keeps the arrays in registers only when it unrolls every loop over them.)
+  #pragma GCC unroll 8
   for (int r = 0; r < RT; ++r)
+    #pragma GCC unroll 8
     for (int c = 0; c < 2 * CB; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    __m256 x0[RT], x1[RT];
-    for (int r = 0; r < RT; ++r) {
-      x0[r] = _mm256_broadcast_ss(x + r * ldx + 2 * p);
-      x1[r] = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
-    }
-    for (int c = 0; c < 2 * CB; ++c) {  // half c % 2 of block c / 2: features 8 (c % 2) .. + 7
-      __m256 w0, w1;
-      widen(w + (c / 2) * block + p * 2 * COLS, c % 2, w0, w1);
-      for (int r = 0; r < RT; ++r) acc[r][c] = _mm256_fmadd_ps(x1[r], w1, _mm256_fmadd_ps(x0[r], w0, acc[r][c]));
+    if constexpr (rows_held) {  // broadcast each row once, widen each half where it is used
+      __m256 x0[RT], x1[RT];
+      #pragma GCC unroll 8
+      for (int r = 0; r < RT; ++r) {
+        x0[r] = _mm256_broadcast_ss(x + r * ldx + 2 * p);
+        x1[r] = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+      }
+      #pragma GCC unroll 8
+      for (int c = 0; c < 2 * CB; ++c) {  // half c % 2 of block c / 2: features 8 (c % 2) .. + 7
+        __m256 w0, w1;
+        widen(w + (c / 2) * block + p * 2 * COLS, c % 2, w0, w1);
+        #pragma GCC unroll 8
+        for (int r = 0; r < RT; ++r) acc[r][c] = _mm256_fmadd_ps(x1[r], w1, _mm256_fmadd_ps(x0[r], w0, acc[r][c]));
+      }
+    } else {  // widen the block's two halves once, then broadcast each row in turn
+      __m256 w0[2], w1[2];
+      #pragma GCC unroll 8
+      for (int h = 0; h < 2; ++h) widen(w + p * 2 * COLS, h, w0[h], w1[h]);
+      #pragma GCC unroll 8
+      for (int r = 0; r < RT; ++r) {
+        const __m256 x0 = _mm256_broadcast_ss(x + r * ldx + 2 * p), x1 = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+        #pragma GCC unroll 8
+        for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(x1, w1[h], _mm256_fmadd_ps(x0, w0[h], acc[r][h]));
+      }
     }
   }
+  #pragma GCC unroll 8
   for (int r = 0; r < RT; ++r)
+    #pragma GCC unroll 8
     for (int c = 0; c < 2 * CB; ++c) {
       __m256 v = acc[r][c];
       if (scale) v = _mm256_mul_ps(v, _mm256_loadu_ps(scale + c * 8));
@@ -336,16 +366,15 @@ template <typename W>
 using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, uint16_t*, int64_t, const float*,
                         const float*);
 
-// A lone row takes 4 blocks a tile: each accumulator's chain of FMAs waits on itself (~4 cycles an
-// FMA), so one row needs 8 chains in flight to stream weights at memory speed.
-inline int blocks_for(int rt) { return rt == 1 ? 4 : MAX_BLOCKS; }
+inline int blocks_for(int rt) { return rt == 1 ? LONE_ROW_BLOCKS : rt == 2 ? 2 : 1; }
 
 template <typename W>
 TileFn<W> tile_for(int rt, int cb) {
   switch (rt) {
     case 1: return cb == 1 ? &tile<1, 1, W> : cb == 2 ? &tile<1, 2, W> : cb == 3 ? &tile<1, 3, W> : &tile<1, 4, W>;
     case 2: return cb == 1 ? &tile<2, 1, W> : &tile<2, 2, W>;
-    default: return cb == 1 ? &tile<3, 1, W> : &tile<3, 2, W>;
+    case 3: return &tile<3, 1, W>;
+    default: return &tile<4, 1, W>;
   }
 }
 
@@ -373,16 +402,16 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, con
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const int64_t block = K * COLS;
   // Chunks of ~64 KB of weights, as in the AVX512_BF16 path (see there and pool.h), and at least
-  // the 4 blocks a lone row's tile takes (blocks_for).
-  const int64_t per = std::max<int64_t>(4, (int64_t{1} << 16) / (block * static_cast<int64_t>(sizeof(W))));
+  // the blocks a lone row's tile takes (blocks_for).
+  const int64_t per = std::max<int64_t>(LONE_ROW_BLOCKS, (int64_t{1} << 16) / (block * static_cast<int64_t>(sizeof(W))));
   tide_pool::parallel(
       (blocks + per - 1) / per,
       [=](int64_t chunk) {
         const int64_t b0 = chunk * per, b1 = std::min(blocks, b0 + per);
-        // Rows in tiles of as equal a size as MAX_ROWS allows (4 rows: 2 + 2, not 3 + 1).
+        // Rows in tiles of as equal a size as MAX_ROWS allows (5 rows: 3 + 2, not 4 + 1).
         const int64_t tiles = (M + MAX_ROWS - 1) / MAX_ROWS;
-        for (int64_t b = b0; b < b1; b += 4) {
-          const int64_t nb = std::min<int64_t>(4, b1 - b);
+        for (int64_t b = b0; b < b1; b += LONE_ROW_BLOCKS) {
+          const int64_t nb = std::min<int64_t>(LONE_ROW_BLOCKS, b1 - b);
           for (int64_t t = 0, r = 0; t < tiles; ++t) {
             const int rt = static_cast<int>((M - r + (tiles - t) - 1) / (tiles - t));
             for (int64_t c = 0; c < nb; c += blocks_for(rt)) {
