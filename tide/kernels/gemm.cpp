@@ -44,6 +44,14 @@ torch::Tensor pack(const torch::Tensor& w, at::ScalarType dtype, const char* nam
   return w.contiguous().view({N / PACK_COLS, PACK_COLS, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
+// What every path's linear() checks first: bf16 rows, and a weight of type `wtype` from pack().
+void check_linear(const torch::Tensor& x, const torch::Tensor& packed, at::ScalarType wtype, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == wtype, name, ": bf16 input and ",
+              c10::toString(wtype), " weight");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(-1) && packed.is_contiguous(), name,
+              ": packed [N/16, K/2, 16, 2] matching x's last dim");
+}
+
 c10::optional<torch::Tensor> floats(const c10::optional<torch::Tensor>& t, int64_t n, const char* what) {
   if (!t.has_value() || !t->defined()) return c10::nullopt;
   auto f = t->to(at::kFloat).contiguous();
@@ -183,10 +191,7 @@ TileFn<W> tile_for(int rt, int cb) {
 template <typename W>
 torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale_in,
                      const c10::optional<torch::Tensor>& bias_in, at::ScalarType wtype, const char* name) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == wtype, name, ": bf16 input and ",
-              c10::toString(wtype), " weight");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x_in.size(-1) && packed.is_contiguous(), name,
-              ": packed [N/16, K/2, 16, 2] matching x's last dim");
+  check_linear(x_in, packed, wtype, name);
   const int64_t K = x_in.size(-1), blocks = packed.size(0), N = blocks * COLS, pairs = K / 2;
   const auto x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
@@ -382,10 +387,7 @@ TileFn<W> tile_for(int rt, int cb) {
 template <typename W>
 torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale_in,
                      const c10::optional<torch::Tensor>& bias_in, at::ScalarType wtype, const char* name) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == wtype, name, ": bf16 input and ",
-              c10::toString(wtype), " weight");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x_in.size(-1) && packed.is_contiguous(), name,
-              ": packed [N/16, K/2, 16, 2] matching x's last dim");
+  check_linear(x_in, packed, wtype, name);
   const int64_t K = x_in.size(-1), blocks = packed.size(0), N = blocks * COLS, pairs = K / 2;
   const auto x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();  // exact: bf16 widens to float32
   const int64_t M = x.size(0);
