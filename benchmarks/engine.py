@@ -352,7 +352,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and tokens (< 5 min)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--target", default="ref")
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="auto = bf16 where fast (native, or tide.kernels' bf16 GEMM), else fp32")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
+                        help="auto = bf16 where fast (native, or tide.kernels' bf16 GEMM), else fp32")
     parser.add_argument("--weights", choices=WEIGHTS_NAMES, default="auto",
                         help="the target's weights: int8 / int4 = weight-only quantized (tide/quant.py)")
     parser.add_argument("--draft", help="EAGLE-3 checkpoint dir or bootstrap dir (default: a random draft, "

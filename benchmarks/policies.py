@@ -524,7 +524,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plots", type=Path, help="directory for throughput.png and gamma.png")
     parser.add_argument("--target", default="ref")
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="auto = bf16 where fast (native, or tide.kernels' bf16 GEMM), else fp32")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
+                        help="auto = bf16 where fast (native, or tide.kernels' bf16 GEMM), else fp32")
     parser.add_argument("--draft", help="EAGLE-3 checkpoint dir (default: the n-gram drafter)")
     parser.add_argument("--prompts", nargs="+", default=list(PROMPT_FILES), help="prompt files mixed into the trace")
     parser.add_argument("--max-batch", type=int, default=16)
