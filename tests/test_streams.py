@@ -181,6 +181,51 @@ def test_reads_in_order_and_acks_after_handler(redis_client, names):
     assert c.stats.handled == 5 and c.stats.dead_lettered == 0
 
 
+def _xack_calls(client) -> int:
+    return int(client.info("commandstats").get("cmdstat_xack", {}).get("calls", 0))
+
+
+def test_a_read_is_acked_in_one_round_trip(redis_client, names):
+    """The controller reads one step record per engine step: one XACK per read, not one per entry
+    (each is a round trip that wakes Redis and the reader on the engine's cores)."""
+    c = consumer(redis_client, names, count=16)
+    c.ensure_group()
+    for i in range(10):
+        streams.add(redis_client, names.chunks, make_ref(i))
+    before = _xack_calls(redis_client)
+    assert c.poll(lambda msg: None) == 10
+    assert _xack_calls(redis_client) - before == 1
+    assert pending(redis_client, names) == 0 and c.stats.handled == 10
+
+
+def test_entries_handled_before_a_transient_retry_are_acked_first(redis_client, names, monkeypatch):
+    """While one entry of a read is retried, the ones before it in that read are already acked:
+    no consumer may reclaim and process them again."""
+    monkeypatch.setattr(streams, "TRANSIENT_FIRST_S", 0.05)
+    c = consumer(redis_client, names, block_ms=20)
+    c.ensure_group()
+    for i in range(3):
+        streams.add(redis_client, names.chunks, make_ref(i))
+    pending_during_retry: list[int] = []
+    calls: list[str] = []
+
+    def handler(msg):
+        calls.append(msg.payload.chunk_id)
+        if msg.payload.chunk_id == "c1" and calls.count("c1") == 1:
+            raise Transient("object store unreachable")
+        if msg.payload.chunk_id == "c1":
+            pending_during_retry.append(pending(redis_client, names))
+
+    thread = ConsumerThread(c, handler, name="ack test").start()
+    try:
+        _wait_for(lambda: c.stats.handled == 3)
+    finally:
+        thread.stop()
+    assert calls == ["c0", "c1", "c1", "c2"]
+    assert pending_during_retry == [2]  # c0 acked; c1 (in hand) and c2 pending
+    assert pending(redis_client, names) == 0
+
+
 def test_unparseable_entries_are_dead_lettered_not_dropped(redis_client, names):
     c = consumer(redis_client, names)
     c.ensure_group()
