@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import statistics
 import time
 import uuid
@@ -26,6 +27,7 @@ from tide.engine.engine import CapturedRows, EngineConfig, LLMEngine
 from tide.engine.llama import LlamaModel
 from tide.engine.profiling import CONTEXT, profile_draft, profile_target, random_draft
 from tide.engine.sequence import SamplingParams
+from tide.memory import rss_bytes
 from tide.policies import FixedGamma
 from tide.precision import DTYPE_NAMES, WEIGHTS_NAMES, dtype_name, native_bf16, resolve_weights
 from tide.prompts import encode_prompt, load_prompts
@@ -377,6 +379,10 @@ def run_cli(args) -> int:
         except FileNotFoundError as e:
             raise SystemExit(f"tide bench engine: --draft: {e}") from None
     res = run(args)
+    # this process holds the model, its engines' KV caches and the bench's own: peak and at the end
+    res["rss_bytes"], res["peak_rss_bytes"] = rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print_table(res)
+    print(f"this process: {res['rss_bytes'] / 2**20:.0f} MB resident at the end, peak "
+          f"{res['peak_rss_bytes'] / 2**20:.0f} MB")
     write_json(res, args.json, indent=2)
     return 0

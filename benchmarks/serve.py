@@ -53,9 +53,14 @@ the machine hits them alike; rows carry `server` and `round`, and `comparison` g
 server the median over rounds of output tok/s, TTFT p50, TPOT p50, ITL p50 and the tok/s ratio to
 the first server. Compare servers on one machine, each with the same cores and threads.
 
+After the runs, each server's resident memory, all of its processes (benchmarks/server_memory.py:
+a TIDE stack's /v1/status, else the local processes listening on its port; the worker's RSS beside
+its weights and KV cache where the server reports them).
+
 Output: a short table on stdout, a tqdm bar per run on stderr, `--json FILE`:
-{"results": [row per run], "config": {...}}; `--plots DIR`: serve_plots (throughput and latency
-percentiles against concurrency or request rate). Bad arguments exit 2 before anything is sent.
+{"results": [row per run], "config": {...}, "memory": {label: {...} or null}}; `--plots DIR`:
+serve_plots (throughput and latency percentiles against concurrency or request rate). Bad arguments
+exit 2 before anything is sent.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ import httpx
 import numpy as np
 
 from benchmarks.report import standalone_main, write_json
+from benchmarks.server_memory import print_memory, server_memory
 from tide.prompts import Prompt, load_prompts
 
 PERCENTILES = (50, 90, 99)
@@ -551,6 +557,7 @@ def run(args) -> dict:
         return rows
 
     results = asyncio.run(all_runs())
+    memory = {s.label: server_memory(s.base_url) for s in fleet}  # after warm-up and every run
     first = fleet[0].target
     config = {
         "base_url": fleet[0].base_url, "endpoint": first.url, "api": args.api, "model": first.model,
@@ -563,7 +570,7 @@ def run(args) -> dict:
         "timeout_s": args.timeout, "slo": slo or None, "percentiles": list(PERCENTILES),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    out = {"results": results, "config": config}
+    out = {"results": results, "config": config, "memory": memory}
     if len(fleet) > 1 or args.rounds > 1:
         out["comparison"] = comparison(results, [s.label for s in fleet])
     return out
@@ -609,6 +616,8 @@ def print_table(res: dict) -> None:
             print(f"{c['server']:>16} {_fmt(c['concurrency'], 'd'):>5} {'-' if rate is None else str(rate):>6} "
                   f"{_fmt(c['output_tok_s']):>10} {_fmt(c['ttft_ms_p50']):>9} {_fmt(c['tpot_ms_p50']):>9} "
                   f"{_fmt(c['itl_ms_p50']):>8} {_fmt(c['tok_s_vs_first'], '.3f'):>6}")
+    if res.get("memory"):
+        print_memory(res["memory"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

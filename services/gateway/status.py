@@ -10,7 +10,8 @@ document is still served):
   GetState, trainer GetStatus);
 - the supervisor's view, when the stack runs under `tide up`: `TIDE_STACK_STATE` names its
   stack.json, which has every process's state (ready / starting / restarting / failed) and restart
-  count, Redis and S3 included. Under docker compose, Docker restarts containers and the restart
+  count, Redis and S3 included, and (the gateway runs beside them) each one's resident memory
+  (`rss_bytes`, also summed at the top level). Under docker compose, Docker restarts containers and the restart
   counts are not visible here (null).
 
 Everything is asked concurrently, `PROBE_TIMEOUT_S` each (the registry, whose pointer is per target,
@@ -35,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.engine_client import EngineClient
 from tide.grpcutil import aio_channel
+from tide.memory import rss_bytes
 from tide.proto.tide.v1 import (
     controller_pb2,
     controller_pb2_grpc,
@@ -176,7 +178,9 @@ def worker_view(name: str, address: str, healthy: bool, st: inference_pb2.Worker
         acceptance=[_acceptance(d) for d in live.drafts], gamma=[_gamma(g) for g in live.gamma],
         draft_refusals=[{"version": r.version, "reason": r.reason, "detail": r.detail, "time_unix_s": r.time_unix_s}
                         for r in st.draft_refusals],
-        uptime_s=_r(st.uptime_s, 1))
+        uptime_s=_r(st.uptime_s, 1),
+        memory={"rss_bytes": st.memory.rss_bytes or None, "weights_bytes": st.memory.weights_bytes,
+                "kv_cache_bytes": st.memory.kv_cache_bytes, "draft_bytes": st.memory.draft_bytes})
     return out
 
 
@@ -377,6 +381,8 @@ async def stack_status(sources: StatusSources, engine: EngineClient) -> dict:
     for name, s in supervised.items():
         entry = services.setdefault(name, {"address": None, "healthy": s.get("state") == "ready"})
         entry.update(state=s.get("state"), restarts=s.get("restarts"), last_exit=s.get("last_exit"))
+        if s.get("pid"):  # tide up's processes run on this machine: their resident memory
+            entry["rss_bytes"] = rss_bytes(s["pid"])
     for entry in services.values():
         entry.setdefault("state", "ready" if entry["healthy"] else "unreachable")
         entry.setdefault("restarts", None)
@@ -390,8 +396,10 @@ async def stack_status(sources: StatusSources, engine: EngineClient) -> dict:
     registry = _safe(registry_view, reg, target) if reg is not None else _down(reg_err, "registry" in probed)
     training = _safe(training_view, registry, controller, trainer, sources.memory)
     up = [w for w in workers if w["available"]]
+    rss = [e["rss_bytes"] for e in services.values() if e.get("rss_bytes")]
     return {"status": "degraded" if degraded else "ok", "degraded": degraded, "serving": engine.is_ready(),
             "services": services, "supervised": bool(supervised), "time_unix_s": time.time(),
+            "rss_bytes": sum(rss) if rss else None,  # all of tide up's processes (None: not known here)
             "target_model": target or None,
             "fleet": {"workers": len(workers), "available": len(up),
                       "tokens_per_s": _r(sum(w["tokens_per_s"] for w in up), 2),

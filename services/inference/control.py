@@ -52,6 +52,17 @@ class WorkerStatus:
 
 
 @dataclass(frozen=True)
+class WorkerMemory:
+    """Bytes: the process's resident set (0 where unknown), the target's weights, its KV cache, and
+    the draft in service beyond what it shares with the target."""
+
+    rss_bytes: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    draft_bytes: int
+
+
+@dataclass(frozen=True)
 class DecisionResult:
     outcome: Outcome
     detail: str

@@ -167,6 +167,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         """The status message; `max_model_len` is this worker's context (the gateway serves the smallest)."""
         out = status_pb(status, self.drafts.report() if self.drafts is not None else None)
         out.max_model_len = self.worker.engine.config.max_seq_len
+        mem = self.worker.memory()
+        out.memory.CopyFrom(inference_pb2.WorkerMemory(rss_bytes=mem.rss_bytes, weights_bytes=mem.weights_bytes,
+                                                       kv_cache_bytes=mem.kv_cache_bytes, draft_bytes=mem.draft_bytes))
         if self.live is not None:
             out.live.CopyFrom(live_pb(self.live.snapshot()))
         return out

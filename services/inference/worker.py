@@ -23,6 +23,7 @@ from services.inference.control import (
     Outcome,
     ScheduledPolicy,
     SeenIds,
+    WorkerMemory,
     WorkerStatus,
     build_policy,
     make_drafter,
@@ -41,6 +42,7 @@ from tide.engine.constraints import CompiledGrammar
 from tide.engine.drafters import Drafter
 from tide.engine.engine import LLMEngine, RequestOutput
 from tide.engine.sequence import FinishReason, SamplingParams
+from tide.memory import rss_bytes, tensor_bytes
 from tide.policies import Introspectable
 from tide.policies.profile import LatencyProfile
 from tide.telemetry import StepRecord
@@ -80,6 +82,7 @@ class Worker:
         self._schedule = SpeculationSchedule()
         self._policy_spec = policy
         self._drafter_name = drafter
+        self._held: tuple[int, int, set[int]] | None = None  # (weights, KV cache bytes, their storages)
         engine.set_policy(ScheduledPolicy(build_policy(policy, profile), self._schedule))
         engine.swap_drafter(drafter_factory(drafter))
         engine.step_listeners.append(self._on_step)
@@ -179,6 +182,19 @@ class Worker:
 
         self._commands.put(run)
         return fut
+
+    def memory(self) -> WorkerMemory:
+        """What this process holds (RSS) and what the target's weights, its KV cache and the draft
+        in service take (tensor storages, each counted once: a draft's storage shared with the
+        target counts as the target's). Any thread; the draft is read as it is at the call."""
+        if self._held is None:  # the target and its cache never change: walk them once
+            seen: set[int] = set()
+            self._held = (tensor_bytes(self.engine.model, seen=seen), tensor_bytes(self.engine.runner.cache, seen=seen),
+                          seen)
+        weights, kv, seen = self._held
+        drafter = self.engine.drafter
+        draft = tensor_bytes(drafter, seen=set(seen)) if drafter is not None else 0
+        return WorkerMemory(rss_bytes=rss_bytes() or 0, weights_bytes=weights, kv_cache_bytes=kv, draft_bytes=draft)
 
     def status(self) -> WorkerStatus:
         eng = self.engine

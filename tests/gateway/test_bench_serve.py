@@ -76,8 +76,13 @@ def test_concurrency_sweep_reports_vllm_metrics_and_tide_accept_length(gateway, 
     assert res["config"]["model"] == MODEL_NAME and res["config"]["slo"] == {"ttft_ms": 60000, "tpot_ms": 60000}
     assert sorted(Path(p).name for p in res["plots"]) == ["latency.png", "throughput.png"]
     assert all(Path(p).stat().st_size > 0 for p in res["plots"])
+    # the server's resident memory: this gateway is not under tide up, so its local listener's processes
+    (memory,) = res["memory"].values()
+    assert memory["source"] == "listener" and memory["rss_bytes"] > 50 * 2**20
+    assert memory["rss_bytes"] == sum(memory["processes"].values())
     table = capsys.readouterr().out
     assert "TTFT p50" in table and "accept" in table and len(table.strip().splitlines()) >= 4
+    assert "resident memory after the runs" in table
 
 
 def test_open_loop_rates_cycle_prompts_and_plain_decode_has_no_accept_length(gateway, prompt_file, tmp_path):

@@ -4,16 +4,19 @@ asked live, tide up's process table (its stack.json) merged in, "degraded" namin
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 
 from gateway.harness import free_port, serve_gateway
 from tide.grpcutil import GrpcServer
+from tide.memory import rss_bytes
 
 
 def test_status_names_every_part_and_what_is_degraded(tokenizer, worker, tmp_path):
     stack_json = tmp_path / "stack.json"
-    table = {"redis": {"state": "ready", "restarts": 1, "last_exit": None, "pid": 11},
+    # "redis" is this test's own process: a pid that exists, so the gateway reads its resident memory
+    table = {"redis": {"state": "ready", "restarts": 1, "last_exit": None, "pid": os.getpid()},
              "trainer": {"state": "restarting", "restarts": 2, "last_exit": -9, "pid": 12},
              "inference-0": {"state": "ready", "restarts": 0, "last_exit": None, "pid": 13}}
     stack_json.write_text(json.dumps({"services": table}))
@@ -29,6 +32,12 @@ def test_status_names_every_part_and_what_is_degraded(tokenizer, worker, tmp_pat
         assert services["redis"]["restarts"] == 1 and services["redis"]["state"] == "ready"
         assert services["inference-0"]["address"] == worker.address and services["inference-0"]["healthy"]
         assert "controller" not in services  # not configured: not shown
+        mine = rss_bytes()
+        assert 0.5 * mine < services["redis"]["rss_bytes"] < 2 * mine
+        assert doc["rss_bytes"] >= services["redis"]["rss_bytes"]
+        memory = doc["workers"][0]["memory"]  # the worker's own report: RSS beside what its tensors take
+        assert memory["weights_bytes"] > 0 and memory["kv_cache_bytes"] > 0 and memory["draft_bytes"] >= 0
+        assert memory["rss_bytes"] > memory["weights_bytes"] + memory["kv_cache_bytes"]
         assert doc["status"] == "degraded" and doc["degraded"] == ["trainer"] and doc["serving"] is True
         ready = httpx.get(f"{url}/ready").json()  # serving, and says what is being restarted
         assert ready["status"] == "degraded" and ready["degraded"] == ["trainer"]

@@ -183,7 +183,7 @@ class GetWorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "model_id", "engine", "device", "running_requests", "waiting_requests", "max_batch_size", "load", "kv_cache_usage", "draft_version", "drafter", "gamma_policy", "speculation", "collection_enabled", "last_decision_id", "uptime_s", "max_model_len", "registry_draft_version", "wanted_draft_version", "draft_refusals", "live")
+    __slots__ = ("worker_id", "model_id", "engine", "device", "running_requests", "waiting_requests", "max_batch_size", "load", "kv_cache_usage", "draft_version", "drafter", "gamma_policy", "speculation", "collection_enabled", "last_decision_id", "uptime_s", "max_model_len", "registry_draft_version", "wanted_draft_version", "draft_refusals", "live", "memory")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class WorkerStatus(_message.Message):
     WANTED_DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_id: str
     engine: str
@@ -226,7 +227,20 @@ class WorkerStatus(_message.Message):
     wanted_draft_version: str
     draft_refusals: _containers.RepeatedCompositeFieldContainer[DraftRefusal]
     live: WorkerLive
-    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., draft_version: _Optional[str] = ..., drafter: _Optional[str] = ..., gamma_policy: _Optional[_Union[GammaPolicy, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSchedule, _Mapping]] = ..., collection_enabled: _Optional[bool] = ..., last_decision_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_model_len: _Optional[int] = ..., registry_draft_version: _Optional[str] = ..., wanted_draft_version: _Optional[str] = ..., draft_refusals: _Optional[_Iterable[_Union[DraftRefusal, _Mapping]]] = ..., live: _Optional[_Union[WorkerLive, _Mapping]] = ...) -> None: ...
+    memory: WorkerMemory
+    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., draft_version: _Optional[str] = ..., drafter: _Optional[str] = ..., gamma_policy: _Optional[_Union[GammaPolicy, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSchedule, _Mapping]] = ..., collection_enabled: _Optional[bool] = ..., last_decision_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_model_len: _Optional[int] = ..., registry_draft_version: _Optional[str] = ..., wanted_draft_version: _Optional[str] = ..., draft_refusals: _Optional[_Iterable[_Union[DraftRefusal, _Mapping]]] = ..., live: _Optional[_Union[WorkerLive, _Mapping]] = ..., memory: _Optional[_Union[WorkerMemory, _Mapping]] = ...) -> None: ...
+
+class WorkerMemory(_message.Message):
+    __slots__ = ("rss_bytes", "weights_bytes", "kv_cache_bytes", "draft_bytes")
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rss_bytes: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    draft_bytes: int
+    def __init__(self, rss_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., draft_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerLive(_message.Message):
     __slots__ = ("tokens_per_s", "window_s", "tokens_total", "steps_total", "drafts", "gamma")

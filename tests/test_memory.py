@@ -1,0 +1,74 @@
+"""tide.memory: resident memory from /proc, and the bytes a model's tensors hold."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tide.memory import descendants, listening_pids, rss_bytes, tensor_bytes, tree_rss_bytes
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux /proc")
+MB = 2**20
+
+
+class _Layer:
+    def __init__(self, w: torch.Tensor) -> None:
+        self.weight, self.view, self.bias = w, w[:2], None
+
+
+class _Model:
+    def __init__(self) -> None:
+        shared = torch.zeros(1024, 256)  # 1 MB, reached three times
+        self.layers = [_Layer(shared), _Layer(torch.zeros(512, 256))]
+        self.tied = {"head": shared}
+        self.table = (torch.zeros(256, dtype=torch.bfloat16),)
+        self.act = torch.nn.functional.silu  # a function: not walked
+
+
+def test_tensor_bytes_counts_each_storage_once():
+    m = _Model()
+    assert tensor_bytes(m) == 1024 * 256 * 4 + 512 * 256 * 4 + 256 * 2
+    seen: set[int] = set()
+    assert tensor_bytes(m.layers[0], seen=seen) == 1024 * 256 * 4
+    assert tensor_bytes(m, seen=seen) == 512 * 256 * 4 + 256 * 2  # beyond what the first call counted
+
+
+def test_tensor_bytes_counts_oneDNN_packed_weights():
+    w = torch.randn(64, 32)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 1) if torch.backends.mkldnn.is_available() else None
+    if packed is None:
+        pytest.skip("no oneDNN in this torch")
+    assert tensor_bytes([packed]) == packed.numel() * packed.element_size() > 0
+
+
+def test_rss_grows_with_touched_memory():
+    before = rss_bytes()
+    block = torch.ones(64 * MB // 4)  # 64 MB, every page written
+    after = rss_bytes()
+    assert after - before > 48 * MB
+    del block
+    assert rss_bytes(99_999_999) is None  # no such process
+
+
+def test_listening_pids_and_a_process_tree():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert os.getpid() in listening_pids(s.getsockname()[1])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while child.pid not in descendants(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = tree_rss_bytes(os.getpid())
+        assert child.pid in tree and tree[child.pid] > 1 * MB
+        assert tree[os.getpid()] == pytest.approx(rss_bytes(), rel=0.2)
+    finally:
+        child.kill()
+        child.wait()
