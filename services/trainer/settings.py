@@ -127,7 +127,9 @@ class TrainerSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     nice: Annotated[int, within(0, 19)] = Field(
         0, description="nice increment (0-19: an increment; lowering priority needs no privilege) applied at start. "
         "Where the trainer shares a machine with inference workers (`tide up` on one small machine) use a high "
-        "value (tide up sets 10) so training never slows serving")
+        "value (tide up sets 10) so training never slows serving. It only ranks threads of one scheduler group: "
+        "between containers (cgroups) or sessions (autogroups) give the trainer's group a low CPU weight "
+        "instead (docker-compose.yml: cpu_shares)")
     registry_addr: Address = Field(DEFAULT_REGISTRY_ADDR, validation_alias=REGISTRY_ADDR_ENV,
                                    description="draft registry host:port: base drafts, registration, promotion")
     controller_addr: OptionalAddress = Field("", validation_alias="TIDE_CONTROLLER_ADDR",

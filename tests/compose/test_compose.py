@@ -17,7 +17,7 @@ import yaml
 from launcher.envkeys import SERVICES, keys_read
 
 from services.controller.decisions import StaticDecision
-from tools.launcher import DECISION, Endpoints, StackConfig, service_command, service_env
+from tools.launcher import BACKGROUND, DECISION, Endpoints, StackConfig, service_command, service_env
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -58,6 +58,24 @@ def test_compose_sets_the_variables_the_launcher_sets(compose):
     for name in SERVICES:
         missing = set(service_env(name, StackConfig(), EP)) - set(env(compose, name)) - set(OMITTED.get(name, {}))
         assert not missing, f"compose does not set {sorted(missing)} for {name} (tide up does)"
+
+
+def _default(value) -> int:
+    """A compose value, or the default of its "${VAR:-default}" interpolation."""
+    m = re.fullmatch(r"\$\{\w+:-(\d+)\}", str(value))
+    return int(m.group(1) if m else value)
+
+
+def test_background_services_get_only_the_cpu_serving_leaves(compose):
+    """tide up runs BACKGROUND services under SCHED_IDLE; a policy or nice value does not reach across
+    containers (each is a cgroup, weighted against the others), so compose gives them a minimal CPU
+    weight instead, and every other service the default."""
+    for name in SERVICES:
+        shares = compose[name].get("cpu_shares")
+        if name in BACKGROUND:
+            assert shares is not None and _default(shares) <= 16, f"{name}: {shares!r}"
+        else:
+            assert shares is None, f"{name} must not be deprioritised: {shares!r}"
 
 
 def test_addresses_and_health_checks_line_up(compose):
