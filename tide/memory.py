@@ -4,7 +4,7 @@
   library pages included).
 - `tree_rss_bytes(pid)`: the same for a process and all its descendants.
 - `listening_pids(port)`: the local processes with a TCP socket listening on `port` (for a bench
-  that knows a server only by its URL).
+  that knows a server only by its URL); `listening_socket_inodes(port)` those sockets.
 - `tensor_bytes(*roots)`: the bytes of the distinct tensor storages reachable from `roots`
   (attributes, lists, dicts): what a model's weights or a cache hold, shared storage counted once.
 
@@ -63,7 +63,9 @@ def tree_rss_bytes(pid: int) -> dict[int, int]:
     return {p: b for p, b in sizes.items() if b is not None}
 
 
-def _listening_inodes(port: int) -> set[str]:
+def listening_socket_inodes(port: int) -> set[str]:
+    """The sockets listening on TCP `port` on this machine, as a process's fd links name them
+    ("socket:[INODE]"); empty where /proc/net is missing."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -82,7 +84,7 @@ def _listening_inodes(port: int) -> set[str]:
 def listening_pids(port: int) -> list[int]:
     """The processes holding a socket that listens on TCP `port` on this machine (those this user
     may inspect), lowest pid first."""
-    inodes = _listening_inodes(port)
+    inodes = listening_socket_inodes(port)
     found = []
     for entry in os.listdir("/proc") if inodes else ():
         if not entry.isdigit():

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tide.memory import listening_socket_inodes
+
 LOOPBACK = "127.0.0.1"
 SYSTEM_REDIS_SERVER = "/usr/bin/redis-server"
 
@@ -191,14 +193,7 @@ def listens_on(pid: int, port: int) -> bool:
     """
     if not os.path.isdir(f"/proc/{pid}/fd"):
         return sys.platform != "linux"
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                local, state, inode = fields[1], fields[3], fields[9]
-                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
-                    inodes.add(f"socket:[{inode}]")
+    inodes = listening_socket_inodes(port)
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
