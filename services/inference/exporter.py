@@ -432,6 +432,9 @@ class ChunkExporter:
             with one_torch_thread():  # copying and checking rows: never a second OpenMP pool beside the engine's
                 for buf in ready:
                     self._write(buf)
+                    # each blob's reference right after the blob: a worker killed in between leaves at most
+                    # one blob that only the trainer's reconciler finds (minutes later), not a round's worth
+                    self._announce_pending()
             self._announce_pending()
             with self._lock:
                 if not self._full and not self._flush_now:
