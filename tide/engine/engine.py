@@ -21,6 +21,7 @@ from tide.engine.features import FeatureStore
 from tide.engine.llama import LlamaModel
 from tide.engine.logits import has_penalties, needs_processing, process
 from tide.engine.model_runner import ModelRunner
+from tide.engine.prefix_cache import Admission, PrefixCache
 from tide.engine.sampling import (
     greedy_tokens,
     sample,
@@ -52,6 +53,8 @@ class EngineConfig:
     max_gamma: int = 8  # hard cap on draft tokens per request per step
     forced_gamma: int = 3  # γ of a speculative=True request in a step its policy gives it 0
     prefill_chunk: int = 256  # prompts are prefilled in chunks cut at multiples of this
+    prefix_cache: bool = True  # a prompt reuses the cache entries a finished request left (tide.engine.prefix_cache)
+    prefix_cache_host_mb: int = 0  # host memory for entries evicted from free slots (0: slots only)
     seed: int = 0  # RNG for sampled requests without their own seed
     worker_id: str = "local"
     target_model: str = ""
@@ -117,10 +120,20 @@ class LLMEngine:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config.max_batch, config.max_tokens_per_step, config.max_seq_len,
-                                   config.prefill_chunk)
         self.runner = ModelRunner(model, config.max_batch, config.max_seq_len,
                                   max(config.prefill_chunk, config.max_gamma + 1))
+        # How much of a finished sequence's cache a later prompt may reuse, exactly: every fed token
+        # where decoding leaves the entries a prompt chunk would; else its prompt, at any token where
+        # prompts are split-invariant, or in whole chunks (tide.engine.prefix_cache).
+        self._reuse_decoded = model.decode_matches_prefill
+        split_invariant = model.split_invariant_prefill
+        prefixes = None
+        if config.prefix_cache:
+            host_tokens = config.prefix_cache_host_mb * 2**20 // self.runner.prefix_bytes_per_token()
+            prefixes = PrefixCache(1 if split_invariant else config.prefill_chunk, host_tokens)
+        self._host_prefixes: dict[int, object] = {}  # PrefixCache host entry id -> the runner's copy
+        self.scheduler = Scheduler(config.max_batch, config.max_tokens_per_step, config.max_seq_len,
+                                   config.prefill_chunk, prefixes)
         self.drafter: Drafter | None = None
         self.features: FeatureStore | None = None
         self.policy: GammaPolicy = policy or FixedGamma(0)
@@ -232,10 +245,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
         plan = self.scheduler.schedule()
+        for admission in plan.moves:
+            self._move_prefix(admission)
         outputs: dict[str, RequestOutput] = {}
         prefill_tokens = 0
         if plan.prefill:
-            prefill_tokens = self._prefill(plan.prefill, outputs)
+            with self.runner.prefill_threads():
+                prefill_tokens = self._prefill(plan.prefill, outputs)
         draft_ms = verify_ms = 0.0
         decoded: list[_Decoded] = []
         if plan.decode:
@@ -262,6 +278,15 @@ class LLMEngine:
                 listener(record)
         return list(outputs.values())
 
+    def _move_prefix(self, a: Admission) -> None:
+        """Save a slot's entries to host memory before they are overwritten, or restore a prefix."""
+        for entry in a.evicted:
+            self._host_prefixes.pop(entry, None)
+        if a.save_id >= 0:
+            self._host_prefixes[a.save_id] = self.runner.save_prefix(a.slot, a.save_tokens, self.features)
+        if a.restore_id >= 0:
+            self.runner.restore_prefix(self._host_prefixes[a.restore_id], a.slot, a.reuse, self.features)
+
     def _capture(self) -> bool:
         return self.features is not None or bool(self.capture_listeners)
 
@@ -270,7 +295,9 @@ class LLMEngine:
         make a prompt's states depend on its batch mates (SDPA's blocking follows the shape)."""
         capture = self._capture()
         for seq, n in items:
-            if seq.num_cached == 0 and self.drafter is not None:
+            if seq.num_cached == seq.num_reused and self.drafter is not None:  # its first chunk
+                # A reused prefix's draft features are the earlier request's rows in the slot's
+                # feature store (the same values; zeros if the store came later: weaker drafts only).
                 self.drafter.add_sequence(seq)
             chunk = seq.token_ids[seq.num_cached:seq.num_cached + n]
             completes = seq.num_cached + n == seq.num_prompt
@@ -464,7 +491,10 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.slot >= 0 and self.drafter is not None:
             self.drafter.remove_sequence(seq)
-        self.scheduler.finish(seq, reason)
+        keep = 0
+        if reason is not FinishReason.ERROR:
+            keep = seq.num_cached if self._reuse_decoded else min(seq.num_cached, seq.num_prompt)
+        self.scheduler.finish(seq, reason, keep)
         self._generators.pop(seq.request_id, None)
         self._texts.pop(seq.request_id, None)
         self._held.pop(seq.request_id, None)

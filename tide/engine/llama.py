@@ -313,8 +313,35 @@ class LlamaModel:
         return KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
 
     # Up to this many query tokens per sequence use `grouped_attention` (decode and verify);
-    # longer forwards (prefill) use SDPA's flash kernel.
+    # longer forwards (prefill) use SDPA's flash kernel unless the kernels' attention is built.
     SMALL_Q = 16
+    GROUPED_PREFILL = True
+
+    def _grouped_prefill(self, fused) -> bool:
+        """Prompt chunks take the kernels' attention where their projections are on the kernels too
+        (then a prompt runs on the kernels' threads alone: ModelRunner.prefill_threads)."""
+        return (self.GROUPED_PREFILL and fused is not None and fused.has_decode_attention
+                and self._prefill_layer_args is not None)
+
+    @property
+    def split_invariant_prefill(self) -> bool:
+        """Whether a prompt token's KV entries and states are the same bits wherever its prompt's
+        chunks were cut: every prompt projection is row-exact (tide.kernels' GEMMs: a row's output
+        never depends on the other rows) and attention is tide.kernels' (each query row computed on
+        its own over its visible keys). SDPA's flash kernel blocks by shape, so without the kernels
+        only prompts cut at the same places agree. The prefix cache (tide.engine.scheduler) reuses
+        a cached prefix at any token where this holds, and at whole prefill chunks elsewhere."""
+        if self.device.type != "cpu" or not self._grouped_prefill(kernel_ops()):
+            return False
+        layers = self.prefill_linears or [layer[1:3] + layer[4:] for layer in self.layers]
+        return all(getattr(lin, "row_exact", False) for layer in layers for lin in layer)
+
+    @property
+    def decode_matches_prefill(self) -> bool:
+        """Whether a token fed by decoding (or verification) leaves the KV entries a prompt chunk
+        would: prefill split-invariant and the same projections both ways (quantized weights take
+        float projections for prompts: LlamaModel.prefill_linears)."""
+        return self.split_invariant_prefill and not self.prefill_linears
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, cache: KVCache):
@@ -334,10 +361,12 @@ class LlamaModel:
         # RoPE and the cache writes as one kernel (tide.kernels) where the cache is the CPU's float32 one
         fused = kernel_ops() if self.device.type == "cpu" and cache.k[0].dtype == torch.float32 else None
         small = q <= self.SMALL_Q
+        # Prompt chunks too take the kernels' attention where it is built (`split_invariant_prefill`).
+        grouped = small or self._grouped_prefill(fused)
         bias = None
         kv_len = fb.kv_len
         span = fb.slot_span if small and fb.slot_range is None else None
-        if small:
+        if grouped:
             kv_len = pad_keys(kv_len)
             if fb.mask is not None or kv_len != fb.kv_len:
                 visible = fb.mask[:, 0] if fb.mask is not None else torch.ones((B, q, fb.kv_len), dtype=torch.bool)
@@ -402,7 +431,7 @@ class LlamaModel:
                 q_span = qh.new_zeros((b - a, *qh.shape[1:]))
                 q_span[rows] = qh
                 attn = grouped_attention(q_span, keys, values, bias)[rows]
-            elif small:
+            elif grouped:
                 attn = grouped_attention(qh, keys, values, bias)
             else:
                 attn = F.scaled_dot_product_attention(qh, keys.to(qh.dtype), values.to(qh.dtype), attn_mask=fb.mask,

@@ -16,6 +16,17 @@ from tide.engine.sequence import Sequence
 
 
 @dataclass
+class SavedPrefix:
+    """A prefix's cache entries copied out of a slot (tide.engine.prefix_cache's host tier): per
+    layer [kv_heads, n, head_dim] in the model's dtype, and the drafter's feature rows if the
+    engine had a feature store then."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    features: torch.Tensor | None
+
+
+@dataclass
 class RunOutput:
     logits: torch.Tensor  # [R, V] rows in request order (see `row_offsets`)
     row_offsets: list[int]  # sequence i owns logits rows row_offsets[i]:row_offsets[i+1]
@@ -36,18 +47,51 @@ class ModelRunner:
         # Slack beyond max_seq_len: padded rows of a verify step may write past a sequence's end.
         self.cache = model.new_cache(max_batch, max_seq_len + max_new_per_step + 1)
         model.ensure_positions(self.cache.max_len)
+        self._prefill_on_kernels = model.split_invariant_prefill
 
     def decode_threads(self):
         """The threads decoding (and verification) runs on: on CPU with the projections on the
         kernels, the kernels' own pool for them and this thread alone for torch's few small ops
         (tide.kernels.own_threads); elsewhere as they are (where torch's GEMMs serve, one thread
-        for them made a Zen 3 guest's float32 step 1.4x slower). Prompts keep torch's threads:
-        their attention is torch's."""
+        for them made a Zen 3 guest's float32 step 1.4x slower)."""
         if self.device.type != "cpu" or not self.model.projections_on_kernels:
             return contextlib.nullcontext()
         from tide import kernels
 
         return kernels.own_threads()
+
+    # ---- the prefix cache's host tier ----------------------------------------------------------
+    # The CPU cache is float32 holding values computed in the model's dtype (KVCache), so a copy in
+    # that dtype is exact and half the bytes for bf16.
+
+    def prefix_bytes_per_token(self) -> int:
+        cfg = self.model.cfg
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.model.dtype.itemsize
+
+    def save_prefix(self, slot: int, n: int, features) -> SavedPrefix:
+        store = torch.device("cpu")
+        k = [c[slot, :, :n].to(store, self.model.dtype, copy=True) for c in self.cache.k]
+        v = [c[slot, :, :n].to(store, self.model.dtype, copy=True) for c in self.cache.v]
+        rows = features.read(slot, 0, n).to(store, copy=True) if features is not None else None
+        return SavedPrefix(k, v, rows)
+
+    def restore_prefix(self, saved: SavedPrefix, slot: int, n: int, features) -> None:
+        """Write the first n saved entries into `slot` (and the feature rows: the saved ones, or
+        zeros when there were none, so a drafter never reads another prompt's rows as this one's)."""
+        for dst, src in zip(self.cache.k + self.cache.v, saved.k + saved.v, strict=True):
+            dst[slot, :, :n].copy_(src[:, :n])
+        if features is not None:
+            if saved.features is not None and saved.features.shape[0] >= n:
+                features.write(slot, 0, saved.features[:n].to(features.rows.device))
+            else:
+                features.rows[slot, :n].zero_()
+
+    def prefill_threads(self):
+        """The threads prompts run on: the kernels' pool where a prompt runs on the kernels alone
+        (LlamaModel.split_invariant_prefill), as decoding does; else torch's (SDPA's) threads."""
+        if not self._prefill_on_kernels:
+            return contextlib.nullcontext()
+        return self.decode_threads()
 
     def run(
         self,

@@ -127,6 +127,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int = -1
     num_cached: int = 0
+    num_reused: int = 0  # prompt tokens whose cache entries an earlier request left (prefix cache)
     finish_reason: FinishReason | None = None
     # Speculation accounting, for the per-response `speculation` stats.
     draft_tokens: int = 0

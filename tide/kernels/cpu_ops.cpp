@@ -340,26 +340,59 @@ torch::Tensor rope_kv_cache(const torch::Tensor& qkv_in, const torch::Tensor& co
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 namespace {
 
-// One query head's attention over L keys (rows of D floats, `ks`/`vs` floats apart); D % 16 == 0,
-// D <= 256. `scores` holds L (rounded up to 16) floats of scratch.
-inline void attend_one(const float* q, const float* kb, int64_t ks, const float* vb, int64_t vs, const float* bias,
-                       int64_t L, int64_t D, float* scores, float* out) {
+// Query rows' scores against keys [0, L) (rows of D floats, `ks` floats apart; D % 16 == 0, D <= 256):
+// R rows share each key's loads, and each row's score is computed by the same instructions in the
+// same order whatever R is (one accumulator over D's chunks in order, then Lanes::sum, then the
+// bias), so a row's bits never depend on its neighbours. Trailing masked keys (a prompt row's later
+// positions, the padding) score -inf whatever they hold: they are not read, which changes no bit
+// and halves a causal prompt chunk's work. Returns each row's max score and visible length.
+template <int R, int ND>  // ND: D / Lanes::W when known at compile time (accumulators in registers), else 0
+inline void qk_rows(const float* const* q, const float* kb, int64_t ks, const float* const* bias, int64_t L,
+                    int64_t D, float* const* scores, float* mx, int64_t* Lv) {
   using V = Lanes::V;
   constexpr int64_t W = Lanes::W;
-  const int64_t nd = D / W;
-  V qv[256 / W];
-  for (int64_t c = 0; c < nd; ++c) qv[c] = Lanes::load(q + W * c);
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < L; ++l) {
-    const float* k = kb + l * ks;
-    V acc = Lanes::mul(qv[0], Lanes::load(k));
-    for (int64_t c = 1; c < nd; ++c) acc = Lanes::fma(qv[c], Lanes::load(k + W * c), acc);
-    const float sc = Lanes::sum(acc) + (bias ? bias[l] : 0.f);
-    scores[l] = sc;
-    mx = sc > mx ? sc : mx;
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  const int64_t nd = ND ? ND : D / W;
+  int64_t Lmax = 0;
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    Lv[r] = L;
+    if (bias[r])
+      while (Lv[r] > 0 && bias[r][Lv[r] - 1] == kMasked) --Lv[r];
+    Lmax = std::max(Lmax, Lv[r]);
+    mx[r] = kMasked;
   }
+  for (int64_t l = 0; l < Lmax; ++l) {
+    const float* k = kb + l * ks;
+    V acc[R];
+    const V k0 = Lanes::load(k);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = Lanes::mul(Lanes::load(q[r]), k0);
+    #pragma GCC unroll 16
+    for (int64_t c = 1; c < nd; ++c) {
+      const V kc = Lanes::load(k + W * c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r] = Lanes::fma(Lanes::load(q[r] + W * c), kc, acc[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float sc = l < Lv[r] ? Lanes::sum(acc[r]) + (bias[r] ? bias[r][l] : 0.f) : kMasked;
+      scores[r][l] = sc;
+      mx[r] = sc > mx[r] ? sc : mx[r];
+    }
+  }
+}
+
+// One row's softmax over its scores and the weighted sum of the values (rows of D floats, `vs`
+// apart) into `out`; `scores` holds L rounded up to 16 floats, the first Lv of them set.
+template <int ND>
+inline void softmax_pv(float* scores, float mx, int64_t Lv, int64_t L, const float* vb, int64_t vs, int64_t D,
+                       float* out) {
+  using V = Lanes::V;
+  constexpr int64_t W = Lanes::W;
+  const int64_t nd = ND ? ND : D / W;
   const int64_t Lr = (L + 15) / 16 * 16;
-  for (int64_t l = L; l < Lr; ++l) scores[l] = -std::numeric_limits<float>::infinity();
+  for (int64_t l = Lv; l < Lr; ++l) scores[l] = -std::numeric_limits<float>::infinity();
   const V mxv = Lanes::set1(mx);
   V sum = Lanes::zero();
   for (int64_t l = 0; l < Lr; l += W) {
@@ -369,14 +402,17 @@ inline void attend_one(const float* q, const float* kb, int64_t ks, const float*
   }
   const float inv = 1.f / Lanes::sum(sum);
   V acc[256 / W];
+  #pragma GCC unroll 16
   for (int64_t c = 0; c < nd; ++c) acc[c] = Lanes::zero();
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = 0; l < Lv; ++l) {
     const float p = scores[l] * inv;
     if (p == 0.f) continue;  // masked and padded keys: adding 0 * v would change no bit
     const V pv = Lanes::set1(p);
     const float* v = vb + l * vs;
+    #pragma GCC unroll 16
     for (int64_t c = 0; c < nd; ++c) acc[c] = Lanes::fma(pv, Lanes::load(v + W * c), acc[c]);
   }
+  #pragma GCC unroll 16
   for (int64_t c = 0; c < nd; ++c) Lanes::store(out + W * c, acc[c]);
 }
 
@@ -414,12 +450,16 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  // Chunks of (sequence, head) pairs worth ~64K multiply-adds: taking a chunk costs an atomic, and at
-  // batch 1 with 320 cached keys one layer's 9 heads took 45 us on one thread.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, T * L * D * 2));
+  // Work units are (sequence, head, block of up to kRowBlock query rows); chunks of units worth ~64K
+  // multiply-adds: taking a chunk costs an atomic, and at batch 1 with 320 cached keys one layer's
+  // 9 heads took 45 us on one thread. A prompt chunk's rows split across threads this way (9 heads
+  // alone left one of two threads a fifth idle).
+  constexpr int64_t kRowBlock = 16;
+  const int64_t blocks = (T + kRowBlock - 1) / kRowBlock;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, std::min(T, kRowBlock) * L * D * 2));
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const int64_t units = B * hq;
+  const int64_t units = B * hq * blocks;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "tide_decode_attention", [&] {
     using T_ = scalar_t;
     const T_* qp = q.data_ptr<T_>();
@@ -427,18 +467,48 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
     tide_pool::parallel(
         (units + grain - 1) / grain,
         [=](int64_t chunk) {
-          std::vector<float> scores((L + 15) / 16 * 16), qs(D), o(D);
+          constexpr int R = 4;  // query rows sharing each key's loads
+          const int64_t Lr = (L + 15) / 16 * 16;
+          std::vector<float> scores(R * Lr), qs(R * D), o(D);
           for (int64_t unit = chunk * grain; unit < std::min(units, (chunk + 1) * grain); ++unit) {
-            const int64_t b = unit / hq, h = unit % hq, kh = h / g;
+            const int64_t bh = unit / blocks, t0 = unit % blocks * kRowBlock;
+            const int64_t b = bh / hq, h = bh % hq, kh = h / g;
             const float* kb = kp + b * ks0 + kh * ks1;
             const float* vb = vp + b * vs0 + kh * vs1;
-            for (int64_t t = 0; t < T; ++t) {
-              const T_* qrow = qp + ((b * hq + h) * T + t) * D;
-              for (int64_t d = 0; d < D; ++d) qs[d] = static_cast<float>(qrow[d]) * scale;
-              attend_one(qs.data(), kb, ks2, vb, vs2, bp ? bp + (b * T + t) * L : nullptr, L, D, scores.data(),
-                         o.data());
-              T_* orow = op + ((b * hq + h) * T + t) * D;
-              for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T_>(o[d]);
+            const int64_t t1 = std::min(T, t0 + kRowBlock);
+            for (int64_t t = t0; t < t1;) {
+              const int n = t1 - t >= R ? R : 1;
+              const float* qrows[R];
+              const float* brows[R];
+              float* srows[R];
+              float mx[R];
+              int64_t Lv[R];
+              for (int r = 0; r < n; ++r) {
+                const T_* qrow = qp + ((b * hq + h) * T + t + r) * D;
+                float* qd = qs.data() + r * D;
+                for (int64_t d = 0; d < D; ++d) qd[d] = static_cast<float>(qrow[d]) * scale;
+                qrows[r] = qd;
+                brows[r] = bp ? bp + (b * T + t + r) * L : nullptr;
+                srows[r] = scores.data() + r * Lr;
+              }
+              constexpr int kND64 = 64 / Lanes::W;  // head_dim 64 (the reference model, Llama 3.2 1B)
+              if (n == R && D == 64)
+                qk_rows<R, kND64>(qrows, kb, ks2, brows, L, D, srows, mx, Lv);
+              else if (n == R)
+                qk_rows<R, 0>(qrows, kb, ks2, brows, L, D, srows, mx, Lv);
+              else if (D == 64)
+                qk_rows<1, kND64>(qrows, kb, ks2, brows, L, D, srows, mx, Lv);
+              else
+                qk_rows<1, 0>(qrows, kb, ks2, brows, L, D, srows, mx, Lv);
+              for (int r = 0; r < n; ++r) {
+                if (D == 64)
+                  softmax_pv<kND64>(srows[r], mx[r], Lv[r], L, vb, vs2, D, o.data());
+                else
+                  softmax_pv<0>(srows[r], mx[r], Lv[r], L, vb, vs2, D, o.data());
+                T_* orow = op + ((b * hq + h) * T + t + r) * D;
+                for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T_>(o[d]);
+              }
+              t += n;
             }
           }
         },
