@@ -18,6 +18,10 @@ JSONL, `.txt` one a line; `file[:40]` slices), the files' prompts in order, cycl
 `--num-prompts` (default: each prompt once). `--api chat` sends each as one user message,
 `--api completions` as the raw prompt. `--extra-body JSON` is merged into every request (TIDE:
 '{"speculative": false}' for plain decoding, '{"ignore_eos": true}' for fixed-length outputs).
+`--turns N` (chat, closed loop): each prompt opens a conversation of N requests, turn k resending the
+conversation so far (the answers as the server gave them) plus a fixed follow-up question: what a
+chat client does, and what a server's prompt cache is for. Each turn is one request in the metrics;
+`ttft_ms_by_turn` gives the time to first token per turn.
 
 Metrics per run (names as in vLLM's `bench serve`; latencies in ms, p50/p90/p99 and mean):
   ttft_ms   time to first token: request sent -> first chunk carrying output text. A stream whose
@@ -36,6 +40,8 @@ Metrics per run (names as in vLLM's `bench serve`; latencies in ms, p50/p90/p99 
   goodput             requests/s meeting every `--slo` (e.g. `--slo ttft_ms=500 tpot_ms=100`;
                       metrics ttft_ms, tpot_ms, e2e_ms; null without --slo). A one-token request
                       meets any tpot SLO.
+  cached_prompt_tokens  prompt tokens the server reported served from its cache (OpenAI's
+                      `usage.prompt_tokens_details.cached_tokens`, summed; null when it reports none).
   accept_length       TIDE's speculation: tokens emitted per verification step over the run,
                       bonus token included, from the `speculation` object on the final chunk
                       (Σ accept_length·verify_steps / Σ verify_steps over the successful requests,
@@ -108,7 +114,10 @@ class Outcome:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sends it
     speculation: dict | None = None
+    text: str = ""  # the answer (kept for the next turn of a conversation)
+    turn: int = 1
 
     @property
     def tpot(self) -> float | None:
@@ -128,11 +137,12 @@ class Target:
     headers: dict
     timeout: float
 
-    def body(self, prompt: Prompt) -> dict:
+    def body(self, prompt: Prompt, history: tuple[dict, ...] = ()) -> dict:
+        """The request for `prompt`; `history`: earlier messages of its conversation (chat)."""
         body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
                 "stream": True, "stream_options": {"include_usage": True}}
         if self.api == "chat":
-            body["messages"] = [{"role": "user", "content": prompt.text}]
+            body["messages"] = [*history, {"role": "user", "content": prompt.text}]
         else:
             body["prompt"] = prompt.text
         return {**body, **self.extra_body}
@@ -161,12 +171,12 @@ def _chunk_text(choice: dict) -> str:
     return "".join(delta.get(k) or "" for k in ("content", "reasoning_content", "reasoning"))
 
 
-async def send(client: httpx.AsyncClient, target: Target, prompt: Prompt) -> Outcome:
+async def send(client: httpx.AsyncClient, target: Target, prompt: Prompt, history: tuple[dict, ...] = ()) -> Outcome:
     """Stream one request and time it; failures come back as `Outcome(ok=False, error=...)`."""
     start = time.perf_counter()
     try:
         async with asyncio.timeout(target.timeout):
-            return await _stream(client, target, prompt, start)
+            return await _stream(client, target, prompt, start, history)
     except TimeoutError:
         return Outcome(False, f"timeout after {target.timeout:g} s")
     except httpx.TimeoutException as e:
@@ -175,15 +185,17 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: Prompt) -> Out
         return Outcome(False, f"{type(e).__name__}: {e}"[:200])
 
 
-async def _stream(client: httpx.AsyncClient, target: Target, prompt: Prompt, start: float) -> Outcome:
+async def _stream(client: httpx.AsyncClient, target: Target, prompt: Prompt, start: float,
+                  history: tuple[dict, ...]) -> Outcome:
     ttft: float | None = None
+    text: list[str] = []
     last = start
     itl: list[float] = []
     chunks = 0
     usage: dict | None = None
     speculation: dict | None = None
     finished = done = False
-    async with client.stream("POST", target.url, json=target.body(prompt), headers=target.headers) as resp:
+    async with client.stream("POST", target.url, json=target.body(prompt, history), headers=target.headers) as resp:
         if resp.status_code != 200:
             return Outcome(False, _error_message(resp.status_code, await resp.aread()))
         async for line in resp.aiter_lines():
@@ -205,6 +217,7 @@ async def _stream(client: httpx.AsyncClient, target: Target, prompt: Prompt, sta
                 return Outcome(False, f"stream error: {str(message)[:200]}")
             now = time.perf_counter()
             choices = obj.get("choices") or []
+            text.extend(_chunk_text(c) for c in choices[:1])
             if any(_chunk_text(c) for c in choices):
                 if ttft is None:
                     ttft = now - start
@@ -221,8 +234,12 @@ async def _stream(client: httpx.AsyncClient, target: Target, prompt: Prompt, sta
     if not (done or finished):
         return Outcome(False, "stream ended without [DONE] or a finish_reason")
     tokens = int(usage.get("completion_tokens") or 0) if usage else chunks
+    details = (usage or {}).get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Outcome(True, ttft=e2e if ttft is None else ttft, e2e=e2e, itl=itl, output_tokens=tokens,
-                   prompt_tokens=int(usage.get("prompt_tokens") or 0) if usage else 0, speculation=speculation)
+                   prompt_tokens=int(usage.get("prompt_tokens") or 0) if usage else 0,
+                   cached_tokens=int(cached) if isinstance(cached, int | float) else None,
+                   speculation=speculation, text="".join(text))
 
 
 # ------------------------------------------------------------------------------------ load shapes
@@ -233,15 +250,33 @@ def _client(target: Target, connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(target.timeout))
 
 
-async def closed_loop(target: Target, prompts: list[Prompt], concurrency: int, progress) -> tuple[list, float]:
-    """`concurrency` clients sharing the prompt list; (outcomes, wall seconds)."""
+# Turn k > 1 of a conversation (`--turns`) asks FOLLOW_UPS[k - 2] (cycled).
+FOLLOW_UPS = ("Can you explain that in more detail?", "Now summarize your answer in two sentences.",
+              "Give one example that illustrates it.")
+
+
+async def closed_loop(target: Target, prompts: list[Prompt], concurrency: int, progress,
+                      turns: int = 1) -> tuple[list, float]:
+    """`concurrency` clients sharing the prompt list, each prompt a conversation of `turns` requests;
+    (outcomes, wall seconds)."""
     outcomes: list[Outcome] = []
     queue = iter(prompts)
 
     async def client_loop(client):
         for prompt in queue:  # shared: each client takes the next prompt
-            outcomes.append(await send(client, target, prompt))
-            progress.update(1)
+            history: tuple[dict, ...] = ()
+            for turn in range(1, turns + 1):
+                follow_up = FOLLOW_UPS[(turn - 2) % len(FOLLOW_UPS)]
+                ask = prompt if turn == 1 else dataclasses.replace(prompt, text=follow_up)
+                outcome = await send(client, target, ask, history)
+                outcome.turn = turn
+                outcomes.append(outcome)
+                progress.update(1)
+                if not outcome.ok:
+                    progress.update(turns - turn)
+                    break
+                history = (*history, {"role": "user", "content": ask.text},
+                           {"role": "assistant", "content": outcome.text})
 
     clients = min(concurrency, len(prompts))
     async with _client(target, clients) as client:
@@ -326,6 +361,8 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo: dict[str, float]) -> 
     per_s = lambda x: round(x / wall_s, 4) if wall_s > 0 else None  # noqa: E731
     accept, spec = speculation_summary(ok)
     errors = collections.Counter(o.error for o in failed).most_common(MAX_ERRORS)
+    cached = [o.cached_tokens for o in ok if o.cached_tokens is not None]
+    turns = sorted({o.turn for o in ok})
     return {
         "requests_ok": len(ok),
         "requests_failed": len(failed),
@@ -336,7 +373,10 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo: dict[str, float]) -> 
         "output_tok_s": per_s(out_tokens),
         "total_tok_s": per_s(in_tokens + out_tokens),
         "goodput": per_s(sum(meets(o, slo) for o in ok)) if slo else None,
+        "cached_prompt_tokens": sum(cached) if cached else None,
         "ttft_ms": percentiles([o.ttft for o in ok]),
+        "ttft_ms_by_turn": {str(t): percentiles([o.ttft for o in ok if o.turn == t]) for t in turns}
+        if len(turns) > 1 else None,
         "tpot_ms": percentiles([o.tpot for o in ok if o.tpot is not None]),
         "itl_ms": percentiles([g for o in ok for g in o.itl]),
         "e2e_ms": percentiles([o.e2e for o in ok]),
@@ -434,6 +474,10 @@ def check(args) -> tuple[Target, list[Prompt], dict[str, float]]:
         raise UsageError("--temperature must be >= 0")
     if args.rounds < 1:
         raise UsageError("--rounds must be >= 1")
+    if args.turns < 1:
+        raise UsageError("--turns must be >= 1")
+    if args.turns > 1 and (args.api != "chat" or args.request_rate):
+        raise UsageError("--turns needs --api chat and closed-loop runs (--concurrency)")
     urls = [endpoint_url(u, args.api) for u in args.base_url]
     extras = [parse_extra_body(e) for e in args.extra_body or [None]]
     if len(extras) not in (1, len(urls)):
@@ -492,7 +536,15 @@ def servers(args, target: Target) -> list[Server]:
 
 _COMPARED = {"output_tok_s": lambda r: r["output_tok_s"], "ttft_ms_p50": lambda r: r["ttft_ms"]["p50"],
              "tpot_ms_p50": lambda r: r["tpot_ms"]["p50"], "itl_ms_p50": lambda r: r["itl_ms"]["p50"],
-             "accept_length": lambda r: r["accept_length"]}
+             "accept_length": lambda r: r["accept_length"], "cached_prompt_tokens": lambda r: r["cached_prompt_tokens"],
+             # the first turn's and the last turn's of `--turns` conversations (None without)
+             "ttft_ms_p50_first_turn": lambda r: _turn_ttft(r, min),
+             "ttft_ms_p50_last_turn": lambda r: _turn_ttft(r, max)}
+
+
+def _turn_ttft(row: dict, which) -> float | None:
+    by_turn = row.get("ttft_ms_by_turn")
+    return by_turn[which(by_turn, key=int)]["p50"] if by_turn else None
 
 
 def _median_of(rows: list[dict], get) -> float | None:
@@ -543,10 +595,10 @@ def run(args) -> dict:
                     label = f"concurrency {value}" if kind == "concurrency" else f"rate {value:g}/s"
                     if len(fleet) > 1 or args.rounds > 1:
                         label = f"{srv.label} {label} round {rnd + 1}/{args.rounds}"
-                    with tqdm(total=len(prompts), desc=label, unit="req", file=sys.stderr,
+                    with tqdm(total=len(prompts) * args.turns, desc=label, unit="req", file=sys.stderr,
                               dynamic_ncols=True) as bar:
                         if kind == "concurrency":
-                            outcomes, wall = await closed_loop(srv.target, prompts, value, bar)
+                            outcomes, wall = await closed_loop(srv.target, prompts, value, bar, args.turns)
                             head = {"concurrency": value, "request_rate": None}
                         else:
                             outcomes, wall = await open_loop(srv.target, prompts, value, args.max_concurrency,
@@ -567,6 +619,7 @@ def run(args) -> dict:
         "temperature": args.temperature, "extra_body": first.extra_body, "concurrency": args.concurrency,
         "request_rate": [_json_rate(r) for r in args.request_rate or []] or None,
         "max_concurrency": args.max_concurrency, "seed": args.seed, "warmup": args.warmup, "rounds": args.rounds,
+        "turns": args.turns,
         "timeout_s": args.timeout, "slo": slo or None, "percentiles": list(PERCENTILES),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -653,6 +706,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="each run this many times per server, the servers' order reversed every other "
                              "round; `comparison` gives the medians [1]")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="chat, closed loop: each prompt a conversation of this many requests, each turn "
+                             "resending the conversation so far and a follow-up question [1]")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plots", type=Path, metavar="DIR", help="write PNG plots into this directory")
 

@@ -95,6 +95,7 @@ class GenerationFinal:
     time_to_first_token_ms: float = 0.0
     total_ms: float = 0.0
     worker: str = ""
+    cached_prompt_tokens: int = 0  # of prompt_tokens, served by the worker's prefix cache
 
 
 class ErrorKind(enum.Enum):
@@ -228,6 +229,7 @@ def from_final(final: inference_pb2.GenerateFinal, worker: str) -> GenerationFin
         final.time_to_first_token_ms,
         final.total_ms,
         worker,
+        final.cached_prompt_tokens,
     )
 
 

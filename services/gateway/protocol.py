@@ -514,10 +514,15 @@ def decode_json_body(raw: bytes) -> dict:
 # ------------------------------------------------------------------------------------ responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens an earlier request's cache entries served (the prefix cache)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpeculationInfo(RootModel[SpeculationStats]):

@@ -50,7 +50,7 @@ from services.gateway.errors import (
 )
 from services.gateway.fanout import Event, aggregate_speculation, merged
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import SpeculationInfo, UsageInfo
+from services.gateway.protocol import PromptTokensDetails, SpeculationInfo, UsageInfo
 from services.gateway.serving_models import OpenAIServingModels
 from services.gateway.tokenizer import TargetTokenizer
 from tide.speculation import SpeculationStats
@@ -400,8 +400,11 @@ class OpenAIServing:
     ) -> tuple[UsageInfo, SpeculationStats]:
         """Usage and speculation over a finished response's choices; counted and logged (`record`)."""
         completion = sum(f.completion_tokens for f in finals)
+        # Choices share one prompt: the tokens every choice found cached (n > 1 runs n sequences).
+        cached = min((f.cached_prompt_tokens for f in finals), default=0)
         usage = UsageInfo(
-            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
         speculation = aggregate_speculation([f.speculation for f in finals])
         self.record(response_id, usage, speculation, finals)

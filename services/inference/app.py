@@ -195,7 +195,8 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
     config = EngineConfig(max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
                           max_tokens_per_step=settings.max_tokens_per_step, max_gamma=settings.max_gamma,
                           forced_gamma=settings.forced_gamma, seed=settings.seed, worker_id=settings.worker_id,
-                          target_model=model_id)
+                          target_model=model_id, prefix_cache=settings.prefix_cache,
+                          prefix_cache_host_mb=settings.prefix_cache_host_mb)
     engine = LLMEngine(model, config, tokenizer=tokenizer)
     names = streams.StreamNames(settings.storage.stream_prefix)
     rclient = settings.storage.redis_client(socket_connect_timeout=1.0, socket_timeout=2.0)

@@ -10,6 +10,11 @@ from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter("tide_inference_requests", "Generate requests by outcome", ["outcome"])
 GENERATED_TOKENS = Counter("tide_inference_generated_tokens", "Tokens emitted to clients")
+PROMPT_TOKENS = Counter("tide_inference_prompt_tokens", "Prompt tokens of admitted requests")
+PROMPT_TOKENS_CACHED = Counter("tide_inference_prompt_tokens_cached",
+                               "Of those, tokens the prefix cache served (not prefilled again)")
+PREFIX_HOST_TOKENS = Gauge("tide_inference_prefix_cache_host_tokens",
+                           "Tokens whose KV entries the prefix cache holds in host memory")
 STEPS = Counter("tide_inference_steps", "Engine steps run")
 STEP_ERRORS = Counter("tide_inference_step_errors", "Engine steps that raised (requests in flight failed)")
 DECISIONS = Counter("tide_inference_decisions", "Controller decisions by outcome", ["outcome"])

@@ -136,6 +136,7 @@ class FinalEvent:
     total_ms: float
     stop_string: str | None = None
     stop_token_id: int | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served (tide.engine.prefix_cache)
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,8 @@ class RequestHandle:
                 stop_string = matched_stop_string(tokenizer.decode(out, skip_special_tokens=True), self.params.stop)
         ttft = (self.first_token_s - self.arrival_s) * 1e3 if self.first_token_s is not None else 0.0
         return FinalEvent(reason, len(self.prompt_ids), len(out), self.speculation(), ttft,
-                          (now - self.arrival_s) * 1e3, stop_string, stop_token)
+                          (now - self.arrival_s) * 1e3, stop_string, stop_token,
+                          s.num_reused if s is not None else 0)
 
 
 def matched_stop_string(text: str, stops: tuple[str, ...]) -> str | None:

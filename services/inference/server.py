@@ -111,7 +111,8 @@ def final_pb(e: FinalEvent) -> inference_pb2.GenerateFinal:
         finish_reason=_FINISH.get(e.finish_reason, inference_pb2.FINISH_REASON_UNSPECIFIED),
         prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
         speculation=stats_pb(e.speculation),
-        time_to_first_token_ms=e.time_to_first_token_ms, total_ms=e.total_ms)
+        time_to_first_token_ms=e.time_to_first_token_ms, total_ms=e.total_ms,
+        cached_prompt_tokens=e.cached_prompt_tokens)
     if e.stop_string is not None:
         out.stop_string = e.stop_string
     elif e.stop_token_id is not None:

@@ -59,6 +59,13 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     max_batch: Count = Field(16, description="KV-cache slots = most sequences decoded per step")
     max_seq_len: Count = Field(2048, description="prompt + output tokens per sequence")
     max_tokens_per_step: Count = Field(512, description="prefill token budget per step")
+    prefix_cache: bool = Field(True, description="a prompt that starts like an earlier request's reuses the KV "
+                               "entries that request left in its slot instead of prefilling them again (exact: "
+                               "outputs are unchanged)")
+    prefix_cache_host_mb: NonNegative = Field(512, description="host memory (MiB) for the prefix cache's entries "
+                                              "evicted from free KV slots, least recently used dropped first; 0 "
+                                              "keeps only what the free slots hold (about 23 KB a token for the "
+                                              "reference model in bf16)")
     max_gamma: NonNegative = Field(8, description="hard cap on draft tokens per request per step")
     max_queue: NonNegative = Field(64, description="requests that may wait beyond max batch before "
                                    "RESOURCE_EXHAUSTED")

@@ -272,6 +272,9 @@ class Worker:
         metrics.RUNNING.set(active)
         metrics.WAITING.set(max(0, len(self._live) - active))
         metrics.KV_USAGE.set(active / self.engine.config.max_batch)
+        prefixes = self.engine.scheduler.prefixes
+        if prefixes is not None:
+            metrics.PREFIX_HOST_TOKENS.set(prefixes.host_held)
         self._export_estimates()
 
     def _export_estimates(self) -> None:
@@ -315,6 +318,8 @@ class Worker:
         if out.new_token_ids or out.text_delta or out.logprobs:
             if h.first_token_s is None and out.new_token_ids:
                 h.first_token_s = time.monotonic()
+                metrics.PROMPT_TOKENS.inc(out.sequence.num_prompt)
+                metrics.PROMPT_TOKENS_CACHED.inc(out.sequence.num_reused)
             metrics.GENERATED_TOKENS.inc(len(out.new_token_ids))
             prompt = tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None
             h.events.put(TokenEvent(tuple(out.new_token_ids), out.text_delta, tuple(out.logprobs or ()), prompt))

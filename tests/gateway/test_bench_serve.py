@@ -103,6 +103,24 @@ def test_open_loop_rates_cycle_prompts_and_plain_decode_has_no_accept_length(gat
     assert sorted(Path(p).name for p in res["plots"]) == ["latency_rate.png", "throughput_rate.png"]
 
 
+def test_conversations_resend_their_history_and_report_the_servers_cache(gateway, prompt_file, tmp_path):
+    """--turns 3: every prompt a conversation of three requests, each resending the answers so far;
+    the prompts grow turn by turn, the TTFT is reported per turn, and the server's
+    usage.prompt_tokens_details.cached_tokens is summed (the test worker caches whole 256-token
+    chunks, which these short conversations never fill: 0, not null)."""
+    res = bench(gateway, tmp_path / "turns.json", f"{prompt_file}[:2]", "--concurrency 2 --max-tokens 12 --turns 3")
+    (row,) = res["results"]
+    assert row["requests_ok"] == 6 and row["requests_failed"] == 0
+    assert set(row["ttft_ms_by_turn"]) == {"1", "2", "3"}
+    assert all(v["p50"] > 0 for v in row["ttft_ms_by_turn"].values())
+    assert row["cached_prompt_tokens"] == 0
+    assert res["config"]["turns"] == 3
+    single = bench(gateway, tmp_path / "one.json", f"{prompt_file}[:2]", "--concurrency 2 --max-tokens 12")
+    # three turns send the first turn's prompt tokens and more again twice
+    assert row["input_tokens"] > 3 * single["results"][0]["input_tokens"]
+    assert single["results"][0]["ttft_ms_by_turn"] is None
+
+
 def test_refused_and_timed_out_requests_count_as_failed(gateway, prompt_file, tmp_path):
     mixed = tmp_path / "mixed.jsonl"  # the middle prompt is longer than the context (4096 tokens): a 400
     mixed.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hi there.", "word " * 6000, "1 2 3")))
@@ -180,6 +198,9 @@ def test_mismatched_labels_and_models_exit_2(prompt_file, capsys):
         (["--prompts", "{good}", "--concurrency", "1", "--slo", "ttft_ms=-1"], "--slo"),
         (["--prompts", "{bad}", "--concurrency", "1"], "cannot read"),
         (["--prompts", "{good}", "--concurrency", "1", "--max-tokens", "0"], "--max-tokens"),
+        (["--prompts", "{good}", "--concurrency", "1", "--turns", "0"], "--turns"),
+        (["--prompts", "{good}", "--request-rate", "1", "--turns", "2"], "--turns"),
+        (["--prompts", "{good}", "--concurrency", "1", "--turns", "2", "--api", "completions"], "--turns"),
     ],
 )
 def test_bad_arguments_exit_2_before_sending(args, message, prompt_file, tmp_path, capsys):

@@ -65,6 +65,26 @@ def test_completion_sync_and_stream(oai):
     spec(chunks[-1])
 
 
+def test_a_resent_conversation_is_served_from_the_prefix_cache(oai):
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`: a second turn that resends a long system
+    message finds it cached, and the same request again gives the same answer from the cache. (The
+    test worker computes in float32, where the cache reuses whole 256-token prefill chunks.)"""
+    system = "You are a terse assistant. " + " ".join(f"Rule {i}: answer in plain words only." for i in range(80))
+    ask = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
+    kwargs = dict(model=MODEL_NAME, max_tokens=8, temperature=0)
+    first = oai.chat.completions.create(messages=ask, **kwargs)
+    again = oai.chat.completions.create(messages=ask, **kwargs)
+    turn2 = [*ask, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Another one."}]
+    second = oai.chat.completions.create(messages=turn2, **kwargs)
+    assert first.usage.prompt_tokens > 512
+    assert again.choices[0].message.content == first.choices[0].message.content
+    for response in (again, second):
+        cached = response.usage.prompt_tokens_details.cached_tokens
+        assert cached >= 512 and cached % 256 == 0 and cached < response.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < 256
+
+
 def test_extra_body_speculative_false(oai):
     response = oai.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0, extra_body={"speculative": False}

@@ -135,7 +135,7 @@ class SpeculationStats(_message.Message):
     def __init__(self, accept_length: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., plain_steps: _Optional[int] = ..., draft_version: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
-    __slots__ = ("finish_reason", "stop_string", "stop_token_id", "prompt_tokens", "completion_tokens", "speculation", "time_to_first_token_ms", "total_ms")
+    __slots__ = ("finish_reason", "stop_string", "stop_token_id", "prompt_tokens", "completion_tokens", "speculation", "time_to_first_token_ms", "total_ms", "cached_prompt_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class GenerateFinal(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     stop_string: str
     stop_token_id: int
@@ -152,7 +153,8 @@ class GenerateFinal(_message.Message):
     speculation: SpeculationStats
     time_to_first_token_ms: float
     total_ms: float
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "final", "error")
