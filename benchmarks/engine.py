@@ -57,7 +57,8 @@ def plain_vs_hf(model: LlamaModel, target, prompt: list[int], tokens: int, round
 
     hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=model.dtype).eval()
     ids = torch.tensor([prompt])
-    engine = LLMEngine(model, EngineConfig(max_batch=1, max_seq_len=1024))
+    # Every round repeats the prompt: without this only our side would skip its prefill (HF keeps no cache).
+    engine = LLMEngine(model, EngineConfig(max_batch=1, max_seq_len=1024, prefix_cache=False))
 
     def run_hf() -> float:
         t0 = time.perf_counter()
