@@ -29,10 +29,10 @@ dropped (their `tide_chunks_dropped` and `tide_chunk_tokens_dropped` counters, s
 restarts): `dropped_counted` chunks that never reached S3 and `dropped_tokens` rows; `in_spool`,
 the entries still in the workers' on-disk spools after the drain (their gauge). `written` = blobs +
 dropped_counted, every chunk the workers formed. `rows` compares the token rows the
-successful requests made the workers process (prompt + completion - 1 each: what collection
-captures) with the rows in the scenario's chunks and the rows counted as dropped; `unaccounted`,
-the rest, is what vanished without a count (a killed worker's chunk buffers) or, negative, what
-was captured twice (a request retried after its prompt was processed).
+successful requests made the workers process (prompt + completion - 1 each, less the prompt
+tokens the prefix cache served: what collection captures) with the rows in the scenario's chunks
+and the rows counted as dropped; `unaccounted`, the rest, is what vanished without a count (a killed
+worker's chunk buffers) or, negative, what was captured twice (a request retried after its prompt was processed).
 
 Targets (each scenario's `checks`; all must hold for `passed`): `flowing` (chunk blobs were
 written), `lost` = 0, `duplicated` = 0, `dropped` (the exporters dropped no chunk and no row) and
@@ -224,7 +224,9 @@ class Load:
                         error = f"HTTP {r.status_code}: {r.text[:120]}"
                     else:
                         usage = r.json()["usage"]
-                        rows = usage["prompt_tokens"] + usage["completion_tokens"] - 1  # rows captured
+                        # rows captured: the prompt tokens the prefix cache did not serve, then the output
+                        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                        rows = usage["prompt_tokens"] - cached + usage["completion_tokens"] - 1
                 except (httpx.HTTPError, ValueError, KeyError) as e:
                     error = f"{type(e).__name__}: {e}"[:160]
                     self._stop.wait(0.2)  # the gateway itself unreachable: do not spin

@@ -400,8 +400,11 @@ class OpenAIServing:
     ) -> tuple[UsageInfo, SpeculationStats]:
         """Usage and speculation over a finished response's choices; counted and logged (`record`)."""
         completion = sum(f.completion_tokens for f in finals)
-        # Choices share one prompt: the tokens every choice found cached (n > 1 runs n sequences).
-        cached = min((f.cached_prompt_tokens for f in finals), default=0)
+        # `prompt_tokens` counts each prompt once and a prompt's n choices ran as n sequences, each
+        # with its own cache hit: scale the choices' cached tokens to the prompts' count (with one
+        # choice a prompt, their sum; with n, the mean over each prompt's choices).
+        fed = sum(f.prompt_tokens for f in finals)
+        cached = sum(f.cached_prompt_tokens for f in finals) * prompt_tokens // fed if fed else 0
         usage = UsageInfo(
             prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
