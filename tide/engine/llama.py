@@ -315,13 +315,11 @@ class LlamaModel:
     # Up to this many query tokens per sequence use `grouped_attention` (decode and verify);
     # longer forwards (prefill) use SDPA's flash kernel unless the kernels' attention is built.
     SMALL_Q = 16
-    GROUPED_PREFILL = True
 
     def _grouped_prefill(self, fused) -> bool:
         """Prompt chunks take the kernels' attention where their projections are on the kernels too
         (then a prompt runs on the kernels' threads alone: ModelRunner.prefill_threads)."""
-        return (self.GROUPED_PREFILL and fused is not None and fused.has_decode_attention
-                and self._prefill_layer_args is not None)
+        return fused is not None and fused.has_decode_attention and self._prefill_layer_args is not None
 
     @property
     def split_invariant_prefill(self) -> bool:
