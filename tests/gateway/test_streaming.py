@@ -156,9 +156,13 @@ def test_seed_makes_sampling_reproducible(client):
 
 def test_speculative_false_is_plain_decode_with_the_same_greedy_output(client):
     body = chat(messages=REPETITIVE, max_tokens=64, ignore_eos=True)
-    spec = client.post(CHAT, json=body).json()
+    # speculative=true drafts every step; left out, the worker's γ policy decides from measured step
+    # costs (on a busy machine it may rightly not draft at all), so only the text is compared there
+    spec = client.post(CHAT, json={**body, "speculative": True}).json()
+    default = client.post(CHAT, json=body).json()
     plain = client.post(CHAT, json={**body, "speculative": False}).json()
-    assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    text = plain["choices"][0]["message"]["content"]
+    assert spec["choices"][0]["message"]["content"] == text == default["choices"][0]["message"]["content"]
     assert spec["speculation"]["draft_tokens"] > 0 and spec["speculation"]["accept_length"] >= 1.0
     assert plain["speculation"]["draft_tokens"] == 0 and plain["speculation"]["accepted_tokens"] == 0
     assert plain["speculation"]["accept_length"] == 0.0
