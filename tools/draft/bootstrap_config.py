@@ -16,8 +16,10 @@ class BootstrapConfig:
     # Share of the budget that generation may use (held-out prompts included). The draft is limited
     # by optimizer steps more than by distinct tokens: on one machine and one data source, a 30-minute
     # run with generation cut at 0.5 / 0.4 / 0.3 of the budget reached served accept@3 1.855 / 1.922 /
-    # 1.972 (2.1 / 4.2 / 7.0 passes over the data; docs/results/2026-11-28/README.md). A clean-clone
-    # run with 0.3 gave 1.940: runs of one setting differ by ~0.03 (docs/results/2026-11-29/README.md).
+    # 1.972 (2.1 / 4.2 / 7.0 passes over the data;
+    # docs/results/sessions/session-12-bootstrap-training-budget/README.md). A clean-clone run with 0.3
+    # gave 1.940: runs of one setting differ by ~0.03
+    # (docs/results/sessions/session-13-bootstrap-noise-weight-decay/README.md).
     gen_fraction: float = 0.3
     gen_tokens: int | None = None  # stop generating once the training set holds this many output tokens
     prompt_limit: int | None = None  # prompts read per file
@@ -26,7 +28,8 @@ class BootstrapConfig:
     # Intel AMX machine, prompts grouped by length: 325 tokens/s at 32, 379 at 64, 450 at 128), and
     # since generation is cut at its deadline they cost training no time. But the float32 KV cache
     # grows with them (128 slots x 769 positions: 7.9 GB resident), and in a 30-minute run 128 slots'
-    # 1.3x the tokens ended at the same held-out acceptance as 32 (docs/results/2026-11-27/README.md).
+    # 1.3x the tokens ended at the same held-out acceptance as 32
+    # (docs/results/sessions/session-11-bootstrap-training-levers/README.md).
     batch: int = 32
     max_tokens: int = 256  # output tokens per prompt
     max_prompt_tokens: int = 768  # longer prompts are skipped
@@ -38,7 +41,7 @@ class BootstrapConfig:
     # A from-scratch draft in a ~15-minute training budget is limited by optimizer steps, not by
     # tokens: on 292k output tokens (session 6), 2 rows x 512 at lr 1e-3 reached held-out served
     # accept@3 1.64 in 4.3 min of training, where 8 rows at 3e-4 had 1.40 after 2.9 min and 2 rows
-    # at 3e-4 1.63 after 6.4 min (docs/results/2026-11-22/README.md).
+    # at 3e-4 1.63 after 6.4 min (docs/results/sessions/session-06-bootstrap-finetune-policies/README.md).
     lr: float = 1e-3
     batch_rows: int = 2
     learn_prompt_rows: bool = False  # see training.data.load_dataset
@@ -47,7 +50,7 @@ class BootstrapConfig:
     ttt_mask: str = "specforge"  # see training.objective.TTTAttention
     # The unroll grows from 1 to ttt_steps over this share of the schedule (training.loop.TrainConfig).
     # At equal compute on boot19's data (1,440 steps with it, 1,200 without): held-out served
-    # accept@3 2.017 against 1.912 (docs/results/2026-11-30/README.md).
+    # accept@3 2.017 against 1.912 (docs/results/sessions/session-14-bootstrap-training-ab/README.md).
     ttt_ramp: float = 0.4
     warmup_steps: int = 20
     freeze_head: bool = False  # see training.loop.TrainConfig

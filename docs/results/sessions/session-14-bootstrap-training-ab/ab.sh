@@ -1,7 +1,7 @@
 #!/bin/bash
 # Two from-scratch trainings on boot19's training chunks, side by side, one CPU and one thread each
 # (fixed steps: the machine's pace cannot favour one), both then scored on boot19's held-out chunks.
-#   docs/results/2026-11-30/ab.sh NAME1 "ENV1" "FLAGS1" NAME2 "ENV2" "FLAGS2"
+#   docs/results/sessions/session-14-bootstrap-training-ab/ab.sh NAME1 "ENV1" "FLAGS1" NAME2 "ENV2" "FLAGS2"
 # e.g. ab.sh plain "X=1" "--steps 1200 --aux-norm false" auxscale "AB_AUXSCALE=1" "--steps 1200 --aux-norm false"
 # (abrun.py's docstring lists the variables). Run from the repository root after the boot19 bootstrap.
 set -uo pipefail

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Domain fine-tune (HumanEval) of a chat+GSM8K bootstrap draft; before/after on the new and old domains,
 # and the engine-vs-evaluator check at γ = 3 on held-out HumanEval.
-#   docs/results/2026-12-02/finetune-humaneval/run.sh var/boot23   (from the repository root)
+#   docs/results/sessions/session-16-bootstrap-finetune-adapt-rollback/finetune-humaneval/run.sh var/boot23   (from the repository root)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 BOOT=${1:?usage: run.sh BOOTSTRAP_OUT_DIR}
