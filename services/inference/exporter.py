@@ -19,6 +19,12 @@ its blob is in S3, where the trainer's reconciler finds it) and is retried; wait
 written to the spool, so a restarted worker announces them. On start the exporter re-sends what its
 spool holds from a previous run (spooled chunks and waiting refs alike).
 
+Killed between the blob and its ref: before each direct S3 write the ref goes to the spool as an
+"intent" (a JSON of ~0.5 KB; one per chunk of 2048 tokens), removed once the ref is XADDed. A
+restarted worker asks S3 about each intent it finds: a stored blob of the right size is announced
+(seconds after the restart, not when the trainer's reconciler finds it minutes later), a missing one
+was never written and the intent is dropped; while S3 does not answer, it asks again every round.
+
 Memory: `buffers` x `chunk_tokens` rows x (8H + 25) bytes (H = hidden size; 28 MB for the reference
 model at the defaults 3 x 2048), plus one chunk being encoded and uploaded.
 loss_mask = 1 for rows whose next token is generated output (position >= prompt length - 1).
@@ -79,7 +85,8 @@ class SpoolCorrupt(Exception):
 @dataclass
 class SpoolEntry:
     """One spooled item: `state` "blob" = the chunk's bytes are in the spool (upload, then announce);
-    "ref" = the blob is in S3, the reference waits for Redis. `ref` describes the blob exactly."""
+    "ref" = the blob is in S3, the reference waits for Redis; "intent" = the blob was being written
+    straight to S3 (stored or not: ask S3). `ref` describes the blob exactly."""
 
     seq: int
     name: str  # file name stem: "<seq>-<chunk id>"
@@ -92,7 +99,7 @@ class ChunkSpool:
     """A bounded directory of chunks that could not be written to S3 and of references that could not
     be added to the stream. Used by one thread (the flusher); the directory must be one worker's own.
 
-    Each entry is `<seq>-<chunk id>.json` — {"format": 1, "state": "blob" | "ref", "ref": {ChunkRef}}
+    Each entry is `<seq>-<chunk id>.json` — {"format": 1, "state": "blob" | "ref" | "intent", "ref": {ChunkRef}}
     — plus, in state "blob", `<seq>-<chunk id>.safetensors`: the encoded chunk exactly as it is to be
     stored in S3 (no pickle). Files are written to a temporary name, fsynced and renamed, the blob
     before its JSON: the JSON is the entry's commit. `seq` orders entries (oldest first) across
@@ -159,6 +166,10 @@ class ChunkSpool:
         """Spool a reference whose blob is stored (state "ref"); None when it does not fit."""
         return self._put("ref", ref, None)
 
+    def put_intent(self, ref: streams.ChunkRef) -> SpoolEntry | None:
+        """Spool a reference whose blob is about to be written to S3 (state "intent"); None when full."""
+        return self._put("intent", ref, None)
+
     def read_blob(self, entry: SpoolEntry) -> bytes:
         """The spooled chunk's bytes, verified against its ref (SpoolCorrupt otherwise)."""
         try:
@@ -172,7 +183,8 @@ class ChunkSpool:
         return data
 
     def mark_stored(self, entry: SpoolEntry) -> None:
-        """The blob is in S3: keep only the ref (the JSON rewritten first, then the blob removed)."""
+        """The blob is in S3: keep only the ref (the JSON rewritten first, then the blob removed; an
+        "intent" has no blob)."""
         meta = self._meta("ref", entry.ref)
         self._atomic_write(self.dir / f"{entry.name}.json", meta)
         (self.dir / f"{entry.name}.safetensors").unlink(missing_ok=True)
@@ -222,7 +234,7 @@ class ChunkSpool:
             if not isinstance(meta, dict) or meta.get("format") != self.FORMAT:
                 raise SpoolCorrupt(f"format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
                                    f"this code reads {self.FORMAT}")
-            if meta.get("state") not in ("blob", "ref"):
+            if meta.get("state") not in ("blob", "ref", "intent"):
                 raise SpoolCorrupt(f"state {meta.get('state')!r}")
             ref = streams.from_dict(streams.ChunkRef, meta.get("ref"))
             seq = int(stem.split("-", 1)[0])
@@ -297,6 +309,7 @@ class ChunkExporter:
         self._unspool_wake = threading.Event()
         self._unspooler: threading.Thread | None = None
         self._backlog: deque[SpoolEntry] = deque()
+        self._intents: list[SpoolEntry] = []  # a previous run's, until S3 says whether their blobs are stored
         self._retry_at, self._retry_s = 0.0, RETRY_MIN_S
         self.spool = ChunkSpool(spool_dir, spool_max_bytes) if spool_dir and spool_max_bytes > 0 else None
         if self.spool is not None:
@@ -409,11 +422,35 @@ class ChunkExporter:
         for entry in entries:
             if entry.state == "blob":
                 self._backlog.append(entry)
+            elif entry.state == "intent":
+                self._intents.append(entry)
             else:
                 self._queue_ref(entry.ref, entry)
         if entries:
-            log.warning("chunk export: spool %s holds %d chunks and %d refs from a previous run (%d bytes); "
-                        "re-sending them", self.spool.dir, len(self._backlog), len(self._refs), self.spool.bytes)
+            log.warning("chunk export: spool %s holds %d chunks, %d refs and %d interrupted writes from a previous "
+                        "run (%d bytes); re-sending them", self.spool.dir, len(self._backlog), len(self._refs),
+                        len(self._intents), self.spool.bytes)
+
+    def _resolve_intents(self) -> None:
+        """Announce the previous run's interrupted writes whose blobs S3 holds; drop the others."""
+        for entry in list(self._intents):
+            try:
+                info = blobs.stat(self.s3, entry.ref.bucket, entry.ref.key)
+            except Exception as e:
+                if getattr(e, "code", None) not in ("NoSuchKey", "NoSuchObject"):
+                    log.warning("chunk export: cannot ask S3 about %s yet (%s)", entry.ref.key, e)
+                    return  # S3 not answering: ask again next round
+                info = None
+            self._intents.remove(entry)
+            with self._io:
+                if info is not None and info.size_bytes == entry.ref.size_bytes:
+                    log.warning("chunk export: announcing %s, stored before the previous run stopped",
+                                entry.ref.chunk_id)
+                    self._queue_ref(entry.ref, entry)
+                else:  # its rows went with the previous run: nothing was stored
+                    log.warning("chunk export: %s was never stored (the previous run stopped mid-write)",
+                                entry.ref.chunk_id)
+                    self._forget(entry)
         self._spool_gauges()
 
     def _run(self) -> None:
@@ -421,6 +458,8 @@ class ChunkExporter:
             stopping = self._stop.is_set()
             self._wake.wait(min(1.0, self.flush_interval_s / 4))
             self._wake.clear()
+            if self._intents:
+                self._resolve_intents()
             with self._lock:
                 a = self._active
                 due = a is not None and a.builder.num_tokens and time.monotonic() - a.opened_s >= self.flush_interval_s
@@ -470,14 +509,30 @@ class ChunkExporter:
         if behind:  # S3 is failing (or catching up): queue behind the spooled chunks, oldest first
             self._spool(ref, data)
             return
+        intent = self._intent(ref)
         try:
             self._put(ref, data)
         except Exception as e:  # S3 down, bucket missing, ...: spool (or drop), count, keep serving
             self._s3_failed(e)
+            with self._io:
+                self._forget(intent)
             self._spool(ref, data)
             return
         with self._io:
-            self._queue_ref(ref)
+            self._queue_ref(ref, intent)
+
+    def _intent(self, ref: streams.ChunkRef) -> SpoolEntry | None:
+        """Spool `ref` as an "intent" before its blob goes to S3 (None without a spool, or if it cannot:
+        a kill in between then leaves the blob to the trainer's reconciler, as without a spool)."""
+        if self.spool is None:
+            return None
+        with self._io:
+            try:
+                return self.spool.put_intent(ref)
+            except OSError as e:
+                self.stats.spool_errors += 1
+                log.error("chunk export: cannot write an intent to the spool %s (%s)", self.spool.dir, e)
+                return None
 
     def _spool(self, ref: streams.ChunkRef, data: bytes) -> None:
         if self.spool is None:
@@ -550,6 +605,12 @@ class ChunkExporter:
             return
         with self._io:
             for pending in self._refs:
+                if pending.entry is not None and pending.entry.state == "intent":
+                    try:  # the blob is stored: the entry becomes a plain waiting ref
+                        self.spool.mark_stored(pending.entry)
+                    except OSError as e:  # stays an intent: a restart asks S3, which says stored
+                        self.stats.spool_errors += 1
+                        log.error("chunk export: cannot update spool entry %s (%s)", pending.entry.name, e)
                 if pending.entry is not None:
                     continue
                 try:

@@ -196,6 +196,38 @@ def test_refs_waiting_for_redis_survive_a_restart(make_service, real_storage, s3
     assert second.exporter.stats.chunks_written == len(keys)
 
 
+def test_blobs_stored_by_a_worker_killed_before_their_refs_are_announced_by_its_successor(
+        make_service, real_storage, s3_server, s3_client, s3_bucket, redis_client, unique_prefix, tmp_path):
+    """A SIGKILL between a chunk's S3 write and its XADD leaves an "intent" entry and a stored blob
+    (the state is made here from a real run's entries, as a kill cannot be timed into that gap); a
+    kill before the write finished leaves an intent and no blob. The next worker on the spool
+    announces the first kind and drops the second."""
+    spool = tmp_path / "spool"
+    no_redis = storage(f"redis://{closed_port_url()}/0", s3_server.endpoint, s3_server.access_key,
+                       s3_server.secret_key, s3_bucket, unique_prefix)
+    first = make_service(storage=no_redis, collection=True, chunk_tokens=16, flush_interval_s=0.2,
+                         chunk_spool_dir=str(spool))
+    run_stream(stub(first), request("r1", PROMPT, max_tokens=30))
+    first.stop(grace_s=0.5)
+    keys = blobs.list_keys(s3_client, s3_bucket, "chunks/")
+    names = [n for n in spool_files(spool) if n.endswith(".json")]
+    assert len(keys) >= 2 and len(names) == len(keys)
+    for n in names:  # what the kill leaves: the intent written before the blob, never turned into a ref
+        entry = json.loads((spool / n).read_text())
+        (spool / n).write_text(json.dumps({**entry, "state": "intent"}))
+    unstored = {**entry, "state": "intent",
+                "ref": {**entry["ref"], "chunk_id": "never-stored", "key": entry["ref"]["key"] + ".never"}}
+    (spool / "000000000999-never-stored.json").write_text(json.dumps(unstored))
+
+    make_service(storage=real_storage, collection=False, chunk_spool_dir=str(spool))
+    refs = wait_for(lambda: (r := chunk_refs(redis_client, unique_prefix)) and len(r) >= len(keys) and r,
+                    timeout_s=20, what="the stored blobs announced")
+    wait_for(lambda: spool_files(spool) == [], what="an empty spool")
+    assert sorted(r.key for r in chunk_refs(redis_client, unique_prefix)) == keys  # the unstored one is not
+    assert sum(r.num_tokens for r in refs) == rows(30)
+    assert_all_stored(s3_client, s3_bucket, refs)
+
+
 def test_a_corrupt_spool_entry_is_dropped_and_counted_the_rest_resent(make_service, real_storage, redis_server,
                                                                        redis_client, s3_server, s3_client,
                                                                        s3_bucket, unique_prefix, tmp_path):
