@@ -101,8 +101,9 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     chunk_prefix: str = Field("chunks", description="S3 key prefix for chunk blobs")
     chunk_spool_dir: str = Field(
         "", json_schema_extra=shown_default("`$TIDE_CACHE_DIR/spool/<worker id>`"),
-        description="directory of chunks whose S3 write failed and of chunk refs waiting for Redis: uploaded / "
-        "announced when S3 / Redis answer again, and re-sent by the next worker started on it (give each "
+        description="directory of chunks whose S3 write failed, of chunk refs waiting for Redis and of S3 writes "
+        "in progress: uploaded / announced when S3 / Redis answer again, and re-sent by the next worker started "
+        "on it, which also announces the blobs a killed predecessor stored but never announced (give each "
         "worker its own, on a disk that outlives the process; `tide up`: <data dir>/spool/worker-<i>)")
     chunk_spool_bytes: NonNegative = Field(1 << 30, description="most bytes the chunk spool holds; a chunk that "
                                            "does not fit is dropped (counted); 0 = no spool: drop at once")
