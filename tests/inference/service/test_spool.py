@@ -173,16 +173,23 @@ def test_a_restarted_worker_resends_its_spooled_chunks(make_service, real_storag
     assert second.exporter.stats.chunks_unspooled == len(refs)
 
 
-def test_refs_waiting_for_redis_survive_a_restart(make_service, real_storage, s3_server, s3_client, s3_bucket,
-                                                  redis_client, unique_prefix, tmp_path):
-    spool = tmp_path / "spool"
+def served_while_redis_is_unreachable(make_service, s3_server, s3_client, s3_bucket, unique_prefix, spool):
+    """(the stopped service, the keys of its blobs): a 30-token request served with collection on, S3
+    up and Redis unreachable, so its chunks are stored and their refs wait in `spool`."""
     no_redis = storage(f"redis://{closed_port_url()}/0", s3_server.endpoint, s3_server.access_key,
                        s3_server.secret_key, s3_bucket, unique_prefix)
     first = make_service(storage=no_redis, collection=True, chunk_tokens=16, flush_interval_s=0.2,
                          chunk_spool_dir=str(spool))
     run_stream(stub(first), request("r1", PROMPT, max_tokens=30))
     first.stop(grace_s=0.5)
-    keys = blobs.list_keys(s3_client, s3_bucket, "chunks/")
+    return first, blobs.list_keys(s3_client, s3_bucket, "chunks/")
+
+
+def test_refs_waiting_for_redis_survive_a_restart(make_service, real_storage, s3_server, s3_client, s3_bucket,
+                                                  redis_client, unique_prefix, tmp_path):
+    spool = tmp_path / "spool"
+    first, keys = served_while_redis_is_unreachable(make_service, s3_server, s3_client, s3_bucket, unique_prefix,
+                                                    spool)
     assert len(keys) >= 2 and first.exporter.stats.chunks_written == 0  # blobs stored, refs not announced
     entries = [json.loads((spool / n).read_text()) for n in spool_files(spool)]
     assert sorted(e["ref"]["key"] for e in entries) == keys and {e["state"] for e in entries} == {"ref"}
@@ -203,13 +210,7 @@ def test_blobs_stored_by_a_worker_killed_before_their_refs_are_announced_by_its_
     kill before the write finished leaves an intent and no blob. The next worker on the spool
     announces the first kind and drops the second."""
     spool = tmp_path / "spool"
-    no_redis = storage(f"redis://{closed_port_url()}/0", s3_server.endpoint, s3_server.access_key,
-                       s3_server.secret_key, s3_bucket, unique_prefix)
-    first = make_service(storage=no_redis, collection=True, chunk_tokens=16, flush_interval_s=0.2,
-                         chunk_spool_dir=str(spool))
-    run_stream(stub(first), request("r1", PROMPT, max_tokens=30))
-    first.stop(grace_s=0.5)
-    keys = blobs.list_keys(s3_client, s3_bucket, "chunks/")
+    _, keys = served_while_redis_is_unreachable(make_service, s3_server, s3_client, s3_bucket, unique_prefix, spool)
     names = [n for n in spool_files(spool) if n.endswith(".json")]
     assert len(keys) >= 2 and len(names) == len(keys)
     for n in names:  # what the kill leaves: the intent written before the blob, never turned into a ref
