@@ -48,7 +48,7 @@ def _summary(ttft_s: list[float], tpot_s: list[float]) -> dict:
             "requests": len(tpot_s)}
 
 
-def _timings() -> dict[str, list[float]]:
+def timings() -> dict[str, list[float]]:
     return {"ttft": [], "tpot": []}
 
 
@@ -131,7 +131,7 @@ def breakdown(model, base_url: str, prompts: list[list[int]], max_tokens: int, r
                           max_tokens=max_tokens, temperature=0.0,
                           extra_body={"speculative": False, "ignore_eos": True}, headers={}, timeout=300.0)
     engine = LLMEngine(model, EngineConfig(max_batch=1, max_seq_len=4096))
-    times = {name: _timings() for name in ("engine", "worker", "grpc", "gateway")}
+    times = {name: timings() for name in ("engine", "worker", "grpc", "gateway")}
     runs = {
         "engine": lambda ids, sink: engine_alone(engine, ids, max_tokens, sink["engine"]),
         "grpc": lambda ids, sink: asyncio.run(worker_direct(facts["worker"], ids, max_tokens, sink["grpc"],
@@ -139,11 +139,11 @@ def breakdown(model, base_url: str, prompts: list[list[int]], max_tokens: int, r
         "gateway": lambda ids, sink: asyncio.run(gateway_sse(target, ids, sink["gateway"])),
     }
     for run in runs.values():  # warm-up, counted nowhere
-        run(prompts[:1], {name: _timings() for name in times})
+        run(prompts[:1], {name: timings() for name in times})
     shares = []
     for r in range(rounds):
         names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
-        this = {name: _timings() for name in times}
+        this = {name: timings() for name in times}
         for name in names:
             runs[name](prompts, this)
         for name, t in this.items():

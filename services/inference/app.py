@@ -247,5 +247,6 @@ def finish(settings: InferenceSettings, parts: _Prepared) -> InferenceService:
         log.info("registry draft %s before serving (%.1f s): %s", "settled" if settled else "not settled",
                  time.monotonic() - t0, drafts.version or "fallback drafter")
     server = serve(worker, settings.listen, settings.admin_token,
-                   max_workers=settings.max_batch + settings.max_queue + 8, drafts=drafts, live=live)
+                   max_workers=settings.max_batch + settings.max_queue + 8, drafts=drafts, live=live,
+                   stream_interval_s=settings.stream_interval_ms / 1e3)
     return InferenceService(settings, worker, server, telemetry, exporter, drafts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -152,7 +153,7 @@ Event = TokenEvent | FinalEvent | ErrorEvent
 class RequestHandle:
     """A submitted request: its event queue (thread-safe) and the worker's bookkeeping for it.
 
-    Fields other than `events` are written by the worker's loop thread only.
+    Fields other than `events` and `ended` are written by the worker's loop thread only.
     """
 
     request_id: str
@@ -162,6 +163,9 @@ class RequestHandle:
     workload: str
     arrival_s: float = field(default_factory=time.monotonic)  # monotonic seconds
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    # set once the last event (final or error) is queued: a stream holding tokens back to send
+    # several in one message waits on this, so the end of a request is never held back
+    ended: threading.Event = field(default_factory=threading.Event)
     seq: Sequence | None = None
     first_token_s: float | None = None
     spec_steps: int = 0

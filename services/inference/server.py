@@ -157,12 +157,17 @@ def live_pb(s: LiveSnapshot) -> inference_pb2.WorkerLive:
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     """`poll_s`: how often a waiting stream checks that its client is still there (seconds).
+    `stream_interval_s`: after sending a chunk, a stream lets the tokens of the next `stream_interval_s`
+    seconds queue up and sends them as one chunk (0: every step's tokens at once). The first token
+    and a request's end are never held back. On a CPU the engine fills every core, and each message costs
+    a few wake-ups in this process, the gateway and the client (docs/results/engine-step, 2h).
     `drafts`: the worker's registry drafts (their version and refusals go into its status)."""
 
     def __init__(self, worker: Worker, poll_s: float = 0.5, decision_timeout_s: float = 30.0,
-                 drafts: DraftWatcher | None = None, live: LiveStats | None = None) -> None:
+                 drafts: DraftWatcher | None = None, live: LiveStats | None = None,
+                 stream_interval_s: float = 0.0) -> None:
         self.worker, self.poll_s, self.decision_timeout_s = worker, poll_s, decision_timeout_s
-        self.drafts, self.live = drafts, live
+        self.drafts, self.live, self.stream_interval_s = drafts, live, stream_interval_s
 
     def _status(self, status: WorkerStatus) -> inference_pb2.WorkerStatus:
         """The status message; `max_model_len` is this worker's context (the gateway serves the smallest)."""
@@ -206,6 +211,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 yield inference_pb2.GenerateResponse(request_id=rid, chunk=inference_pb2.TokenChunk(
                     token_ids=tokens, text="".join(text), logprobs=logprobs_pb(logprobs),
                     prompt_logprobs=logprobs_pb(prompt_logprobs)))
+                if event is None and self.stream_interval_s > 0:
+                    # tokens queue up meanwhile without waking this thread; the end wakes it at once
+                    handle.ended.wait(self.stream_interval_s)
             if isinstance(event, FinalEvent):
                 yield inference_pb2.GenerateResponse(request_id=rid, final=final_pb(event))
                 return
@@ -236,11 +244,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
 
 def serve(worker: Worker, address: str, admin_token: str | None, max_workers: int = 64,
-          drafts: DraftWatcher | None = None, live: LiveStats | None = None) -> GrpcServer:
+          drafts: DraftWatcher | None = None, live: LiveStats | None = None,
+          stream_interval_s: float = 0.0) -> GrpcServer:
     """Start the gRPC server (health SERVING from here on: call once the model is loaded)."""
     server = GrpcServer(address, admin_token=admin_token, max_workers=max_workers)
     server.add_service(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
-                       InferenceServicer(worker, drafts=drafts, live=live), SERVICE_NAME)
+                       InferenceServicer(worker, drafts=drafts, live=live, stream_interval_s=stream_interval_s),
+                       SERVICE_NAME)
     server.start()
     log.info("inference service listening on %s", server.target)
     return server

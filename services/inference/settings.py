@@ -69,6 +69,11 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     max_gamma: NonNegative = Field(8, description="hard cap on draft tokens per request per step")
     max_queue: NonNegative = Field(64, description="requests that may wait beyond max batch before "
                                    "RESOURCE_EXHAUSTED")
+    # 50 ms: 20 updates a second, as smooth as text is read; at one stream on a 2-vCPU CPU (~20 ms a
+    # token) it sends ~2.5 tokens a message and served tokens came 5 % faster (engine-step README, 2h)
+    stream_interval_ms: NonNegative = Field(50, description="a stream sends at most one message per this many ms "
+                                            "after its first token, each with the tokens made meanwhile (0: one "
+                                            "per engine step); the first token and the end are never held back")
     listen: str = Field("127.0.0.1:50051", description="gRPC host:port")
     metrics_port: Port = Field(9101, description="Prometheus HTTP port on the listen host; 0 = off")
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",

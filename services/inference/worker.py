@@ -333,6 +333,7 @@ class Worker:
     def _end(self, h: RequestHandle, event, outcome: str) -> None:
         h.done = True
         h.events.put(event)
+        h.ended.set()
         metrics.REQUESTS.labels(outcome).inc()
         self._prompt_lens.pop(h.request_id, None)
         with self._lock:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from inference.service.svc import request, rpc_error, run_stream, stub
@@ -37,6 +39,22 @@ def test_stream_counts_and_lossless_greedy(make_service, tiny_model):
     if sp.verify_steps:
         assert sp.accept_length == pytest.approx((sp.accepted_tokens + sp.verify_steps) / sp.verify_steps)
     assert 0 < final.time_to_first_token_ms <= final.total_ms
+
+
+def test_stream_interval_sends_the_tokens_of_a_window_in_one_message_and_never_holds_back_the_end(
+        make_service, tiny_model):
+    """TIDE_STREAM_INTERVAL_MS: after its first chunk a stream waits up to the interval for more tokens,
+    and the request's end cuts the wait short. A 5-s window is far longer than the whole request here,
+    so its tokens come in at most two messages (the first token, then the rest with the end), still
+    the plain decode's tokens, and the stream ends long before the window would have."""
+    svc = make_service(stream_interval_ms=5000)
+    expected = plain_decode(tiny_model, PROMPTS[:1], 40)[0]
+    t0 = time.monotonic()
+    tokens, chunks, last = run_stream(stub(svc), request("i1", PROMPTS[0], max_tokens=40, speculative=False))
+    wall_s = time.monotonic() - t0
+    assert tokens == expected and last.HasField("final") and last.final.completion_tokens == 40
+    assert 1 <= len(chunks) <= 2
+    assert wall_s < 2.5, f"the end waited for the stream interval ({wall_s:.2f} s)"
 
 
 def test_concurrent_requests_equal_plain_decode(make_service, tiny_model):
