@@ -27,7 +27,7 @@ POLL_ERRORS = Counter("tide_registry_watch_poll_errors", "Failed pointer polls (
 class WatchHub:
     """Latest known pointer state per watched target; `wait` blocks until it changes."""
 
-    def __init__(self, store: RegistryStore, poll_s: float = 0.25):
+    def __init__(self, store: RegistryStore, poll_s: float = 1.0):
         self.store, self.poll_s = store, poll_s
         self._cond = threading.Condition()
         self._states: dict[str, PointerState] = {}
