@@ -25,7 +25,7 @@ from tide.engine.drafters import NgramDrafter
 from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.engine.engine import CapturedRows, EngineConfig, LLMEngine
 from tide.engine.llama import LlamaModel
-from tide.engine.profiling import CONTEXT, profile_draft, profile_target, random_draft
+from tide.engine.profiling import CONTEXT, profile_draft, profile_latency, profile_target, random_draft
 from tide.engine.sequence import SamplingParams
 from tide.memory import rss_bytes
 from tide.policies import FixedGamma
@@ -46,6 +46,80 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
     steps = sum(s.verify_steps for s in seqs)
     acc = (sum(s.accepted_tokens for s in seqs) + steps) / steps if steps else 1.0
     return out / dt, acc, out
+
+
+# Room for the longest prompts of the public sets (Spec-Bench's summaries run to ~1.1k tokens) and
+# the output; longer prompts are left out of the speculation rows.
+SPEC_MAX_LEN = 2048
+DRAFTERS = ("ngram", "eagle3", "hybrid")  # hybrid: EAGLE-3 with prompt lookup (tide/engine/drafters/hybrid.py)
+
+
+def decode_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Greedy decoding of every prompt with the engine's batch (max_batch in flight, continuous
+    batching; batch 1: one after another): tok/s over the whole run, accept length over the
+    speculative steps (bonus token included), mean γ, and the mean draft / verify ms of a step."""
+    steps: list = []
+    engine.step_listeners.append(lambda rec: steps.append(rec) if rec.batch_size else None)
+    t0 = time.perf_counter()
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    dt = time.perf_counter() - t0
+    engine.step_listeners.clear()
+    out = sum(s.num_output for s in seqs)
+    spec = sum(s.verify_steps for s in seqs)
+    gammas = [g for rec in steps for g in rec.gammas]
+    return {"tok_s": round(out / dt, 2), "output_tokens": out,
+            "accept_length": round((sum(s.accepted_tokens for s in seqs) + spec) / spec, 3) if spec else 1.0,
+            "gamma_mean": round(statistics.fmean(gammas), 2) if gammas else 0.0,
+            "draft_ms": round(statistics.fmean(r.draft_ms for r in steps), 3) if steps else 0.0,
+            "verify_ms": round(statistics.fmean(r.verify_ms for r in steps), 3) if steps else 0.0}
+
+
+def spec_sweep(model: LlamaModel, eagle: Eagle3Drafter, prompts: list[list[int]], batches: list[int],
+               gammas: list[int], drafters: list[str], max_tokens: int, profile) -> list[dict]:
+    """Rows per #30's interface: per batch, plain decoding (γ = 0), each drafter at each γ (chains:
+    `tree` null), and the adaptive γ policy on the last drafter listed (`"policy": "adaptive"`).
+    Plain runs first and last in each batch; its tok/s is the mean of the two (drift over the sweep
+    hits the ratios `x_plain` less), each run decodes every prompt."""
+    from tide.engine.drafters.hybrid import HybridDrafter
+    from tide.policies.registry import make_policy
+
+    make = {"ngram": NgramDrafter, "eagle3": lambda: eagle, "hybrid": lambda: HybridDrafter(eagle)}
+    rows: list[dict] = []
+    for b in batches:
+        cfg = EngineConfig(max_batch=b, max_seq_len=SPEC_MAX_LEN)
+        runs: list[tuple[dict, dict]] = []
+        plain = decode_all(LLMEngine(model, cfg), prompts, max_tokens)
+        for name in drafters:
+            for g in gammas:
+                if g > 0:
+                    key = {"drafter": name, "batch": b, "gamma": g, "tree": None}
+                    runs.append((key, decode_all(LLMEngine(model, cfg, drafter=make[name](), policy=FixedGamma(g)),
+                                                 prompts, max_tokens)))
+                    print(f"  {name:6s} γ={g} b={b:2d}: {runs[-1][1]['tok_s']:7.1f} tok/s  accept "
+                          f"{runs[-1][1]['accept_length']:.2f}", flush=True)
+        if drafters:
+            policy = make_policy("adaptive", {}, profile)
+            key = {"drafter": drafters[-1], "batch": b, "gamma": None, "tree": None, "policy": "adaptive"}
+            runs.append((key, decode_all(LLMEngine(model, cfg, drafter=make[drafters[-1]](), policy=policy),
+                                         prompts, max_tokens)))
+        again = decode_all(LLMEngine(model, cfg), prompts, max_tokens)
+        plain["tok_s"] = round((plain["tok_s"] + again["tok_s"]) / 2, 2)
+        rows.append({"drafter": "none", "batch": b, "gamma": 0, "tree": None, **plain, "x_plain": 1.0})
+        rows += [{**key, **r, "x_plain": round(r["tok_s"] / plain["tok_s"], 3)} for key, r in runs]
+        print(f"  plain b={b:2d}: {plain['tok_s']:7.1f} tok/s; adaptive: {rows[-1]['tok_s']:7.1f} tok/s "
+              f"(mean γ {rows[-1]['gamma_mean']})", flush=True)
+    return rows
+
+
+def print_spec(res: dict) -> None:
+    print(f"\nspeculation, greedy, {res['spec_prompts']} prompts of {res['prompts']}, {res['max_tokens']} tokens each "
+          f"(batch 1: one after another), draft {res['eagle3_draft']}")
+    print(f"  {'drafter':8s} {'batch':>5} {'γ':>8} {'tok/s':>8} {'x plain':>8} {'accept':>7} {'draft ms':>9} "
+          f"{'verify ms':>9}")
+    for r in res["spec"]:
+        g = r.get("policy") or r["gamma"]
+        print(f"  {r['drafter']:8s} {r['batch']:5d} {g!s:>8} {r['tok_s']:8.1f} {r['x_plain']:8.3f} "
+              f"{r['accept_length']:7.2f} {r['draft_ms']:9.2f} {r['verify_ms']:9.2f}")
 
 
 def plain_vs_hf(model: LlamaModel, target, prompt: list[int], tokens: int, rounds: int) -> tuple[float, float, float]:
@@ -276,39 +350,34 @@ def run(args) -> dict:
                 "pool_ab": pool_ab(model, prompts[:4], 48, 3 if quick else 5),
                 "wall_s": round(time.perf_counter() - t_start, 1)}
     reps = 5 if quick else 15
-    batches, gammas = [1, 4, 16], list(range(6))
-    max_tokens = 32 if quick else 96
+    batches = args.batches or [1, 4, 16]
+    gammas = args.gammas or list(range(6))
+    max_tokens = args.max_tokens or (32 if quick else 96)
+    limit = args.prompt_limit or (16 if quick else 64)
+    spec_prompts = [encode_prompt(tok, p) for p in load_prompts(args.prompts, limit=limit)]
+    spec_prompts = [p for p in spec_prompts if len(p) + max_tokens + 8 <= SPEC_MAX_LEN]
     res: dict = {"target": target.model_id, "dtype": dtype_name(dtype), "weights": weight_format,
-                 "threads": torch.get_num_threads(),
-                 "quick": quick, "max_tokens": max_tokens}
+                 "threads": torch.get_num_threads(), "cpu": cpu_name(),
+                 "quick": quick, "max_tokens": max_tokens, "prompts": args.prompts, "spec_prompts": len(spec_prompts)}
     res["T_ms"] = profile_target(model, batches, [1, 2, 4, 8, 16, 32, 64], reps)
     if args.draft:
-        drafter = Eagle3Drafter.from_checkpoint(args.draft, model, Path(args.draft).name, 16, 1200)
+        eagle = Eagle3Drafter.from_checkpoint(args.draft, model, Path(args.draft).name, max(batches), SPEC_MAX_LEN + 16)
         res["eagle3_draft"] = str(args.draft)
     else:
-        drafter = Eagle3Drafter(random_draft(model), "random", 16, 1200)
+        eagle = Eagle3Drafter(random_draft(model), "random", max(batches), SPEC_MAX_LEN + 16)
         res["eagle3_draft"] = "random (untrained: latency only; acceptance ~0)"
-    res["D_ms"], res["switch_ms"] = profile_draft(drafter, model, batches, [1, 4, 16, 64, 256], reps)
+    res["D_ms"], res["switch_ms"] = profile_draft(eagle, model, batches, [1, 4, 16, 64, 256], reps)
     res["D0_ms"] = res["D_ms"][1]
-    cfg = EngineConfig(max_batch=16, max_seq_len=1024)
-    throughput(LLMEngine(model, cfg), prompts[:16], 8)  # warm-up: kernel JIT for the batch shapes
-    res["spec"] = []
-    for b in batches:
-        base = None
-        for name, make in (("ngram", NgramDrafter), ("eagle3", lambda: drafter)):
-            for g in gammas:
-                if g == 0 and base is not None:
-                    tok_s, acc = base
-                else:
-                    engine = LLMEngine(model, cfg, drafter=make(), policy=FixedGamma(g))
-                    tok_s, acc, _ = throughput(engine, prompts[:b], max_tokens)
-                    if g == 0:
-                        base = (tok_s, acc)
-                res["spec"].append({"drafter": name, "gamma": g, "batch": b, "tok_s": round(tok_s, 2),
-                                    "accept_length": round(acc, 3)})
-                print(f"  {name:6s} γ={g} b={b:2d}: {tok_s:7.1f} tok/s  accept {acc:.2f}", flush=True)
+    res["spec"] = spec_sweep(model, eagle, spec_prompts, batches, gammas, args.drafters, max_tokens,
+                             profile_latency(model, eagle, batches, list(range(1, max(gammas) + 2)), reps=reps))
+    plain = next((r for r in res["spec"] if r["batch"] == 1 and r["gamma"] == 0), None)
+    if plain is not None:
+        res["plain_tok_s"] = plain["tok_s"]  # batch 1, every prompt of --prompts one after another
+    if args.spec_only:
+        res["wall_s"] = round(time.perf_counter() - t_start, 1)
+        return res
     ours, theirs, ratio = plain_vs_hf(model, target, prompts[0], 64, 5 if quick else 11)
-    res["plain_tok_s"], res["hf_generate_tok_s"] = round(ours, 2), round(theirs, 2)
+    res["plain_one_prompt_tok_s"], res["hf_generate_tok_s"] = round(ours, 2), round(theirs, 2)
     res["plain_vs_hf"] = round(ratio, 3)  # median of the per-round ratios
     with chunk_exporter(model, target.model_id) as exporter:
         capture = {b: capture_overhead(model, exporter, prompts, b, 64, 4 if quick else 8) for b in (1, 16)}
@@ -336,7 +405,11 @@ def print_table(res: dict) -> None:
     for b, row in res["T_ms"].items():
         print(f"  {b:>3} " + "".join(f"{row[n]:8.1f}" for n in ns))
     print(f"D(b) ms: {res['D_ms']}   catch-up ms by lag: {res['switch_ms']}")
-    print(f"plain {res['plain_tok_s']} tok/s vs HF generate {res['hf_generate_tok_s']} tok/s "
+    print_spec(res)
+    if "plain_vs_hf" not in res:
+        return
+    print(f"plain {res['plain_one_prompt_tok_s']} tok/s (one prompt, 64 tokens) vs HF generate "
+          f"{res['hf_generate_tok_s']} tok/s "
           f"-> {res['plain_vs_hf']}x (median of per-round ratios)")
     for b, c in res["capture_detail"].items():
         print(f"capture + hand-off, batch {b}: median step {c['step_ms_off']} -> {c['step_ms_on']} ms "
@@ -351,6 +424,10 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     return run_cli(args)
 
 
+def _ints(value: str) -> list[int]:
+    return [int(v) for v in value.split(",")]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and tokens (< 5 min)")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -361,7 +438,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the target's weights: int8 / int4 = weight-only quantized (tide/quant.py)")
     parser.add_argument("--draft", help="EAGLE-3 checkpoint dir or bootstrap dir (default: a random draft, "
                                         "latency only)")
-    parser.add_argument("--prompts", default="spec_bench_questions.jsonl")
+    parser.add_argument("--prompts", default="spec_bench_questions.jsonl",
+                        help="prompt file (tide.prompts: a slice such as FILE[1::2] allowed)")
+    parser.add_argument("--prompt-limit", type=int, help="speculation rows: at most this many prompts [64; quick 16]")
+    parser.add_argument("--max-tokens", type=int, help="speculation rows: output tokens per prompt [96; quick 32]")
+    parser.add_argument("--batches", type=_ints, help="speculation rows: batch sizes [1,4,16]")
+    parser.add_argument("--gammas", type=_ints, help="speculation rows: chain lengths, 0 = plain [0,1,2,3,4,5]")
+    parser.add_argument("--drafters", type=lambda v: v.split(","), default=list(DRAFTERS),
+                        help="speculation rows: drafters, the last also under the adaptive policy "
+                             f"[{','.join(DRAFTERS)}]")
+    parser.add_argument("--spec-only", action="store_true", help="only T(n), D(b) and the speculation rows")
     parser.add_argument("--serve", metavar="URL", help="also break a served token's time down layer by layer "
                                                        "against the stack whose gateway is at URL (serve_breakdown)")
     parser.add_argument("--kernels-only", action="store_true",

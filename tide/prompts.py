@@ -6,7 +6,8 @@ domain = `category`), GSM8K (`question`, domain "gsm8k"), HumanEval (`prompt`, d
 JSONL with a `prompt` or `text` field (domain = file stem). Plain `.txt` files: one prompt a line.
 The data directory defaults to `$TIDE_DATA_DIR`, else `../shared/data` beside the repository.
 A name may end in a Python slice of the file's prompts, e.g. `humaneval.jsonl.gz[:132]` and
-`humaneval.jsonl.gz[132:]` for disjoint training and held-out sets.
+`humaneval.jsonl.gz[132:]` for disjoint training and held-out sets, or with a step,
+`spec_bench_questions.jsonl[0::2]` and `[1::2]` to split every category in two.
 """
 
 from __future__ import annotations
@@ -54,16 +55,17 @@ def read_rows(path: Path):
                 yield json.loads(line)
 
 
-_SLICE = re.compile(r"^(?P<name>.+)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+_SLICE = re.compile(r"^(?P<name>.+)\[(?P<start>-?\d*):(?P<stop>-?\d*)(?::(?P<step>-?\d*))?\]$")
 
 
 def split_slice(name: str | os.PathLike) -> tuple[str | os.PathLike, slice | None]:
-    """("file", slice) for "file[start:stop]"; (name, None) when there is no slice (or the file exists as named)."""
+    """("file", slice) for "file[start:stop]" or "file[start:stop:step]"; (name, None) when there is
+    no slice (or the file exists as named)."""
     m = _SLICE.match(str(name))
     if m is None or Path(name).exists():
         return name, None
     as_int = lambda s: int(s) if s else None  # noqa: E731
-    return m["name"], slice(as_int(m["start"]), as_int(m["stop"]))
+    return m["name"], slice(as_int(m["start"]), as_int(m["stop"]), as_int(m["step"] or ""))
 
 
 def load_prompts(name: str | os.PathLike, limit: int | None = None) -> list[Prompt]:

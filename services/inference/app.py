@@ -223,7 +223,7 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
     # first time "eagle3" is asked for (at start with TIDE_DRAFTER=eagle3, or by a decision).
     drafts = DraftWatcher(model_id, s3=s3, cache_dir=settings.draft_cache_dir or cache_dir() / "drafts",
                           model=model, max_batch=settings.max_batch, max_len=engine.runner.cache.max_len,
-                          registry_addr=settings.registry_addr)
+                          registry_addr=settings.registry_addr, prompt_lookup=settings.prompt_lookup)
     worker = Worker(engine, policy=policy_spec(settings.policy, params), drafter=settings.drafter,
                     tokenizer=tokenizer, exporter=exporter, collection=settings.collection,
                     max_queue=settings.max_queue, profile=profile,

@@ -8,7 +8,8 @@ offer it to the worker, which swaps it in between engine steps.
   loaded). A registry that is down is retried with backoff; the draft in service keeps serving.
 - load: for a wanted version not yet in service and never refused, `fetch_version` (checksummed
   download into `cache_dir`, a cached copy re-hashed first) then `Eagle3Drafter.from_checkpoint`
-  against the worker's model. An empty version means "no draft": the weightless `fallback`
+  against the worker's model, served with prompt lookup (`HybridDrafter`; TIDE_PROMPT_LOOKUP=0:
+  the draft alone). An empty version means "no draft": the weightless `fallback`
   (n-gram) takes over. Download failures that a retry can fix (S3 unreachable) are retried with
   backoff; a draft that cannot serve (checksum mismatch, missing file, DraftIncompatible, a
   corrupt or unloadable checkpoint) is *refused*: the drafter in service stays, the refusal is
@@ -41,6 +42,7 @@ from tide.blobs import ChecksumMismatch
 from tide.eagle3 import DraftIncompatible
 from tide.engine.drafters import Drafter, NgramDrafter
 from tide.engine.drafters.eagle3 import Eagle3Drafter
+from tide.engine.drafters.hybrid import HybridDrafter
 from tide.registry_client import RegistryClient, fetch_version
 from tide.resources import one_torch_thread
 
@@ -95,6 +97,7 @@ class DraftWatcher:
 
     def __init__(self, target_model: str, *, s3, cache_dir: str | Path, model, max_batch: int, max_len: int,
                  registry_addr: str | None = None, fallback: Callable[[], Drafter | None] = NgramDrafter,
+                 prompt_lookup: bool = False,
                  retry_min_s: float = 0.5, retry_max_s: float = 30.0, watch_max_backoff_s: float = 5.0,
                  install_timeout_s: float = 60.0) -> None:
         self.target_model = target_model
@@ -102,6 +105,7 @@ class DraftWatcher:
         self.max_batch, self.max_len = max_batch, max_len
         self.registry_addr = registry_addr
         self.fallback = fallback
+        self.prompt_lookup = prompt_lookup  # serve each draft as a HybridDrafter (copies where the context repeats)
         self.retry_min_s, self.retry_max_s = retry_min_s, retry_max_s
         self.watch_max_backoff_s, self.install_timeout_s = watch_max_backoff_s, install_timeout_s
         self._lock = threading.Lock()
@@ -266,7 +270,7 @@ class DraftWatcher:
             raise _Refused("load_failed", f"{type(e).__name__}: {e}") from None
         log.info("draft %s for target %s loaded from %s in %.2f s", want.version, self.target_model, path,
                  time.monotonic() - t0)
-        return drafter
+        return HybridDrafter(drafter) if self.prompt_lookup else drafter
 
     def _refuse(self, version: str, reason: str, detail: str) -> None:
         with self._lock:

@@ -16,6 +16,8 @@ PROMPT_TOKENS_CACHED = Counter("tide_inference_prompt_tokens_cached",
 PREFIX_HOST_TOKENS = Gauge("tide_inference_prefix_cache_host_tokens",
                            "Tokens whose KV entries the prefix cache holds in host memory")
 STEPS = Counter("tide_inference_steps", "Engine steps run")
+DRAFT_PROPOSALS = Counter("tide_inference_draft_proposals", "Speculative proposals of EAGLE-3 with prompt lookup, by "
+                          "source: copy (the context repeated) or draft (the EAGLE-3 draft's)", ["source"])
 STEP_ERRORS = Counter("tide_inference_step_errors", "Engine steps that raised (requests in flight failed)")
 DECISIONS = Counter("tide_inference_decisions", "Controller decisions by outcome", ["outcome"])
 RUNNING = Gauge("tide_inference_running_requests", "Sequences holding a KV slot")

@@ -81,6 +81,12 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
                            description="worker id in telemetry and chunks")
     drafter: Annotated[str, one_of(DRAFTERS)] = Field(
         "ngram", description="the registry's current draft for the target (n-gram until one loads; see drafts.py)")
+    # Copying where the context repeats, drafting elsewhere: 1.3-1.4x plain at batch 1 on mixed prompts
+    # where the starter draft alone gave ~1.0x (docs/results/speculation).
+    prompt_lookup: bool = Field(True, description="with TIDE_DRAFTER=eagle3: each step, a sequence whose last "
+                                "tokens occurred earlier in its context proposes what followed them (no draft "
+                                "forward), the others the EAGLE-3 draft's tokens (tide/engine/drafters/hybrid.py); "
+                                "lossless either way")
     registry_addr: str = Field(DEFAULT_REGISTRY_ADDR, validation_alias=REGISTRY_ADDR_ENV,
                                description='draft registry gRPC host:port (watched while "eagle3" is used)')
     draft_wait_s: Seconds = Field(15.0, description='with TIDE_DRAFTER=eagle3: at start, wait up to this long for '

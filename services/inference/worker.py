@@ -40,6 +40,7 @@ from services.inference.requests import (
 from tide.decisions import Decision, DecisionError, PolicySpec, SpeculationSchedule
 from tide.engine.constraints import CompiledGrammar
 from tide.engine.drafters import Drafter
+from tide.engine.drafters.hybrid import HybridDrafter
 from tide.engine.engine import LLMEngine, RequestOutput
 from tide.engine.sequence import FinishReason, SamplingParams
 from tide.memory import rss_bytes, tensor_bytes
@@ -82,6 +83,7 @@ class Worker:
         self._schedule = SpeculationSchedule()
         self._policy_spec = policy
         self._drafter_name = drafter
+        self._proposals_counted: tuple[object, int, int] = (None, 0, 0)  # drafter, copied, drafted (_count_proposals)
         self._held: tuple[int, int, set[int]] | None = None  # (weights, KV cache bytes, their storages)
         engine.set_policy(ScheduledPolicy(build_policy(policy, profile), self._schedule))
         engine.swap_drafter(drafter_factory(drafter))
@@ -272,10 +274,24 @@ class Worker:
         metrics.RUNNING.set(active)
         metrics.WAITING.set(max(0, len(self._live) - active))
         metrics.KV_USAGE.set(active / self.engine.config.max_batch)
+        self._count_proposals()
         prefixes = self.engine.scheduler.prefixes
         if prefixes is not None:
             metrics.PREFIX_HOST_TOKENS.set(prefixes.host_held)
         self._export_estimates()
+
+    def _count_proposals(self) -> None:
+        """Prometheus: a HybridDrafter's copied / drafted proposals since the last step (its counts
+        are per instance; a swapped-in drafter starts from zero)."""
+        d = self.engine.drafter
+        if not isinstance(d, HybridDrafter):
+            return
+        seen_by, copied, drafted = self._proposals_counted
+        if seen_by is not d:
+            copied = drafted = 0
+        metrics.DRAFT_PROPOSALS.labels("copy").inc(d.copied - copied)
+        metrics.DRAFT_PROPOSALS.labels("draft").inc(d.drafted - drafted)
+        self._proposals_counted = (d, d.copied, d.drafted)
 
     def _export_estimates(self) -> None:
         """The γ policy's estimates as `tide_inference_policy_estimate` (at most every ESTIMATES_EVERY_S;

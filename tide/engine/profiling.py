@@ -38,6 +38,7 @@ import torch
 from tide import kernels
 from tide.eagle3 import Eagle3Config, Eagle3Draft
 from tide.engine.drafters.eagle3 import Eagle3Drafter
+from tide.engine.drafters.hybrid import HybridDrafter
 from tide.engine.llama import LlamaModel
 from tide.engine.model_runner import ModelRunner
 from tide.engine.sequence import SamplingParams, Sequence
@@ -182,8 +183,15 @@ def profile_lookup_draft(drafter, vocab: int, batches: Seq[int], reps: int) -> d
     return out
 
 
+def _timed_drafter(drafter):
+    """The drafter whose steps a profile times: a HybridDrafter's EAGLE-3 draft (its copies cost no
+    forward, so D(b) is the cost of the steps that draft: an upper bound per step)."""
+    return drafter.eagle if isinstance(drafter, HybridDrafter) else drafter
+
+
 def drafter_shape(drafter) -> dict:
     """What the draft latency depends on (part of the cache key)."""
+    drafter = _timed_drafter(drafter)
     if drafter is None:
         return {"algorithm": "none"}
     if isinstance(drafter, Eagle3Drafter):
@@ -204,6 +212,7 @@ def profile_latency(model: LlamaModel, drafter, batches: Seq[int], ns: Seq[int],
                     reps: int = 5) -> LatencyProfile:
     """Measure a LatencyProfile for `model` + `drafter` (None, an n-gram or an EAGLE-3 drafter)."""
     t0 = time.perf_counter()
+    drafter = _timed_drafter(drafter)
     batches, ns, lags = sorted(set(batches)), sorted(set(ns)), sorted(set(lags))
     t_ms = profile_target(model, batches, ns, reps)
     c_ms: dict[int, dict[int, float]] = {}
@@ -247,7 +256,7 @@ def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags) -> d
             "threads": torch.get_num_threads(), "torch": torch.__version__, "context": CONTEXT,
             "clock": "wall" if _TIMER[-1] is time.perf_counter else "cpu",
             "drafter": drafter_shape(drafter), "batches": sorted(set(batches)), "ns": sorted(set(ns)),
-            "lags": sorted(set(lags)) if isinstance(drafter, Eagle3Drafter) else [],
+            "lags": sorted(set(lags)) if isinstance(_timed_drafter(drafter), Eagle3Drafter) else [],
             # quantized weights (tide.quant) step at other costs; float keys stay as they were
             **({"weights": model.weight_format} if getattr(model, "weight_format", "float") != "float" else {}),
             # on CPU: the fused kernels or torch ops (tide.kernels), and the lm_head's GEMM

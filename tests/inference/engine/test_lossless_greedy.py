@@ -2,7 +2,7 @@
 
 Covered: γ ∈ {1, 2, 3, 5}; batch 1 and a batch of prompts with different lengths; γ changing
 mid-request (including 0 <-> k); a useless (random) draft, a good one (mostly right, sometimes
-wrong) and the n-gram drafter; a drafter hot-swap mid-generation.
+wrong), the n-gram drafter and EAGLE-3 with prompt lookup; a drafter hot-swap mid-generation.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from support.engine import CyclingGamma, RandomDrafter, ScriptedDrafter, tiny_eagle3_drafter
 
 from tide.engine.drafters import NgramDrafter
+from tide.engine.drafters.hybrid import HybridDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma
@@ -48,7 +49,7 @@ def plain_outputs(tiny_model, prompts):
 
 @pytest.mark.parametrize("gamma", [1, 2, 3, 5])
 @pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("drafter_kind", ["good", "random", "ngram", "eagle3"])
+@pytest.mark.parametrize("drafter_kind", ["good", "random", "ngram", "eagle3", "hybrid"])
 def test_speculative_equals_plain(tiny_model, prompts, plain_outputs, gamma, batch, drafter_kind):
     prompts, expected = prompts[:batch], plain_outputs[:batch]
     if drafter_kind == "good":
@@ -57,6 +58,8 @@ def test_speculative_equals_plain(tiny_model, prompts, plain_outputs, gamma, bat
         drafter = RandomDrafter(VOCAB, seed=gamma)
     elif drafter_kind == "eagle3":
         drafter = tiny_eagle3_drafter(tiny_model, seed=gamma)
+    elif drafter_kind == "hybrid":  # EAGLE-3 + prompt lookup: copies and drafts
+        drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=gamma), min_match=2)
     else:
         drafter = NgramDrafter()
     engine = _engine(tiny_model, drafter, FixedGamma(gamma))
@@ -71,7 +74,7 @@ def test_speculative_equals_plain(tiny_model, prompts, plain_outputs, gamma, bat
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("drafter_kind", ["good", "ngram", "eagle3"])
+@pytest.mark.parametrize("drafter_kind", ["good", "ngram", "eagle3", "hybrid"])
 def test_speculative_equals_plain_on_quantized_weights(tiny_model_quantized, prompts, batch, drafter_kind):
     """Lossless with respect to the quantized target: its own plain decoding is the reference."""
     model = tiny_model_quantized
@@ -79,7 +82,8 @@ def test_speculative_equals_plain_on_quantized_weights(tiny_model_quantized, pro
     expected = _plain(model, prompts)
     drafter = {"good": lambda: ScriptedDrafter({f"gen-0-{i}": o for i, o in enumerate(expected)}, VOCAB,
                                                corrupt_every=3),
-               "ngram": NgramDrafter, "eagle3": lambda: tiny_eagle3_drafter(model, seed=batch)}[drafter_kind]()
+               "ngram": NgramDrafter, "eagle3": lambda: tiny_eagle3_drafter(model, seed=batch),
+               "hybrid": lambda: HybridDrafter(tiny_eagle3_drafter(model, seed=batch))}[drafter_kind]()
     seqs = _engine(model, drafter, CyclingGamma([3, 1, 0, 5, 2])).generate(prompts, GREEDY)
     assert [s.output_ids for s in seqs] == expected
     assert sum(s.draft_tokens for s in seqs) > 0
@@ -111,6 +115,9 @@ def test_hot_swap_mid_generation(tiny_model, prompts, plain_outputs):
     for _ in range(4):
         engine.step()
     engine.swap_drafter(tiny_eagle3_drafter(tiny_model, seed=7))  # rebuilds its cache from the store
+    for _ in range(3):
+        engine.step()
+    engine.swap_drafter(HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=8)))  # its lookup indexes from scratch
     for _ in range(3):
         engine.step()
     engine.swap_drafter(ScriptedDrafter({f"r{i}": o for i, o in enumerate(plain_outputs)}, VOCAB))

@@ -103,6 +103,31 @@ def test_engine_sampling_matches_target_distribution(tiny_model, drafter_kind, p
     assert chi_square_p_value(second, p2) > ALPHA
 
 
+def test_sampling_with_prompt_lookup_matches_target_distribution(tiny_model):
+    """EAGLE-3 + prompt lookup: the first token decides which proposes at the second (a copy when it
+    occurs in the prompt, which holds half the vocabulary; else a sampled draft), so both kinds of
+    proposal meet the verifier, in the same batches."""
+    from tide.engine.drafters.hybrid import HybridDrafter
+
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    vocab = tiny_model.cfg.vocab_size
+    prompt = list(range(3, vocab, 2)) + [5, 17, 5]
+    p1, p2 = _exact_first_two(tiny_model, prompt, params)
+    drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, max_batch=64))
+    engine = LLMEngine(tiny_model, EngineConfig(max_batch=64, max_seq_len=128), drafter=drafter,
+                       policy=FixedGamma(3))
+    seqs = []
+    for start in range(0, 1000, 64):
+        batch = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(start, min(1000, start + 64))]
+        seqs += engine.generate([prompt] * len(batch), batch)
+    assert drafter.copied > 50 and drafter.drafted > 50
+    assert sum(s.accepted_tokens for s in seqs) > 0
+    first = torch.bincount(torch.tensor([s.output_ids[0] for s in seqs]), minlength=p1.numel())
+    second = torch.bincount(torch.tensor([s.output_ids[1] for s in seqs]), minlength=p1.numel())
+    assert chi_square_p_value(first, p1) > ALPHA
+    assert chi_square_p_value(second, p2) > ALPHA
+
+
 def test_sampling_matches_the_quantized_targets_distribution(tiny_model_quantized):
     """With weight-only int8 / int4 weights the exact distribution is the quantized model's own."""
     model = tiny_model_quantized

@@ -254,3 +254,24 @@ def test_a_worker_starting_with_a_draft_in_the_registry_serves_it_from_the_first
     client = stub(svc)  # no waiting here: the worker waited for the registry's draft before serving
     _, _, last = run_stream(client, request("first", PROMPT, max_tokens=8, speculative=True))
     assert last.final.speculation.drafter == "eagle3" and last.final.speculation.draft_version == v1
+
+
+@pytest.mark.parametrize("prompt_lookup", [True, False])
+def test_the_registry_draft_serves_with_prompt_lookup_unless_turned_off(
+        make_service, registry, admin, tiny_model, tmp_path, prompt_lookup):
+    """TIDE_PROMPT_LOOKUP (on by default): the registry's draft copies where a request's context
+    repeats (PROMPT repeats its first three tokens) and drafts elsewhere; output stays the plain one."""
+    v1 = register(admin, registry, tmp_path, 1, fitting(tiny_model))
+    admin.promote(v1, TARGET, reason="test")
+    svc = start(make_service, registry, tmp_path, drafter="eagle3", draft_wait_s=30, prompt_lookup=prompt_lookup)
+    client = stub(svc)
+
+    def proposals(source: str) -> float:
+        return PROM.get_sample_value("tide_inference_draft_proposals_total", {"source": source}) or 0.0
+
+    before = proposals("copy") + proposals("draft")
+    tokens, _, last = run_stream(client, request("spec", PROMPT, max_tokens=40, speculative=True))
+    assert tokens == plain(client, "plain")
+    assert last.final.speculation.drafter == "eagle3" and last.final.speculation.draft_version == v1
+    counted = proposals("copy") + proposals("draft") - before
+    assert (counted > 0) == prompt_lookup

@@ -1,0 +1,76 @@
+"""EAGLE-3 with prompt lookup: per sequence and step, copy where the context repeats, else draft.
+
+Code, summaries and retrieval answers repeat their context, and a small target repeats itself:
+there an n-gram copy accepts more than a one-layer draft and costs no forward. Measured on the
+starter draft at γ = 3, 16 prompts each: HumanEval accept length 2.32 copying against 1.23
+drafting, Spec-Bench 1.48 against 1.22, GSM8K test 1.89 against 2.13 (docs/results/speculation).
+So each step, for each sequence, the latest earlier occurrence of its last `min_match`..`max_n`
+tokens is looked up (`NgramDrafter`); where there is one, what followed it is the proposal, else
+the EAGLE-3 draft's.
+
+Lossless as either drafter alone: which one proposes is a function of the committed tokens only,
+and a copied proposal is deterministic (q one-hot, `probs` None), as the n-gram drafter's.
+Constrained requests always take the EAGLE-3 draft, whose steps follow the grammar.
+The EAGLE-3 draft catches up on the target features of the steps it skipped the next time it
+drafts for that sequence (its `lag`), as after speculation was off.
+"""
+
+from __future__ import annotations
+
+from tide.engine.drafters.base import DraftAlgorithm, Proposal
+from tide.engine.drafters.eagle3 import Eagle3Drafter
+from tide.engine.drafters.ngram import NgramDrafter
+from tide.engine.features import FeatureStore
+from tide.engine.sequence import Sequence
+
+
+class HybridDrafter:
+    # It serves the registry's EAGLE-3 draft and needs the target's features: the controller, the
+    # trainer and telemetry treat it as that draft. `copied` / `drafted` count the proposals.
+    algorithm = DraftAlgorithm.EAGLE3
+
+    def __init__(self, eagle: Eagle3Drafter, min_match: int = 1, max_n: int = 3) -> None:
+        self.eagle = eagle
+        self.lookup = NgramDrafter(max_n=max_n, min_n=min_match)
+        self.copied = 0
+        self.drafted = 0
+
+    @property
+    def version(self) -> str:
+        return self.eagle.version
+
+    @property
+    def draft(self):
+        """The EAGLE-3 draft model (what latency profiles and memory accounting look at)."""
+        return self.eagle.draft
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.eagle.add_sequence(seq)
+        self.lookup.add_sequence(seq)
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        self.eagle.remove_sequence(seq)
+        self.lookup.remove_sequence(seq)
+
+    def lag(self, seq: Sequence) -> int:
+        return self.eagle.lag(seq)
+
+    def propose(self, seqs: list[Sequence], gammas: list[int], features: FeatureStore | None,
+                generators: list) -> Proposal:
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list = [None] * len(seqs)
+        drafted = []
+        for i, (seq, gamma) in enumerate(zip(seqs, gammas, strict=True)):
+            copy = self.lookup.lookup(seq, gamma) if seq.matcher is None else []
+            if copy:
+                tokens[i] = copy
+            else:
+                drafted.append(i)
+        self.copied += len(seqs) - len(drafted)
+        self.drafted += len(drafted)
+        if drafted:
+            sub = self.eagle.propose([seqs[i] for i in drafted], [gammas[i] for i in drafted], features,
+                                     [generators[i] for i in drafted])
+            for j, i in enumerate(drafted):
+                tokens[i], probs[i] = sub.tokens[j], sub.probs[j]
+        return Proposal(tokens=tokens, probs=probs)
