@@ -86,7 +86,7 @@ def spec_sweep(model: LlamaModel, eagle: Eagle3Drafter, prompts: list[list[int]]
     make = {"ngram": NgramDrafter, "eagle3": lambda: eagle, "hybrid": lambda: HybridDrafter(eagle)}
     rows: list[dict] = []
     for b in batches:
-        cfg = EngineConfig(max_batch=b, max_seq_len=SPEC_MAX_LEN)
+        cfg = EngineConfig(max_batch=b, max_seq_len=min(SPEC_MAX_LEN, model.cfg.max_position_embeddings))
         runs: list[tuple[dict, dict]] = []
         plain = decode_all(LLMEngine(model, cfg), prompts, max_tokens)
         for name in drafters:
@@ -112,7 +112,8 @@ def spec_sweep(model: LlamaModel, eagle: Eagle3Drafter, prompts: list[list[int]]
 
 
 def print_spec(res: dict) -> None:
-    print(f"\nspeculation, greedy, {res['spec_prompts']} prompts of {res['prompts']}, {res['max_tokens']} tokens each "
+    print(f"\nspeculation, greedy, {res['spec_prompts']} prompts of {' '.join(res['prompts'])}, "
+          f"{res['max_tokens']} tokens each "
           f"(batch 1: one after another), draft {res['eagle3_draft']}")
     print(f"  {'drafter':8s} {'batch':>5} {'γ':>8} {'tok/s':>8} {'x plain':>8} {'accept':>7} {'draft ms':>9} "
           f"{'verify ms':>9}")
@@ -325,7 +326,7 @@ def run(args) -> dict:
     dtype, weight_format = resolve_weights(args.weights, args.dtype)
     model = LlamaModel.load(target, dtype=dtype, weight_format=weight_format)
     tok = load_tokenizer(target)
-    prompts = [encode_prompt(tok, p) for p in load_prompts(args.prompts, limit=32)]
+    prompts = [encode_prompt(tok, p) for p in load_prompts(args.prompts[0], limit=32)]
     quick = args.quick
     serving = {}
     if args.serve:  # first, while this process has not yet filled the caches with the tables below
@@ -354,7 +355,8 @@ def run(args) -> dict:
     gammas = args.gammas or list(range(6))
     max_tokens = args.max_tokens or (32 if quick else 96)
     limit = args.prompt_limit or (16 if quick else 64)
-    spec_prompts = [encode_prompt(tok, p) for p in load_prompts(args.prompts, limit=limit)]
+    per_file = max(1, limit // len(args.prompts))  # the files share the limit evenly
+    spec_prompts = [encode_prompt(tok, p) for f in args.prompts for p in load_prompts(f, limit=per_file)]
     spec_prompts = [p for p in spec_prompts if len(p) + max_tokens + 8 <= SPEC_MAX_LEN]
     res: dict = {"target": target.model_id, "dtype": dtype_name(dtype), "weights": weight_format,
                  "threads": torch.get_num_threads(), "cpu": cpu_name(),
@@ -438,9 +440,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the target's weights: int8 / int4 = weight-only quantized (tide/quant.py)")
     parser.add_argument("--draft", help="EAGLE-3 checkpoint dir or bootstrap dir (default: a random draft, "
                                         "latency only)")
-    parser.add_argument("--prompts", default="spec_bench_questions.jsonl",
-                        help="prompt file (tide.prompts: a slice such as FILE[1::2] allowed)")
-    parser.add_argument("--prompt-limit", type=int, help="speculation rows: at most this many prompts [64; quick 16]")
+    parser.add_argument("--prompts", nargs="+", default=["spec_bench_questions.jsonl"],
+                        help="prompt files (tide.prompts: a slice such as FILE[1::2] allowed); the speculation rows "
+                             "take --prompt-limit prompts shared evenly between them, the other tables the first's")
+    parser.add_argument("--prompt-limit", type=int, help="speculation rows: at most this many prompts in all "
+                                                         "[64; quick 16]")
     parser.add_argument("--max-tokens", type=int, help="speculation rows: output tokens per prompt [96; quick 32]")
     parser.add_argument("--batches", type=_ints, help="speculation rows: batch sizes [1,4,16]")
     parser.add_argument("--gammas", type=_ints, help="speculation rows: chain lengths, 0 = plain [0,1,2,3,4,5]")

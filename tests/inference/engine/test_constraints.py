@@ -19,6 +19,7 @@ from services.inference.requests import ErrorKind, GenerationRequest, RequestRej
 from services.inference.worker import Worker
 from tide.decisions import PolicySpec
 from tide.engine.drafters import NgramDrafter
+from tide.engine.drafters.hybrid import HybridDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.llama import LlamaModel
 from tide.engine.sequence import FinishReason, GrammarKind, GrammarSpec, SamplingParams
@@ -137,12 +138,14 @@ def _check_identity(model, tokenizer, spec, drafter, batch):
 
 
 def _drafter(kind, model):
-    return NgramDrafter() if kind == "ngram" else tiny_eagle3_drafter(model, draft_vocab=49152, max_batch=4,
-                                                                         max_len=256)
+    if kind == "ngram":
+        return NgramDrafter()
+    eagle = tiny_eagle3_drafter(model, draft_vocab=49152, max_batch=4, max_len=256)
+    return HybridDrafter(eagle) if kind == "hybrid" else eagle  # hybrid: copies cut to the grammar, else drafts
 
 
 @pytest.mark.parametrize("kind", list(SPECS))
-@pytest.mark.parametrize("drafter_kind", ["ngram", "eagle3"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "eagle3", "hybrid"])
 def test_greedy_output_identical_with_speculation_on_and_off(vocab_model, tokenizer, kind, drafter_kind):
     seqs = _check_identity(vocab_model, tokenizer, SPECS[kind], _drafter(drafter_kind, vocab_model), batch=3)
     if (drafter_kind, kind) != ("ngram", "json_object"):  # the random target's free keys never recur
@@ -151,7 +154,7 @@ def test_greedy_output_identical_with_speculation_on_and_off(vocab_model, tokeni
         assert sum(s.accepted_tokens for s in seqs) > 0  # gets the forced tokens (keys, enums, literals) right
 
 
-@pytest.mark.parametrize("drafter_kind", ["ngram", "eagle3"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "eagle3", "hybrid"])
 def test_greedy_identity_batch_of_one(vocab_model, tokenizer, drafter_kind):
     seqs = _check_identity(vocab_model, tokenizer, SPECS["json_schema"], _drafter(drafter_kind, vocab_model), 1)
     assert seqs[0].draft_tokens > 0

@@ -10,7 +10,8 @@ the EAGLE-3 draft's.
 
 Lossless as either drafter alone: which one proposes is a function of the committed tokens only,
 and a copied proposal is deterministic (q one-hot, `probs` None), as the n-gram drafter's.
-Constrained requests always take the EAGLE-3 draft, whose steps follow the grammar.
+For a constrained request a copy is cut to what the grammar allows; where nothing is left the
+EAGLE-3 draft, whose steps follow the grammar, proposes.
 The EAGLE-3 draft catches up on the target features of the steps it skipped the next time it
 drafts for that sequence (its `lag`), as after speculation was off.
 """
@@ -61,7 +62,9 @@ class HybridDrafter:
         probs: list = [None] * len(seqs)
         drafted = []
         for i, (seq, gamma) in enumerate(zip(seqs, gammas, strict=True)):
-            copy = self.lookup.lookup(seq, gamma) if seq.matcher is None else []
+            copy = self.lookup.lookup(seq, gamma)
+            if copy and seq.matcher is not None:  # only what the grammar allows (JSON repeats its keys)
+                copy = copy[:seq.matcher.validate(copy)]
             if copy:
                 tokens[i] = copy
             else:
