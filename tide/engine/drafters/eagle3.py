@@ -121,8 +121,8 @@ class Eagle3Drafter:
                             seqs[i].matcher.accept(int(chosen[i]))  # allowed: drawn from the masked row
                             if j + 1 >= gammas[i]:
                                 stopped.add(i)
-                if j == gmax - 1:
-                    break
+                if j == gmax - 1 or all(i in stopped or j + 1 >= gammas[i] for i in range(B)):
+                    break  # no chain goes on: no more draft forwards
                 step_pos = torch.tensor([[e + j] for e in ends], dtype=torch.long, device=device)
                 hidden = self.draft.step(chosen.view(B, 1), hidden, step_pos, self._attend_fn(slots, step_pos))
         finally:
