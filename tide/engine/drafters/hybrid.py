@@ -40,11 +40,6 @@ class HybridDrafter:
     def version(self) -> str:
         return self.eagle.version
 
-    @property
-    def draft(self):
-        """The EAGLE-3 draft model (what latency profiles and memory accounting look at)."""
-        return self.eagle.draft
-
     def add_sequence(self, seq: Sequence) -> None:
         self.eagle.add_sequence(seq)
         self.lookup.add_sequence(seq)

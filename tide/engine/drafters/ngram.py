@@ -21,12 +21,15 @@ class NgramIndex:
 
     def __init__(self, max_n: int) -> None:
         self.max_n = max_n
-        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_n + 1)]
         self._indexed = 0  # every end below this has been indexed
 
     def update(self, tokens: list[int]) -> None:
         if len(tokens) < self._indexed:  # not the list it indexed (it only ever grows): start over
-            self.__init__(self.max_n)
+            self._reset()
         for e in range(max(self._indexed, 1), len(tokens)):
             for n in range(1, min(self.max_n, e) + 1):
                 self._ends[n][tuple(tokens[e - n:e])] = e
