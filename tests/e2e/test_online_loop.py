@@ -84,6 +84,9 @@ ENV = {
                   "TIDE_CHUNK_TOKENS": str(CHUNK_TOKENS), "TIDE_FLUSH_INTERVAL_S": str(FLUSH_S),
                   "TIDE_MAX_BATCH": "4", "TIDE_MAX_SEQ_LEN": "256", "TIDE_POLICY": "static",
                   "TIDE_POLICY_PARAMS": '{"gamma": 3}',
+                  # The draft alone: the test follows what training does to the draft's acceptance,
+                  # which copies of the repetitive tiny target's output would hide.
+                  "TIDE_PROMPT_LOOKUP": "0",
                   # The machine split README's "Sharing one machine" gives: the worker CPU 0, the
                   # trainer CPU 1. Unpinned, two closed-loop clients kept the worker's engine thread
                   # and its OpenMP thread busy on both vCPUs of a 2-vCPU Xeon guest, and the trainer
