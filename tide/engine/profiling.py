@@ -199,7 +199,7 @@ def drafter_shape(drafter) -> dict:
         return {"algorithm": "eagle3", "hidden": c.hidden_size, "draft_vocab": c.draft_vocab_size,
                 "intermediate": c.intermediate_size, "heads": [c.num_attention_heads, c.num_key_value_heads]}
     return {"algorithm": drafter.algorithm.value, "class": type(drafter).__name__,
-            **{k: getattr(drafter, k) for k in ("max_n", "min_n", "window") if hasattr(drafter, k)}}
+            **{k: getattr(drafter, k) for k in ("max_n", "min_n") if hasattr(drafter, k)}}
 
 
 def _for_profiling(drafter: Eagle3Drafter, batches: Seq[int], lags: Seq[int]) -> Eagle3Drafter:
