@@ -59,11 +59,16 @@ def decode_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     batching; batch 1: one after another): tok/s over the whole run, accept length over the
     speculative steps (bonus token included), mean γ, and the mean draft / verify ms of a step."""
     steps: list = []
-    engine.step_listeners.append(lambda rec: steps.append(rec) if rec.batch_size else None)
+
+    def on_step(rec) -> None:
+        if rec.batch_size:
+            steps.append(rec)
+
+    engine.step_listeners.append(on_step)
     t0 = time.perf_counter()
     seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
     dt = time.perf_counter() - t0
-    engine.step_listeners.clear()
+    engine.step_listeners.remove(on_step)
     out = sum(s.num_output for s in seqs)
     spec = sum(s.verify_steps for s in seqs)
     gammas = [g for rec in steps for g in rec.gammas]
@@ -106,8 +111,8 @@ def spec_sweep(model: LlamaModel, eagle: Eagle3Drafter, prompts: list[list[int]]
         plain["tok_s"] = round((plain["tok_s"] + again["tok_s"]) / 2, 2)
         rows.append({"drafter": "none", "batch": b, "gamma": 0, "tree": None, **plain, "x_plain": 1.0})
         rows += [{**key, **r, "x_plain": round(r["tok_s"] / plain["tok_s"], 3)} for key, r in runs]
-        print(f"  plain b={b:2d}: {plain['tok_s']:7.1f} tok/s; adaptive: {rows[-1]['tok_s']:7.1f} tok/s "
-              f"(mean γ {rows[-1]['gamma_mean']})", flush=True)
+        adaptive = f"; adaptive: {rows[-1]['tok_s']:7.1f} tok/s (mean γ {rows[-1]['gamma_mean']})" if drafters else ""
+        print(f"  plain b={b:2d}: {plain['tok_s']:7.1f} tok/s{adaptive}", flush=True)
     return rows
 
 
