@@ -1,5 +1,6 @@
 """The serving default's γ policy (adaptive) with the registry's draft alone and with prompt lookup
-(TIDE_PROMPT_LOOKUP, tide/engine/drafters/hybrid.py), against plain decoding, at batch 1:
+(TIDE_PROMPT_LOOKUP, tide/engine/drafters/hybrid.py), the latter with the policy's sources told
+apart (the default) or not, against plain decoding, at batch 1:
 
     python -m benchmarks.experiments.lookup_ab --draft tide/starter_drafts/smollm2-135m-instruct \
         --json docs/results/speculation/default-policy-lookup-ab.json
@@ -35,6 +36,11 @@ def main() -> None:
     ap.add_argument("--prompts", nargs="+", default=list(PROMPTS))
     ap.add_argument("--per-file", type=int, default=21, help="prompts from each file")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--arms", nargs="+", default=["plain", "adaptive-eagle3", "adaptive-hybrid-one-source",
+                                                  "adaptive-hybrid"],
+                    help="which of: plain, adaptive-eagle3 (the draft alone), adaptive-hybrid-one-source "
+                         "(draft + lookup, one acceptance estimate for both), adaptive-hybrid (the default: "
+                         "draft + lookup, each source learnt and priced apart)")
     ap.add_argument("--json")
     args = ap.parse_args()
     target = resolve_target("ref")
@@ -48,16 +54,20 @@ def main() -> None:
     arms = {"plain": lambda: LLMEngine(model, cfg),
             "adaptive-eagle3": lambda: LLMEngine(model, cfg, drafter=eagle,
                                                  policy=make_policy("adaptive", {}, profile)),
+            "adaptive-hybrid-one-source": lambda: LLMEngine(
+                model, cfg, drafter=HybridDrafter(eagle),
+                policy=make_policy("adaptive", {"per_source": False}, profile)),
             "adaptive-hybrid": lambda: LLMEngine(model, cfg, drafter=HybridDrafter(eagle),
                                                  policy=make_policy("adaptive", {}, profile))}
+    arms = {k: v for k, v in arms.items() if k in args.arms}
     runs: dict[str, list[dict]] = {k: [] for k in arms}
     for order in (list(arms), list(arms)[::-1]):
         for name in order:
             r = decode_all(arms[name](), prompts, args.max_tokens)
             runs[name].append(r)
-            print(f"{name:16s} {r['tok_s']:6.1f} tok/s  accept {r['accept_length']:.2f}  mean γ {r['gamma_mean']}",
+            print(f"{name:26s} {r['tok_s']:6.1f} tok/s  accept {r['accept_length']:.2f}  mean γ {r['gamma_mean']}",
                   flush=True)
-    plain = sum(r["tok_s"] for r in runs["plain"])
+    plain = sum(r["tok_s"] for r in runs.get("plain", ())) or float("nan")
     out = {"cpu": cpu_name(), "draft": args.draft, "prompts": args.prompts, "per_file": args.per_file,
            "max_tokens": args.max_tokens, "batch": 1,
            "tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},

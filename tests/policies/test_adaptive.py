@@ -133,7 +133,7 @@ def test_acceptance_is_learnt_per_decision_when_the_drafter_proposes_less():
             ran = tuple(x if i < share * 8 else 0 for i, x in enumerate(g))
             acc = tuple(min(x, 1) for x in ran)  # what is drafted: depth 1 always accepted, depth 2 never
             pol.observe(StepFeedback(8, ran, acc, step_ms=60.0, draft_ms=1.0, verify_ms=59.0))
-        est[share] = pol.alpha.value
+        est[share] = pol.source().alpha.value
     assert est[0.5] < 0.75 * est[1.0]
     assert AdaptivePolicy.asked([3, 0, 2], (1, 0, 0)) == (3, 0, 2) and AdaptivePolicy.asked([], (1, 2)) == (1, 2)
 
@@ -291,3 +291,43 @@ def test_a_plain_step_measured_slow_does_not_make_a_wider_verify_look_cheaper():
         pol = AdaptivePolicy(profile, alpha_prior=alpha, explore=0.0, probe_interval=0)
         pol.kv, pol.kv_bucket, pol.kd = {(2, 1): 1.92, (2, 2): 1.56}, {2: 1.7}, {2: 1.9}
         assert (min(pol.decide(ctx)) > 0) == drafts, alpha
+
+
+def _alternating(pol: AdaptivePolicy, steps: int, accept: dict[str, int]) -> dict[str, list[int]]:
+    """One request at batch 1 whose steps alternate between a copy ("ngram") and a draft chain
+    ("eagle3"), each source accepting `accept[source]` tokens at most; the γs the policy played."""
+    played: dict[str, list[int]] = {"ngram": [], "eagle3": []}
+    for i in range(steps):
+        source = ("ngram", "eagle3")[i % 2]
+        g = pol.decide(StepContext(1, (RequestView("r", drafter=source),)))
+        played[source].append(g[0])
+        acc = min(g[0], accept[source])
+        draft = g[0] * 2.0 if source == "eagle3" else 0.0
+        pol.observe(StepFeedback(1, tuple(g), (acc,), step_ms=50.0 + draft, draft_ms=draft, verify_ms=50.0))
+    return played
+
+
+def test_each_source_is_learnt_and_priced_apart():
+    """Copies that are always accepted and draft chains that never are, in one request: the policy
+    copies deep and stops drafting (a probe now and then), where one estimate for both would have
+    settled on a middling γ for both. A copy costs no draft step."""
+    profile = LatencyProfile(T_ms={1: {n: 50.0 + 2.0 * (n - 1) for n in range(1, 10)}}, D0_ms=2.0)
+    pol = AdaptivePolicy(profile, explore=0.0)
+    played = _alternating(pol, 400, {"ngram": 99, "eagle3": 0})
+    assert min(played["ngram"][-50:]) >= 6
+    assert sum(g > 0 for g in played["eagle3"][-100:]) <= 5
+    est = {(e.name, e.scope): e.value for e in pol.estimates()}
+    assert est[("alpha_global", "source=ngram")] > 0.9 > 0.4 > est[("alpha_global", "source=eagle3")]  # aged to 0.5
+    assert ("depth_ratio", "source=eagle3,depth=1") in est
+    # The draft cost and catch-up count only the requests that draft with a forward.
+    assert pol.raw_times(2, (5, 1), [9, 9], ["ngram", "eagle3"])[1] == pytest.approx(profile.draft_ms(2))
+    assert pol.raw_times(2, (5, 0), [9, 9], ["ngram", "eagle3"])[1:] == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("draft_ms", [0.0, 6.0])
+def test_a_free_source_goes_deeper_than_a_paid_one_of_the_same_acceptance(draft_ms):
+    profile = LatencyProfile(T_ms={1: {n: 50.0 + 2.0 * (n - 1) for n in range(1, 10)}}, D0_ms=draft_ms)
+    pol = AdaptivePolicy(profile, explore=0.0, alpha_prior=0.7)
+    copy = pol.decide(StepContext(1, (RequestView("a", drafter="ngram"),)))[0]
+    chain = pol.decide(StepContext(1, (RequestView("b", drafter="eagle3"),)))[0]
+    assert copy > chain if draft_ms else copy == chain

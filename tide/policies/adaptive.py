@@ -39,6 +39,20 @@ Online corrections (all exponentially forgetting, so they follow drift):
 * c(L, b): Nightjar's switching cost (catch-up of the largest lag L), amortised over
   `switch_horizon` = 16 steps since one catch-up enables many speculative steps.
 
+Sources of draft tokens (`RequestView.drafter`, per request and step): a drafter may propose from
+more than one source, and the engine names the one each request will use before the policy
+decides (the hybrid drafter: "ngram" where the request's context repeats its last tokens, a copy
+with no forward, else "eagle3", the draft's chain). Each source has its own α̂_g and r_j, and each
+request its own history per source: a copy is accepted at a rate a draft chain is not (HumanEval,
+starter draft, γ = 3: accept length 2.32 copying against 1.23 drafting). A copying source costs no
+draft step (`FREE_SOURCES`), so its requests are priced by verification alone and go deeper. The
+step plays one depth per source present, m_s, chosen jointly:
+
+    G(m_s for s) = Σ_i E_i(m_{s_i}) / (T(b, 1 + max_s m_s) + max_{s costly} m_s · κ_d·D(b) + switch)
+
+(padded; unpadded, the verify width is 1 + the mean of the requests' m). Catch-up is the costly
+sources' lag only (a copy does not feed the draft). With one source this is the formula above.
+
 Padded verification (`padded_verify`, default: the profile's ``meta["verify_padding"]``, which
 tide.engine.profiling sets for our engine): when the engine pads every sequence of a verify
 forward to the longest draft, a step costs T(b, 1 + max_i γ_i) whatever the others draft. Then
@@ -66,7 +80,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from itertools import accumulate
+from itertools import accumulate, product
 
 from tide.policies.base import Estimate, StepContext, StepFeedback
 from tide.policies.costs import MIN_GAIN
@@ -88,14 +102,41 @@ REGULAR_LAG = 4
 # so a step 16× off it is a stall (the process descheduled, a collector pause, another thread holding
 # the GIL), not a new cost; unclipped, one such step could lift κ_d past speculation's break-even.
 MAX_CORRECTION = 16.0
+# Sources whose proposals take no draft forward: a prompt-lookup copy is a few dictionary probes
+# (microseconds against a draft step's ~2 ms), priced at 0 draft ms.
+FREE_SOURCES = frozenset({"ngram"})
 
 
 class _ReqState:
-    __slots__ = ("hist", "off")
+    __slots__ = ("hists", "h", "off")
 
     def __init__(self, h: int) -> None:
-        self.hist = History(h)
+        self.h = h
+        self.hists: dict[str, History] = {}  # per source of the request's drafts
         self.off = 0  # consecutive steps without speculating
+
+    def hist(self, source: str) -> History:
+        got = self.hists.get(source)
+        if got is None:
+            got = self.hists[source] = History(self.h)
+        return got
+
+
+class _SourceState:
+    """What is learnt of one source of draft tokens: its global α̂_g and depth ratios r_j
+    (depth j → [accepted tokens, Σ α̂ of attempts], index 0 unused)."""
+
+    def __init__(self, alpha_decay: float, alpha_prior: float, max_gamma: int) -> None:
+        self.alpha = AcceptanceEMA(decay=alpha_decay, prior=alpha_prior)
+        self.depth = [[_DEPTH_PRIOR, _DEPTH_PRIOR] for _ in range(max_gamma + 1)]
+
+    def depth_ratio(self, j: int) -> float:
+        acc, expected = self.depth[j]
+        return acc / expected if expected > 0 else 1.0
+
+    def reset(self) -> None:
+        self.alpha.reset()
+        self.depth = [[_DEPTH_PRIOR, _DEPTH_PRIOR] for _ in self.depth]
 
 
 class AdaptivePolicy:
@@ -131,6 +172,9 @@ class AdaptivePolicy:
         # policy drafted at accept length 1.2-1.5 in half the phases and ran 0.97-1.0x plain
         # (docs/results/defaults, run 7); a gain under 5 % is not worth that risk.
         min_gain: float = MIN_GAIN,
+        # False: one estimate and one depth for every request whatever its source (the policy before
+        # sources were told apart; the ablation in benchmarks/experiments/lookup_ab.py).
+        per_source: bool = True,
         seed: int = 0,
     ) -> None:
         self.name = "adaptive"
@@ -138,7 +182,6 @@ class AdaptivePolicy:
         self.max_gamma = max_gamma
         self.history = history
         self.prior_weight = prior_weight
-        self.alpha = AcceptanceEMA(decay=alpha_decay, prior=alpha_prior)
         self.stale_decay = stale_decay
         self.decay = correction_decay
         self.stale_relax = stale_relax
@@ -151,13 +194,14 @@ class AdaptivePolicy:
         self.min_gain = min_gain
         self.padded = bool(profile.meta.get("verify_padding", False)) if padded_verify is None else padded_verify
         self.rng = random.Random(seed)
+        self.alpha_decay, self.alpha_prior = alpha_decay, alpha_prior
+        self.per_source = per_source
+        self.sources: dict[str, _SourceState] = {}  # by RequestView.drafter; see `source`
         self.requests: RequestStates[_ReqState] = RequestStates()
         self.kv: dict[tuple[int, int], float] = {}
         self.kv_bucket: dict[int, float] = {}  # fallback for n not measured yet in the bucket
         self.kd: dict[int, float] = {}
         self.kc: dict[int, float] = {}  # measured / profiled catch-up ms per batch bucket
-        # depth j → [accepted tokens, Σ α̂ of attempts] (index 0 unused)
-        self.depth = [[_DEPTH_PRIOR, _DEPTH_PRIOR] for _ in range(max_gamma + 1)]
         self._pending: dict | None = None
 
     def draft_changed(self) -> None:
@@ -165,20 +209,26 @@ class AdaptivePolicy:
         the new draft is judged on its own steps. Kept, they described the old draft for hundreds of
         steps — and where that draft had switched speculation off, only the rare probes could
         show that the new one pays. The κ latency corrections stay (same target, same engine)."""
-        self.alpha.reset()
+        for src in self.sources.values():
+            src.reset()
         self.requests = RequestStates()
-        self.depth = [[_DEPTH_PRIOR, _DEPTH_PRIOR] for _ in range(self.max_gamma + 1)]
+
+    def source(self, name: str = "none") -> _SourceState:
+        """The state learnt for one source of draft tokens (RequestView.drafter), made on first use."""
+        got = self.sources.get(name)
+        if got is None:
+            got = self.sources[name] = _SourceState(self.alpha_decay, self.alpha_prior, self.max_gamma)
+        return got
 
     # ------------------------------------------------------------------ estimates
-    def request_alpha(self, st: _ReqState, alpha_g: float) -> float:
-        s, f = st.hist.counts()
+    def request_alpha(self, st: _ReqState, alpha_g: float, source: str = "none") -> float:
+        s, f = st.hist(source).counts()
         fade = self.stale_decay**st.off
         w = self.prior_weight
         return min((fade * s + w * alpha_g) / (fade * (s + f) + w), ALPHA_CAP)
 
-    def depth_ratio(self, j: int) -> float:
-        acc, expected = self.depth[j]
-        return acc / expected if expected > 0 else 1.0
+    def depth_ratio(self, j: int, source: str = "none") -> float:
+        return self.source(source).depth_ratio(j)
 
     def accept_chain(self, alpha: float, m: int, ratios: list[float] | None = None) -> list[float]:
         """P(depth 1..k all accepted) for k = 0..m (index 0 = 1.0, the bonus token)."""
@@ -205,8 +255,14 @@ class AdaptivePolicy:
         """α̂_g, the depth ratios r_j, and the κ corrections per batch bucket; a bucket without an
         observation yet has none (the profile is taken as it is there). Exported by the worker
         (`tide_inference_policy_estimate`)."""
-        out = [Estimate("alpha_global", self.alpha.value)]
-        out += [Estimate("depth_ratio", self.depth_ratio(j), f"depth={j}") for j in range(1, self.max_gamma + 1)]
+        out = []
+        fresh = [("none", _SourceState(self.alpha_decay, self.alpha_prior, self.max_gamma))]  # nothing seen yet
+        for name, src in sorted(self.sources.items()) or fresh:
+            # One source (a single drafter): the scopes as before; several: each names its source.
+            tag = "" if len(self.sources) == 1 else f"source={name}"
+            out.append(Estimate("alpha_global", src.alpha.value, tag))
+            out += [Estimate("depth_ratio", src.depth_ratio(j), ",".join(filter(None, (tag, f"depth={j}"))))
+                    for j in range(1, self.max_gamma + 1)]
         out += [Estimate("kappa_verify", v, f"batch={b},tokens={n}") for (b, n), v in sorted(self.kv.items())]
         for name, table in (("kappa_draft", self.kd), ("kappa_catchup", self.kc)):
             out += [Estimate(name, v, f"batch={b}") for b, v in sorted(table.items())]
@@ -220,13 +276,15 @@ class AdaptivePolicy:
         self._pending = None
         if n == 0 or gmax <= 0:
             return [0] * n
-        alpha_g = self.alpha.value
-        # α̂_i on a 0.005 grid: requests share chains, keeping decide O(#distinct α · Γ)
-        alphas = [round(self.request_alpha(h, alpha_g) * 200.0) / 200.0 for h in hists]
-        groups = Counter(alphas)
-        ratios = [self.depth_ratio(j) for j in range(1, gmax + 1)]
-        chains = {a: self.accept_chain(a, gmax, ratios) for a in groups}
-        cum = {a: list(accumulate(ch)) for a, ch in chains.items()}  # E_i(m), tokens
+        names = [r.drafter if self.per_source else "none" for r in ctx.requests]
+        kinds = sorted(set(names))  # the sources present, each with its own depth m_s
+        # α̂_i on a 0.005 grid: requests share chains, keeping decide O(#distinct (source, α) · Γ)
+        alphas = [round(self.request_alpha(h, self.source(s).alpha.value, s) * 200.0) / 200.0
+                  for h, s in zip(hists, names, strict=True)]
+        groups = Counter(zip(names, alphas, strict=True))
+        ratios = {s: [self.depth_ratio(j, s) for j in range(1, gmax + 1)] for s in kinds}
+        chains = {(s, a): self.accept_chain(a, gmax, ratios[s]) for s, a in groups}
+        cum = {key: list(accumulate(ch)) for key, ch in chains.items()}  # E_i(m), tokens
         bucket = batch_bucket(b)
         # A wider verify is never cheaper, relative to the profile, than a plain step: each width's κ is
         # learnt from the steps that played it, at other times and loads, and at batch 2 on the reference
@@ -234,50 +292,62 @@ class AdaptivePolicy:
         # verify below a plain step and kept the default stack drafting at a loss (docs/results/defaults,
         # run 8). The profile's own width ratio, measured back to back, is the floor.
         plain_ratio = self.verify_ratio(bucket, 1)
-        t = [max(self.verify_ratio(bucket, m + 1), plain_ratio) * self.profile.target_ms(b, m + 1)
-             for m in range(gmax + 1)]
+
+        def verify_ms(width: float) -> float:  # tokens a sequence
+            return max(self.verify_ratio(bucket, round(width)), plain_ratio) * self.profile.target_ms(b, width)
+
         d = self.kd.get(bucket, 1.0) * self.profile.draft_ms(b)
-        lag = max((r.lag for r in ctx.requests), default=0)
+        costly = [s for s in kinds if s not in FREE_SOURCES]
+        lag = max((r.lag for r, s in zip(ctx.requests, names, strict=True) if s not in FREE_SOURCES), default=0)
         switch = self.catchup_ratio(bucket) * self.profile.catchup_ms(lag, b) / self.switch_horizon if lag > 0 else 0.0
+        count = Counter(names)
 
-        goodput = [
-            sum(c * cum[a][m] for a, c in groups.items()) / (t[m] + m * d + (switch if m else 0.0))
-            for m in range(gmax + 1)
-        ]
-        m = max(range(gmax + 1), key=goodput.__getitem__)
-        if goodput[m] < (1 + self.min_gain) * goodput[0]:
-            m = 0  # a predicted gain within the model's error: drafting would as likely lose
+        def goodput(depths: tuple[int, ...]) -> float:
+            m = dict(zip(kinds, depths, strict=True))
+            tokens = sum(c * cum[(s, a)][m[s]] for (s, a), c in groups.items())
+            width = 1 + (max(depths) if self.padded else sum(count[s] * m[s] for s in kinds) / b)
+            drafted = max((m[s] for s in costly), default=0)
+            return tokens / (verify_ms(width) + drafted * d + (switch if drafted else 0.0))
+
+        arms = {depths: goodput(depths) for depths in product(range(gmax + 1), repeat=len(kinds))}
+        off = (0,) * len(kinds)
+        best = max(arms, key=arms.__getitem__)
+        if arms[best] < (1 + self.min_gain) * arms[off]:
+            best = off  # a predicted gain within the model's error: drafting would as likely lose
         if self.explore > 0 and self.rng.random() < self.explore:
-            floor = (1 - self.explore_margin) * goodput[m]
-            near = [k for k in (m - 1, m + 1) if 0 <= k <= gmax and goodput[k] >= floor]
-            m = self.rng.choice(near) if near else m
+            floor = (1 - self.explore_margin) * arms[best]
+            near = [arm for k in range(len(kinds)) for step in (-1, 1)
+                    if (arm := best[:k] + (best[k] + step,) + best[k + 1:]) in arms and arms[arm] >= floor]
+            best = self.rng.choice(near) if near else best
+        depth = dict(zip(kinds, best, strict=True))
 
-        if m == 0:
+        if best == off:
             gammas = [0] * n
-            if self._probe_due(b, n, t, d, switch):
+            if self._probe_due(b, n, verify_ms(1), d, switch):
                 for i in range(n) if self.padded else self.probe.pick(n):
                     gammas[i] = 1
-        elif self.padded:  # the step costs T(b, m + 1) whoever drafts less: trimming only loses tokens
-            gammas = [m] * n
+        elif self.padded:  # the step costs T(b, 1 + max m) whoever drafts less: trimming only loses tokens
+            gammas = [depth[s] for s in names]
         else:
-            delta = max(t[m] - t[m - 1], 0.0) / b  # ms per extra verified token of one request
-            bar = goodput[m] * delta
             gammas = []
-            for a in alphas:
-                ch, k = chains[a], m
-                while k > 1 and ch[k] < bar:
-                    k -= 1
+            for s, a in zip(names, alphas, strict=True):
+                ch, k = chains[(s, a)], depth[s]
+                if k > 1:  # δ: ms per extra verified token of one request at this source's depth
+                    delta = max(verify_ms(1 + k) - verify_ms(k), 0.0) / b
+                    while k > 1 and ch[k] < arms[best] * delta:
+                        k -= 1
                 gammas.append(k)
-        self._pending = {"lags": [r.lag for r in ctx.requests], "alphas": alphas, "gammas": gammas}
+        self._pending = {"lags": [r.lag for r in ctx.requests], "alphas": alphas, "gammas": gammas,
+                         "sources": names}
         return gammas
 
-    def _probe_due(self, b: int, n: int, t: list[float], d: float, switch: float) -> bool:
+    def _probe_due(self, b: int, n: int, plain_ms: float, d: float, switch: float) -> bool:
         """Off for long enough that a probe step fits `probe_budget` (see the module docstring)."""
         if self.probe.interval <= 0:
             return False
         k = n if self.padded else min(n, max(self.probe.requests, math.ceil(n * self.probe.fraction)))
         probe_ms = self.verify_ratio(batch_bucket(b), 2) * self.profile.target_ms(b, 2 if self.padded else 1 + k / b)
-        extra = max(probe_ms + d + switch * self.switch_horizon - t[0], 0.0) / t[0] if t[0] > 0 else 0.0
+        extra = max(probe_ms + d + switch * self.switch_horizon - plain_ms, 0.0) / plain_ms if plain_ms > 0 else 0.0
         need = extra / self.probe_budget if self.probe_budget > 0 else 0.0
         return self.probe.off_steps >= max(self.probe.interval, need)
 
@@ -285,12 +355,15 @@ class AdaptivePolicy:
         """Tokens per sequence the verify forward costs: 1 + max γ when padded, else 1 + mean γ."""
         return 1 + (max(gammas, default=0) if self.padded else sum(gammas) / b)
 
-    def raw_times(self, b: int, gammas: tuple[int, ...], lags: list[int]) -> tuple[float, float, float]:
+    def raw_times(self, b: int, gammas: tuple[int, ...], lags: list[int],
+                  sources: list[str] | None = None) -> tuple[float, float, float]:
         """Uncorrected profile (verify ms, draft ms, catch-up ms) for the γs the engine actually ran;
         the catch-up is 0 unless a drafting request lagged more than REGULAR_LAG rows (the draft ms
-        then holds the ordinary catch-up, as D(b) was profiled)."""
-        spec = [lag for lag, g in zip(lags, gammas, strict=False) if g > 0]
-        draft = max(gammas, default=0) * self.profile.draft_ms(b)
+        then holds the ordinary catch-up, as D(b) was profiled). Requests of a free source (a copy)
+        add neither."""
+        paid = [s not in FREE_SOURCES for s in sources] if sources is not None else [True] * len(gammas)
+        spec = [lag for lag, g, p in zip(lags, gammas, paid, strict=False) if g > 0 and p]
+        draft = max((g for g, p in zip(gammas, paid, strict=False) if p), default=0) * self.profile.draft_ms(b)
         catchup = self.profile.catchup_ms(max(spec), len(spec)) if spec and max(spec) > 0 else 0.0
         if spec and max(spec) <= REGULAR_LAG:
             draft, catchup = draft + catchup, 0.0
@@ -301,16 +374,19 @@ class AdaptivePolicy:
         states = self.requests.take(len(feedback.gammas))
         p, self._pending = self._pending, None
         asked = self.asked(p["gammas"] if p is not None else (), feedback.gammas)
-        for st, g, v in zip(states, asked, feedback.accepted, strict=False):
-            st.hist.add(g, v)
+        names = p["sources"] if p is not None and len(p["sources"]) == len(asked) else ["none"] * len(asked)
+        for st, s, g, v in zip(states, names, asked, feedback.accepted, strict=False):
+            st.hist(s).add(g, v)
             st.off = 0 if g > 0 else st.off + 1
-        self.alpha.update(asked, feedback.accepted)
+        for s in set(names) | set(self.sources):  # every source ages each step, drafting or not
+            mine = [(g, v) for name, g, v in zip(names, asked, feedback.accepted, strict=False) if name == s]
+            self.source(s).alpha.update([g for g, _ in mine], [v for _, v in mine])
         self.probe.record(asked)
         b = feedback.batch_size
         if p is None or not states or b <= 0:
             return
         bucket = batch_bucket(b)
-        verify, draft, catchup = self.raw_times(b, feedback.gammas, p["lags"])
+        verify, draft, catchup = self.raw_times(b, feedback.gammas, p["lags"], names)
         if feedback.verify_ms > 0 and verify > 0:
             ratio = feedback.verify_ms / verify
             played = round(self.verify_n(b, feedback.gammas))
@@ -325,7 +401,10 @@ class AdaptivePolicy:
             self._ema(self.kc, bucket, extra / catchup)
         elif feedback.draft_ms > 0 and draft > 0:
             self._ema(self.kd, bucket, feedback.draft_ms / draft)
-        self._learn_depths(p["alphas"], asked, feedback.accepted)
+        for s in set(names):
+            rows = [(a, g, v) for name, a, g, v in zip(names, p["alphas"], asked, feedback.accepted, strict=False)
+                    if name == s]
+            self._learn_depths(self.source(s).depth, *map(tuple, zip(*rows, strict=True)))
 
     @staticmethod
     def asked(decided, ran: tuple[int, ...]) -> tuple[int, ...]:
@@ -352,17 +431,18 @@ class AdaptivePolicy:
             if key[0] == bucket and key[1] != played:
                 self.kv[key] = v + (1 - self.stale_relax) * (level - v)
 
-    def _learn_depths(self, alphas: list[float], gammas: tuple[int, ...], accepted: tuple[int, ...]) -> None:
+    def _learn_depths(self, depth: list[list[float]], alphas: tuple[float, ...], gammas: tuple[int, ...],
+                      accepted: tuple[int, ...]) -> None:
         touched = False
         for a, g, v in zip(alphas, gammas, accepted, strict=False):
             if g <= 0:
                 continue
             if not touched:
-                for row in self.depth:
+                for row in depth:
                     row[0] *= self.depth_decay
                     row[1] *= self.depth_decay
                 touched = True
             for j in range(1, min(v + 1, g) + 1):  # depths reached: accepted ones + the rejected one
-                if j < len(self.depth):
-                    self.depth[j][0] += 1.0 if j <= v else 0.0
-                    self.depth[j][1] += a
+                if j < len(depth):
+                    depth[j][0] += 1.0 if j <= v else 0.0
+                    depth[j][1] += a

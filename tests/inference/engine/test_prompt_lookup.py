@@ -13,6 +13,8 @@ from tide.engine.drafters.ngram import NgramIndex
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma
+from tide.policies.adaptive import AdaptivePolicy
+from tide.policies.profile import synthetic_profile
 
 
 def _scan(tokens: list[int], gamma: int, max_n: int, min_n: int) -> list[int]:
@@ -58,3 +60,46 @@ def test_greedy_output_equals_plain_and_both_sources_propose(tiny_model, batch):
     spec = LLMEngine(tiny_model, config, drafter=drafter, policy=FixedGamma(3)).generate(prompts, params)
     assert [s.output_ids for s in spec] == plain
     assert drafter.copied > 0 and drafter.drafted > 0
+
+
+class _Recording(FixedGamma):
+    """FixedGamma that keeps the source each request was announced with, step by step."""
+
+    def __init__(self, gamma: int) -> None:
+        super().__init__(gamma)
+        self.sources: list[str] = []
+
+    def decide(self, ctx):
+        self.sources += [r.drafter for r in ctx.requests]
+        return super().decide(ctx)
+
+
+def test_the_policy_is_told_which_source_each_request_drafts_from(tiny_model):
+    """RequestView.drafter is "ngram" exactly for the requests the hybrid then copies for and
+    "eagle3" for those it drafts for, so the γ policy can price and learn each apart."""
+    rng = random.Random(3)
+    prompts = [([rng.randrange(3, 96) for _ in range(4)] * 5) if i % 2 == 0 else
+               [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(6)]
+    drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=3), min_match=2)
+    policy = _Recording(2)
+    LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256), drafter=drafter, policy=policy).generate(
+        prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    # γ = 2 everywhere except a request's last token (no room to draft): those steps propose nothing.
+    assert policy.sources.count("ngram") >= drafter.copied > 0
+    assert policy.sources.count("eagle3") >= drafter.drafted > 0
+    assert len(policy.sources) - drafter.copied - drafter.drafted <= len(prompts)
+
+
+def test_greedy_output_equals_plain_under_the_adaptive_policy_with_both_sources(tiny_model):
+    rng = random.Random(5)
+    prompts = [([rng.randrange(3, 96) for _ in range(3)] * 6) if i % 2 == 0 else
+               [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(4)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    config = EngineConfig(max_batch=4, max_seq_len=256)
+    plain = [s.output_ids for s in LLMEngine(tiny_model, config).generate(prompts, params)]
+    for batch in (1, 4):
+        drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=5), min_match=2)
+        engine = LLMEngine(tiny_model, EngineConfig(max_batch=batch, max_seq_len=256), drafter=drafter,
+                           policy=AdaptivePolicy(synthetic_profile(), alpha_prior=0.9))
+        assert [s.output_ids for s in engine.generate(prompts, params)] == plain
+        assert drafter.copied > 0

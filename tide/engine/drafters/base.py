@@ -68,3 +68,11 @@ class Drafter(Protocol):
         `features` holds the target's aux states of every cached token (EAGLE-3 only);
         `generators[i]` is the sequence's RNG for sampled proposals (None for greedy requests).
         """
+
+
+def draft_source(drafter: Drafter, seq: Sequence) -> str:
+    """Which source of draft tokens `drafter` will use for `seq` this step, as the γ policy knows
+    sources (RequestView.drafter): a drafter with several (the hybrid: "ngram" for a copy, "eagle3"
+    for a draft chain) says per sequence through `source(seq)`; any other is its algorithm."""
+    source = getattr(drafter, "source", None)
+    return source(seq) if source is not None else drafter.algorithm.value

@@ -51,15 +51,25 @@ class HybridDrafter:
     def lag(self, seq: Sequence) -> int:
         return self.eagle.lag(seq)
 
+    def _copy(self, seq: Sequence, gamma: int) -> list[int]:
+        copy = self.lookup.lookup(seq, gamma)
+        if copy and seq.matcher is not None:  # only what the grammar allows (JSON repeats its keys)
+            copy = copy[:seq.matcher.validate(copy)]
+        return copy
+
+    def source(self, seq: Sequence) -> str:
+        """"ngram" where this step's proposal for `seq` will be a copy, else "eagle3" (a function
+        of the committed tokens, as `propose` decides): the γ policy prices and learns each
+        source apart, a copy costing no draft forward."""
+        return DraftAlgorithm.NGRAM.value if self._copy(seq, 1) else DraftAlgorithm.EAGLE3.value
+
     def propose(self, seqs: list[Sequence], gammas: list[int], features: FeatureStore | None,
                 generators: list) -> Proposal:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list = [None] * len(seqs)
         drafted = []
         for i, (seq, gamma) in enumerate(zip(seqs, gammas, strict=True)):
-            copy = self.lookup.lookup(seq, gamma)
-            if copy and seq.matcher is not None:  # only what the grammar allows (JSON repeats its keys)
-                copy = copy[:seq.matcher.validate(copy)]
+            copy = self._copy(seq, gamma)
             if copy:
                 tokens[i] = copy
             else:
