@@ -371,6 +371,96 @@ template <typename W>
 using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, uint16_t*, int64_t, const float*,
                         const float*);
 
+#if defined(__AVX512F__)
+// AVX-512F without AVX512_BF16 (Skylake-SP, Cascade Lake, Ice Lake servers): the arithmetic above on
+// 16 features a register, one block, instead of 8. Each output element's accumulator still takes
+// x[k] w[k] then x[k + 1] w[k + 1] per pair-row, one FMA each, then the scale, the bias and one
+// rounding: the same bits as the AVX2 tile's, twice the work an instruction. Why: on a 2-vCPU Ice
+// Lake guest the AVX2 tiles made each extra verified token cost ~30 % of a decode step (T(1, 2) =
+// 19.6 ms against T(1, 1) = 15.3 ms): widening and FMAs, not the weights' bytes, bound a few rows.
+constexpr int TILE_BLOCKS = 8;  // a lone row's blocks: 8 independent FMA chains hide the latency
+
+inline void widen16(const uint16_t* row, __m512& w0, __m512& w1) {  // bf16_pack: [16 features][2]
+  const __m512i v = _mm512_loadu_si512(row);
+  w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  w1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void widen16(const int8_t* row, __m512& w0, __m512& w1) {  // int8_pack: [2][16 features]
+  w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+  w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + COLS))));
+}
+
+// to_bf16 on 16 floats.
+inline __m256i to_bf16_16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <int RT, int CB, typename W>
+void tile16(const float* x, int64_t ldx, const W* w, int64_t block, int64_t pairs, uint16_t* y, int64_t ldy,
+            const float* scale, const float* bias) {
+  __m512 acc[RT][CB];
+  #pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+    #pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    #pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c) {
+      __m512 w0, w1;
+      widen16(w + c * block + p * 2 * COLS, w0, w1);
+      // Broadcast where used: the FMA takes x[k] from memory ({1to16}), no register held a row.
+      #pragma GCC unroll 8
+      for (int r = 0; r < RT; ++r)
+        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p + 1]), w1,
+                                    _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p]), w0, acc[r][c]));
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+    #pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c) {
+      __m512 v = acc[r][c];
+      if (scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale + c * COLS));
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c * COLS));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + c * COLS), to_bf16_16(v));
+    }
+}
+
+// Up to 8 rows a tile (a verification of up to 7 drafts reads each weight once), as many blocks as
+// the registers allow: RT x CB accumulators + 2 widened <= 18.
+constexpr int TILE_ROWS = 8;
+inline int blocks_for(int rt) { return rt == 1 ? TILE_BLOCKS : rt <= 4 ? 4 : 2; }
+
+template <int RT, int CB, typename W>
+TileFn<W> pick16(int cb) {  // the tile of CB blocks, or the widest narrower one that cb fills
+  if constexpr (CB == 1) {
+    return &tile16<RT, 1, W>;
+  } else {
+    return cb >= CB ? &tile16<RT, CB, W> : pick16<RT, CB - 1, W>(cb);
+  }
+}
+
+template <typename W>
+TileFn<W> tile_for(int rt, int cb) {
+  switch (rt) {
+    case 1: return pick16<1, 8, W>(cb);
+    case 2: return pick16<2, 4, W>(cb);
+    case 3: return pick16<3, 4, W>(cb);
+    case 4: return pick16<4, 4, W>(cb);
+    case 5: return pick16<5, 2, W>(cb);
+    case 6: return pick16<6, 2, W>(cb);
+    case 7: return pick16<7, 2, W>(cb);
+    default: return pick16<8, 2, W>(cb);
+  }
+}
+#else
+constexpr int TILE_BLOCKS = LONE_ROW_BLOCKS;
+constexpr int TILE_ROWS = MAX_ROWS;
+
 inline int blocks_for(int rt) { return rt == 1 ? LONE_ROW_BLOCKS : rt == 2 ? 2 : 1; }
 
 template <typename W>
@@ -382,6 +472,7 @@ TileFn<W> tile_for(int rt, int cb) {
     default: return &tile<4, 1, W>;
   }
 }
+#endif
 
 // x [..., K] bf16 -> [..., N] bf16 over a packed weight of element type W.
 template <typename W>
@@ -405,15 +496,15 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, con
   const int64_t block = K * COLS;
   // Chunks of ~64 KB of weights, as in the AVX512_BF16 path (see there and pool.h), and at least
   // the blocks a lone row's tile takes (blocks_for).
-  const int64_t per = std::max<int64_t>(LONE_ROW_BLOCKS, (int64_t{1} << 16) / (block * static_cast<int64_t>(sizeof(W))));
+  const int64_t per = std::max<int64_t>(TILE_BLOCKS, (int64_t{1} << 16) / (block * static_cast<int64_t>(sizeof(W))));
   tide_pool::parallel(
       (blocks + per - 1) / per,
       [=](int64_t chunk) {
         const int64_t b0 = chunk * per, b1 = std::min(blocks, b0 + per);
-        // Rows in tiles of as equal a size as MAX_ROWS allows (5 rows: 3 + 2, not 4 + 1).
-        const int64_t tiles = (M + MAX_ROWS - 1) / MAX_ROWS;
-        for (int64_t b = b0; b < b1; b += LONE_ROW_BLOCKS) {
-          const int64_t nb = std::min<int64_t>(LONE_ROW_BLOCKS, b1 - b);
+        // Rows in tiles of as equal a size as TILE_ROWS allows (5 rows on AVX2: 3 + 2, not 4 + 1).
+        const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+        for (int64_t b = b0; b < b1; b += TILE_BLOCKS) {
+          const int64_t nb = std::min<int64_t>(TILE_BLOCKS, b1 - b);
           for (int64_t t = 0, r = 0; t < tiles; ++t) {
             const int rt = static_cast<int>((M - r + (tiles - t) - 1) / (tiles - t));
             for (int64_t c = 0; c < nb; c += blocks_for(rt)) {
