@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+# Sources of draft tokens that take no draft model: a copy of the request's own context.
+COPY_SOURCES = frozenset({"ngram"})
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -34,6 +37,10 @@ class StepRecord:
     draft_version: str = ""
     target_model: str = ""
     workload: list[str] = field(default_factory=list)
+    # Per request, where its drafts came from when the drafter has several sources (the hybrid:
+    # "ngram" for a copy of its context, "eagle3" for the draft's chain); [] when it has one, all
+    # `drafter`. A draft version's acceptance is its own tokens', not the copies' (`drafted_by_draft`).
+    sources: list[str] = field(default_factory=list)
 
     @property
     def step_ms(self) -> float:
@@ -43,6 +50,13 @@ class StepRecord:
     def emitted_tokens(self) -> int:
         """Tokens appended to the requests' outputs by this step's verification."""
         return sum(a + 1 for a in self.accepted)
+
+    def drafted_by_draft(self) -> list[tuple[int, int]]:
+        """(γ, accepted) of the requests that drafted this step with the step's drafter itself, not
+        a weightless copy beside it: what a draft version's acceptance statistics take."""
+        sources = self.sources or [self.drafter] * len(self.gammas)
+        return [(g, a) for g, a, s in zip(self.gammas, self.accepted, sources, strict=False)
+                if g > 0 and (s == self.drafter or s not in COPY_SOURCES)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -139,7 +139,7 @@ class FleetStats:
             window.steps.append((rec.time_unix_s, rec.batch_size, rec.emitted_tokens))
             self._trim(window, rec.time_unix_s)
             self._emitted[rec.target_model] = self._emitted.get(rec.target_model, 0) + rec.emitted_tokens
-            verified = [(g, a) for g, a in zip(rec.gammas, rec.accepted, strict=False) if g > 0]
+            verified = rec.drafted_by_draft()  # the draft's own tokens: copies beside it are not its acceptance
             if not verified:
                 return
             key = (rec.target_model, rec.draft_version)

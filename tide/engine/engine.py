@@ -103,6 +103,7 @@ class _Decoded:
     gamma: int
     accepted: int
     emitted: list[int] = field(default_factory=list)
+    source: str = ""  # where its drafts came from (draft_source), as the policy was told
 
 
 class LLMEngine:
@@ -273,10 +274,16 @@ class LLMEngine:
                 prefill_tokens=prefill_tokens,
                 drafter=self.drafter.algorithm.value if self.drafter else DraftAlgorithm.NONE.value,
                 draft_version=self.drafter.version if self.drafter else "",
-                target_model=self.config.target_model, workload=[d.seq.workload for d in decoded])
+                target_model=self.config.target_model, workload=[d.seq.workload for d in decoded],
+                sources=self._step_sources(decoded))
             for listener in self.step_listeners:
                 listener(record)
         return list(outputs.values())
+
+    def _step_sources(self, decoded: list[_Decoded]) -> list[str]:
+        """StepRecord.sources: per request where its drafts came from where the drafter has several
+        sources (a `source` method, see draft_source); [] where every draft is `drafter`'s."""
+        return [d.source for d in decoded] if hasattr(self.drafter, "source") else []
 
     def _move_prefix(self, a: Admission) -> None:
         """Save a slot's entries to host memory before they are overwritten, or restore a prefix."""
@@ -329,7 +336,7 @@ class LLMEngine:
         return sum(n for _, n in items)
 
     def _decode(self, seqs: list[Sequence], outputs: dict[str, RequestOutput]):
-        gammas = self._decide_gammas(seqs)
+        gammas, sources = self._decide_gammas(seqs)
         t0 = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in seqs]
         draft_probs: list[torch.Tensor | None] = [None] * len(seqs)
@@ -367,7 +374,7 @@ class LLMEngine:
                 # Sampling runs on the CPU, where the per-request generators live (small rows).
                 probs = target_probs(logits.cpu(), seq.params)
                 k, nxt = verify_sampling(probs, drafts[i], draft_probs[i], self._generators[seq.request_id])
-            results.append(_Decoded(seq, len(drafts[i]), k, drafts[i][:k] + [nxt]))
+            results.append(_Decoded(seq, len(drafts[i]), k, drafts[i][:k] + [nxt], sources[i]))
         self._hand_off(seqs, starts, [d.accepted + 1 for d in results], new_tokens, out)
         for i, d in enumerate(results):
             d.seq.num_cached += d.accepted + 1
@@ -382,10 +389,11 @@ class LLMEngine:
         t2 = time.perf_counter()
         return results, (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
-    def _decide_gammas(self, seqs: list[Sequence]) -> list[int]:
+    def _decide_gammas(self, seqs: list[Sequence]) -> tuple[list[int], list[str]]:
+        """γ per sequence, and the source of draft tokens each would draft from (draft_source)."""
         cap = self.config.max_gamma
         if self.drafter is None:
-            return [0] * len(seqs)
+            return [0] * len(seqs), [""] * len(seqs)
         views = tuple(RequestView(
             request_id=s.request_id, recent_gammas=tuple(g for g, _ in s.recent),
             recent_accepted=tuple(a for _, a in s.recent), last_gamma=s.last_gamma,
@@ -402,7 +410,7 @@ class LLMEngine:
             # Never draft past max_tokens or the context: at most remaining - 1 drafts + 1 bonus.
             remaining = min(seq.params.max_tokens - seq.num_output, self.config.max_seq_len - len(seq.token_ids))
             gammas.append(max(0, min(int(g), cap, remaining - 1)))
-        return gammas
+        return gammas, [v.drafter for v in views]
 
     def _hand_off(self, seqs, starts, counts, tokens, out) -> None:
         """Store committed rows' features for the drafter and give them to capture listeners."""

@@ -75,15 +75,21 @@ class _Recording(FixedGamma):
 
 
 def test_the_policy_is_told_which_source_each_request_drafts_from(tiny_model):
-    """RequestView.drafter is "ngram" exactly for the requests the hybrid then copies for and
-    "eagle3" for those it drafts for, so the γ policy can price and learn each apart."""
+    """RequestView.drafter (and StepRecord.sources) is "ngram" exactly for the requests the hybrid
+    then copies for and "eagle3" for those it drafts for, so the γ policy can price and learn each
+    apart."""
     rng = random.Random(3)
     prompts = [([rng.randrange(3, 96) for _ in range(4)] * 5) if i % 2 == 0 else
                [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(6)]
     drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=3), min_match=2)
     policy = _Recording(2)
-    LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256), drafter=drafter, policy=policy).generate(
-        prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256), drafter=drafter, policy=policy)
+    records = []
+    engine.step_listeners.append(records.append)
+    engine.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    # Telemetry says the same per request, so the controller counts the draft's own tokens apart.
+    told = [s for r in records for s in r.sources]
+    assert told == policy.sources and all(r.drafter == "eagle3" for r in records)
     # γ = 2 everywhere except a request's last token (no room to draft): those steps propose nothing.
     assert policy.sources.count("ngram") >= drafter.copied > 0
     assert policy.sources.count("eagle3") >= drafter.drafted > 0
