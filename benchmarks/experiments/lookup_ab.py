@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--prompts", nargs="+", default=list(PROMPTS))
     ap.add_argument("--per-file", type=int, default=21, help="prompts from each file")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--batch", type=int, default=1, help="requests in flight (1: one prompt after another)")
     ap.add_argument("--arms", nargs="+", default=["plain", "adaptive-eagle3", "adaptive-hybrid-one-source",
                                                   "adaptive-hybrid"],
                     help="which of: plain, adaptive-eagle3 (the draft alone), adaptive-hybrid-one-source "
@@ -49,7 +50,7 @@ def main() -> None:
     tok = load_tokenizer(target)
     eagle = Eagle3Drafter.from_checkpoint(args.draft, model, "draft", 16, 2100)
     prompts = [encode_prompt(tok, p) for f in args.prompts for p in load_prompts(f, limit=args.per_file)]
-    cfg = EngineConfig(max_batch=1, max_seq_len=2048)
+    cfg = EngineConfig(max_batch=args.batch, max_seq_len=2048)
     profile = profile_latency(model, eagle, [1, 16], list(range(1, 6)), reps=10)
     arms = {"plain": lambda: LLMEngine(model, cfg),
             "adaptive-eagle3": lambda: LLMEngine(model, cfg, drafter=eagle,
@@ -69,7 +70,7 @@ def main() -> None:
                   flush=True)
     plain = sum(r["tok_s"] for r in runs.get("plain", ())) or float("nan")
     out = {"cpu": cpu_name(), "draft": args.draft, "prompts": args.prompts, "per_file": args.per_file,
-           "max_tokens": args.max_tokens, "batch": 1,
+           "max_tokens": args.max_tokens, "batch": args.batch,
            "tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
            "accept_length": {k: [r["accept_length"] for r in v] for k, v in runs.items()},
            "gamma_mean": {k: [r["gamma_mean"] for r in v] for k, v in runs.items()},

@@ -293,20 +293,30 @@ class AdaptivePolicy:
         # run 8). The profile's own width ratio, measured back to back, is the floor.
         plain_ratio = self.verify_ratio(bucket, 1)
 
-        def verify_ms(width: float) -> float:  # tokens a sequence
-            return max(self.verify_ratio(bucket, round(width)), plain_ratio) * self.profile.target_ms(b, width)
+        widths: dict[float, float] = {}
+
+        def verify_ms(width: float) -> float:  # tokens a sequence; memoised: arms share widths
+            got = widths.get(width)
+            if got is None:
+                got = widths[width] = (max(self.verify_ratio(bucket, round(width)), plain_ratio)
+                                       * self.profile.target_ms(b, width))
+            return got
 
         d = self.kd.get(bucket, 1.0) * self.profile.draft_ms(b)
         costly = [s for s in kinds if s not in FREE_SOURCES]
         lag = max((r.lag for r, s in zip(ctx.requests, names, strict=True) if s not in FREE_SOURCES), default=0)
         switch = self.catchup_ratio(bucket) * self.profile.catchup_ms(lag, b) / self.switch_horizon if lag > 0 else 0.0
         count = Counter(names)
+        # Expected tokens of each source's requests at each depth: an arm's total is one sum.
+        tokens_at = {s: [sum(c * cum[(src, a)][m] for (src, a), c in groups.items() if src == s)
+                         for m in range(gmax + 1)] for s in kinds}
+        paid = [k for k, s in enumerate(kinds) if s in costly]
 
         def goodput(depths: tuple[int, ...]) -> float:
-            m = dict(zip(kinds, depths, strict=True))
-            tokens = sum(c * cum[(s, a)][m[s]] for (s, a), c in groups.items())
-            width = 1 + (max(depths) if self.padded else sum(count[s] * m[s] for s in kinds) / b)
-            drafted = max((m[s] for s in costly), default=0)
+            pairs = tuple(zip(kinds, depths, strict=True))
+            tokens = sum(tokens_at[s][m] for s, m in pairs)
+            width = 1 + (max(depths) if self.padded else sum(count[s] * m for s, m in pairs) / b)
+            drafted = max((depths[k] for k in paid), default=0)
             return tokens / (verify_ms(width) + drafted * d + (switch if drafted else 0.0))
 
         arms = {depths: goodput(depths) for depths in product(range(gmax + 1), repeat=len(kinds))}
