@@ -259,7 +259,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
-// AVX2 + FMA (Zen 2/3, Haswell to Alder Lake): bf16 or int8 weights, products and sums in float32.
+// AVX2 + FMA (Zen 2/3, Haswell to Alder Lake; with AVX-512F tiles where it exists without AVX512_BF16,
+// Skylake-SP to Ice Lake): bf16 or int8 weights, products and sums in float32.
 // bf16: bf16_pack's layout. A bf16 value widens to float32 exactly (its bits are the float's high
 // half), so each 32-bit lane of a pair-row, the pair (w[k], w[k+1]) of one feature, gives w[k] by a
 // shift and w[k+1] by a mask. int8: int8_pack regroups each pair-row of a block as [2 (k, k+1)][16
