@@ -42,6 +42,8 @@ def main() -> None:
                     help="which of: plain, adaptive-eagle3 (the draft alone), adaptive-hybrid-one-source "
                          "(draft + lookup, one acceptance estimate for both), adaptive-hybrid (the default: "
                          "draft + lookup, each source learnt and priced apart)")
+    ap.add_argument("--lookups", nargs="*", default=[], metavar="MIN:MAX",
+                    help="also adaptive-hybrid arms whose copies need MIN..MAX matching tokens (default 1:3)")
     ap.add_argument("--json")
     args = ap.parse_args()
     target = resolve_target("ref")
@@ -61,6 +63,11 @@ def main() -> None:
             "adaptive-hybrid": lambda: LLMEngine(model, cfg, drafter=HybridDrafter(eagle),
                                                  policy=make_policy("adaptive", {}, profile))}
     arms = {k: v for k, v in arms.items() if k in args.arms}
+    for spec in args.lookups:  # the default policy and hybrid with other n-gram match lengths
+        lo, hi = (int(x) for x in spec.split(":"))
+        arms[f"adaptive-hybrid-m{lo}n{hi}"] = lambda lo=lo, hi=hi: LLMEngine(
+            model, cfg, drafter=HybridDrafter(eagle, min_match=lo, max_n=hi),
+            policy=make_policy("adaptive", {}, profile))
     runs: dict[str, list[dict]] = {k: [] for k in arms}
     for order in (list(arms), list(arms)[::-1]):
         for name in order:
