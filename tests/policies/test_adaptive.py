@@ -331,3 +331,21 @@ def test_a_free_source_goes_deeper_than_a_paid_one_of_the_same_acceptance(draft_
     copy = pol.decide(StepContext(1, (RequestView("a", drafter="ngram"),)))[0]
     chain = pol.decide(StepContext(1, (RequestView("b", drafter="eagle3"),)))[0]
     assert copy > chain if draft_ms else copy == chain
+
+
+def test_copies_are_learnt_by_the_length_of_their_match():
+    """Copies from 3-token matches always accepted, from 1-token matches never, in one request:
+    the strong ones go deep, the weak ones stop (a wasted verify slot is not free)."""
+    profile = LatencyProfile(T_ms={1: {n: 50.0 + 2.0 * (n - 1) for n in range(1, 10)}}, D0_ms=2.0)
+    pol = AdaptivePolicy(profile, explore=0.0)
+    played: dict[int, list[int]] = {1: [], 3: []}
+    for i in range(400):
+        match = (1, 3)[i % 2]
+        g = pol.decide(StepContext(1, (RequestView("r", drafter="ngram", match=match),)))
+        played[match].append(g[0])
+        acc = g[0] if match == 3 else 0
+        pol.observe(StepFeedback(1, tuple(g), (acc,), step_ms=50.0, draft_ms=0.0, verify_ms=50.0))
+    assert min(played[3][-50:]) >= 6
+    assert sum(g > 0 for g in played[1][-100:]) <= 5
+    assert {e.scope.split(",")[0] for e in pol.estimates()} >= {"source=ngram/1", "source=ngram/3"}
+    assert pol.raw_times(1, (4,), [9], ["ngram/3"])[1:] == (0.0, 0.0)  # a copy of any match: no draft cost

@@ -16,7 +16,7 @@ import torch
 
 from tide.engine.constraints import CompiledGrammar, GrammarCompiler
 from tide.engine.detokenizer import IncrementalText
-from tide.engine.drafters.base import DraftAlgorithm, Drafter, draft_source
+from tide.engine.drafters.base import DraftAlgorithm, Drafter, copy_match, draft_source
 from tide.engine.features import FeatureStore
 from tide.engine.llama import LlamaModel
 from tide.engine.logits import has_penalties, needs_processing, process
@@ -398,6 +398,7 @@ class LLMEngine:
             request_id=s.request_id, recent_gammas=tuple(g for g, _ in s.recent),
             recent_accepted=tuple(a for _, a in s.recent), last_gamma=s.last_gamma,
             lag=self.drafter.lag(s), context_len=len(s.token_ids), drafter=draft_source(self.drafter, s),
+            match=copy_match(self.drafter, s),
         ) for s in seqs)
         decided = self.policy.decide(StepContext(batch_size=len(seqs), requests=views, step=self._step, max_gamma=cap))
         gammas = []

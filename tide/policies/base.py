@@ -23,6 +23,9 @@ class RequestView:
     lag: int = 0
     context_len: int = 0
     drafter: str = "none"
+    # For a copy (drafter "ngram"), how many tokens of the context's suffix matched earlier: its
+    # strength (1-token matches are accepted far less than 3-token ones); 0 otherwise.
+    match: int = 0
 
 
 @dataclass(frozen=True)

@@ -68,9 +68,11 @@ class _Recording(FixedGamma):
     def __init__(self, gamma: int) -> None:
         super().__init__(gamma)
         self.sources: list[str] = []
+        self.matches: list[int] = []
 
     def decide(self, ctx):
         self.sources += [r.drafter for r in ctx.requests]
+        self.matches += [r.match for r in ctx.requests]
         return super().decide(ctx)
 
 
@@ -88,6 +90,8 @@ def test_the_policy_is_told_which_source_each_request_drafts_from(tiny_model):
     engine.step_listeners.append(records.append)
     engine.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
     # Telemetry says the same per request, so the controller counts the draft's own tokens apart.
+    # A copy says how long its match is (min_match 2 .. max_n 3); a draft chain has none.
+    assert all((2 <= m <= 3) if s == "ngram" else m == 0 for s, m in zip(policy.sources, policy.matches, strict=True))
     told = [s for r in records for s in r.sources]
     assert told == policy.sources and all(r.drafter == "eagle3" for r in records)
     # γ = 2 everywhere except a request's last token (no room to draft): those steps propose nothing.

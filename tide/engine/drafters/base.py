@@ -76,3 +76,10 @@ def draft_source(drafter: Drafter, seq: Sequence) -> str:
     for a draft chain) says per sequence through `source(seq)`; any other is its algorithm."""
     source = getattr(drafter, "source", None)
     return source(seq) if source is not None else drafter.algorithm.value
+
+
+def copy_match(drafter: Drafter, seq: Sequence) -> int:
+    """For a copying drafter (n-gram, hybrid), how many tokens the copy it would propose for `seq`
+    now matched (RequestView.match); 0 for a draft model's chain or no copy."""
+    match = getattr(drafter, "copy_match", None)
+    return match(seq) if match is not None else 0

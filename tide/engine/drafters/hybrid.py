@@ -61,7 +61,11 @@ class HybridDrafter:
         """"ngram" where this step's proposal for `seq` will be a copy, else "eagle3" (a function
         of the committed tokens, as `propose` decides): the γ policy prices and learns each
         source apart, a copy costing no draft forward."""
-        return DraftAlgorithm.NGRAM.value if self._copy(seq, 1) else DraftAlgorithm.EAGLE3.value
+        return DraftAlgorithm.NGRAM.value if self.copy_match(seq) else DraftAlgorithm.EAGLE3.value
+
+    def copy_match(self, seq: Sequence) -> int:
+        """The matched suffix length of this step's copy for `seq`, 0 where the draft proposes."""
+        return self.lookup.copy_match(seq) if self._copy(seq, 1) else 0
 
     def propose(self, seqs: list[Sequence], gammas: list[int], features: FeatureStore | None,
                 generators: list) -> Proposal:

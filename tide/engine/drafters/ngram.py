@@ -35,16 +35,22 @@ class NgramIndex:
                 self._ends[n][tuple(tokens[e - n:e])] = e
         self._indexed = max(self._indexed, len(tokens))
 
-    def lookup(self, tokens: list[int], gamma: int, min_n: int) -> list[int]:
-        """Up to `gamma` tokens that followed the latest earlier occurrence of the longest suffix of
-        `tokens` (max_n down to min_n tokens) seen before; [] when none was."""
+    def find(self, tokens: list[int], min_n: int) -> tuple[int, int]:
+        """(n, end): the longest suffix of `tokens` (max_n down to min_n tokens) seen before, and
+        where its latest earlier occurrence ended; (0, -1) when none was."""
         self.update(tokens)
         n_tokens = len(tokens)
         for n in range(min(self.max_n, n_tokens - 1), min_n - 1, -1):
             end = self._ends[n].get(tuple(tokens[n_tokens - n:]))
             if end is not None:
-                return tokens[end:end + gamma]
-        return []
+                return n, end
+        return 0, -1
+
+    def lookup(self, tokens: list[int], gamma: int, min_n: int) -> list[int]:
+        """Up to `gamma` tokens that followed the latest earlier occurrence of the longest suffix of
+        `tokens` (max_n down to min_n tokens) seen before; [] when none was."""
+        n, end = self.find(tokens, min_n)
+        return tokens[end:end + gamma] if n else []
 
 
 class NgramDrafter:
@@ -69,7 +75,15 @@ class NgramDrafter:
                         probs=[None] * len(seqs))
 
     def lookup(self, seq: Sequence, gamma: int) -> list[int]:
+        return self._of(seq).lookup(seq.token_ids, gamma, self.min_n)
+
+    def copy_match(self, seq: Sequence) -> int:
+        """How many tokens of the sequence's suffix the copy it would propose now matched (0: none):
+        its strength, which the γ policy learns apart (1-token matches are accepted far less)."""
+        return self._of(seq).find(seq.token_ids, self.min_n)[0]
+
+    def _of(self, seq: Sequence) -> NgramIndex:
         index = self._index.get(seq.request_id)
         if index is None:  # proposing for a sequence it was not told about (a drafter used bare)
             index = self._index[seq.request_id] = NgramIndex(self.max_n)
-        return index.lookup(seq.token_ids, gamma, self.min_n)
+        return index
