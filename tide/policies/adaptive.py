@@ -189,6 +189,8 @@ class AdaptivePolicy:
         # False: one estimate and one depth for every request whatever its source (the policy before
         # sources were told apart; the ablation in benchmarks/experiments/lookup_ab.py).
         per_source: bool = True,
+        # False: a copy's state is not split by its match length (ablation; see source_key).
+        by_match: bool = True,
         seed: int = 0,
     ) -> None:
         self.name = "adaptive"
@@ -209,7 +211,7 @@ class AdaptivePolicy:
         self.padded = bool(profile.meta.get("verify_padding", False)) if padded_verify is None else padded_verify
         self.rng = random.Random(seed)
         self.alpha_decay, self.alpha_prior = alpha_decay, alpha_prior
-        self.per_source = per_source
+        self.per_source, self.by_match = per_source, by_match
         self.sources: dict[str, _SourceState] = {}  # by RequestView.drafter; see `source`
         self.requests: RequestStates[_ReqState] = RequestStates()
         self.kv: dict[tuple[int, int], float] = {}
@@ -290,7 +292,7 @@ class AdaptivePolicy:
         self._pending = None
         if n == 0 or gmax <= 0:
             return [0] * n
-        names = [source_key(r) if self.per_source else "none" for r in ctx.requests]
+        names = [(source_key(r) if self.by_match else r.drafter) if self.per_source else "none" for r in ctx.requests]
         kinds = sorted(set(names))  # the sources present, each with its own depth m_s
         # α̂_i on a 0.005 grid: requests share chains, keeping decide O(#distinct (source, α) · Γ)
         alphas = [round(self.request_alpha(h, self.source(s).alpha.value, s) * 200.0) / 200.0
