@@ -40,9 +40,9 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=["plain", "adaptive-eagle3", "adaptive-hybrid-one-source",
                                                   "adaptive-hybrid"],
                     help="which of: plain, adaptive-eagle3 (the draft alone), adaptive-hybrid-one-source "
-                         "(draft + lookup, one acceptance estimate for both), adaptive-hybrid-unsplit-copies "
-                         "(sources apart, copies of every match length as one), adaptive-hybrid (the default: "
-                         "draft + lookup, each source and copies by match length learnt and priced apart)")
+                         "(draft + lookup, one acceptance estimate for both), adaptive-hybrid-by-match "
+                         "(copies of each match length apart too), adaptive-hybrid (the default: "
+                         "draft + lookup, each source learnt and priced apart)")
     ap.add_argument("--lookups", nargs="*", default=[], metavar="MIN:MAX",
                     help="also adaptive-hybrid arms whose copies need MIN..MAX matching tokens (default 1:3)")
     ap.add_argument("--json")
@@ -61,9 +61,9 @@ def main() -> None:
             "adaptive-hybrid-one-source": lambda: LLMEngine(
                 model, cfg, drafter=HybridDrafter(eagle),
                 policy=make_policy("adaptive", {"per_source": False}, profile)),
-            "adaptive-hybrid-unsplit-copies": lambda: LLMEngine(
+            "adaptive-hybrid-by-match": lambda: LLMEngine(
                 model, cfg, drafter=HybridDrafter(eagle),
-                policy=make_policy("adaptive", {"by_match": False}, profile)),
+                policy=make_policy("adaptive", {"by_match": True}, profile)),
             "adaptive-hybrid": lambda: LLMEngine(model, cfg, drafter=HybridDrafter(eagle),
                                                  policy=make_policy("adaptive", {}, profile))}
     arms = {k: v for k, v in arms.items() if k in args.arms}

@@ -335,9 +335,9 @@ def test_a_free_source_goes_deeper_than_a_paid_one_of_the_same_acceptance(draft_
 
 def test_copies_are_learnt_by_the_length_of_their_match():
     """Copies from 3-token matches always accepted, from 1-token matches never, in one request:
-    the strong ones go deep, the weak ones stop (a wasted verify slot is not free)."""
+    the strong ones go deep, the weak ones stop (a wasted verify slot is not free). With `by_match`."""
     profile = LatencyProfile(T_ms={1: {n: 50.0 + 2.0 * (n - 1) for n in range(1, 10)}}, D0_ms=2.0)
-    pol = AdaptivePolicy(profile, explore=0.0)
+    pol = AdaptivePolicy(profile, explore=0.0, by_match=True)
     played: dict[int, list[int]] = {1: [], 3: []}
     for i in range(400):
         match = (1, 3)[i % 2]

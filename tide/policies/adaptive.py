@@ -42,8 +42,8 @@ Online corrections (all exponentially forgetting, so they follow drift):
 Sources of draft tokens (`RequestView.drafter`, per request and step): a drafter may propose from
 more than one source, and the engine names the one each request will use before the policy
 decides (the hybrid drafter: "ngram" where the request's context repeats its last tokens, a copy
-with no forward, else "eagle3", the draft's chain); a copy is keyed by its match length too
-(`source_key`: "ngram/1" .. "ngram/3"). Each source has its own α̂_g and r_j, and each
+with no forward, else "eagle3", the draft's chain); with `by_match` a copy is keyed by its match
+length too (`source_key`: "ngram/1" .. "ngram/3"). Each source has its own α̂_g and r_j, and each
 request its own history per source: a copy is accepted at a rate a draft chain is not (HumanEval,
 starter draft, γ = 3: accept length 2.32 copying against 1.23 drafting). A copying source costs no
 draft step (`FREE_SOURCES`), so its requests are priced by verification alone and go deeper. The
@@ -189,8 +189,10 @@ class AdaptivePolicy:
         # False: one estimate and one depth for every request whatever its source (the policy before
         # sources were told apart; the ablation in benchmarks/experiments/lookup_ab.py).
         per_source: bool = True,
-        # False: a copy's state is not split by its match length (ablation; see source_key).
-        by_match: bool = True,
+        # True: a copy's state is split by its match length too (`source_key`). Measured at batch 1
+        # on the held-out mix: 1.47x plain against 1.53x unsplit (docs/results/speculation, session
+        # 39): the split halves each copy state's evidence and did not pay; off.
+        by_match: bool = False,
         seed: int = 0,
     ) -> None:
         self.name = "adaptive"
