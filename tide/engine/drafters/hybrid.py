@@ -35,6 +35,7 @@ class HybridDrafter:
         self.lookup = NgramDrafter(max_n=max_n, min_n=min_match)
         self.copied = 0
         self.drafted = 0
+        self._match: dict[str, tuple[int, int]] = {}  # request id -> (tokens, copy_match) at that length
 
     @property
     def version(self) -> str:
@@ -43,10 +44,12 @@ class HybridDrafter:
     def add_sequence(self, seq: Sequence) -> None:
         self.eagle.add_sequence(seq)
         self.lookup.add_sequence(seq)
+        self._match.pop(seq.request_id, None)
 
     def remove_sequence(self, seq: Sequence) -> None:
         self.eagle.remove_sequence(seq)
         self.lookup.remove_sequence(seq)
+        self._match.pop(seq.request_id, None)
 
     def lag(self, seq: Sequence) -> int:
         return self.eagle.lag(seq)
@@ -64,8 +67,13 @@ class HybridDrafter:
         return DraftAlgorithm.NGRAM.value if self.copy_match(seq) else DraftAlgorithm.EAGLE3.value
 
     def copy_match(self, seq: Sequence) -> int:
-        """The matched suffix length of this step's copy for `seq`, 0 where the draft proposes."""
-        return self.lookup.copy_match(seq) if self._copy(seq, 1) else 0
+        """The matched suffix length of this step's copy for `seq`, 0 where the draft proposes
+        (memoised per sequence and length: the engine asks for source and match every step)."""
+        length = len(seq.token_ids)
+        got = self._match.get(seq.request_id)
+        if got is None or got[0] != length:
+            got = self._match[seq.request_id] = (length, self.lookup.copy_match(seq) if self._copy(seq, 1) else 0)
+        return got[1]
 
     def propose(self, seqs: list[Sequence], gammas: list[int], features: FeatureStore | None,
                 generators: list) -> Proposal:
