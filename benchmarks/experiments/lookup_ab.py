@@ -30,6 +30,16 @@ from tide.target import load_tokenizer, resolve_target
 PROMPTS = ("gsm8k_test.jsonl", "humaneval.jsonl.gz", "spec_bench_questions.jsonl[1::22]")
 
 
+def load(draft: str, files, per_file: int) -> tuple[LlamaModel, Eagle3Drafter, list[list[int]]]:
+    """The reference target at the serving default's precision, the draft, and the encoded prompts."""
+    target = resolve_target("ref")
+    dtype, weights = resolve_weights("auto", "auto")
+    model = LlamaModel.load(target, dtype=dtype, weight_format=weights)
+    tok = load_tokenizer(target)
+    eagle = Eagle3Drafter.from_checkpoint(draft, model, "draft", 16, 2100)
+    return model, eagle, [encode_prompt(tok, p) for f in files for p in load_prompts(f, limit=per_file)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", required=True, help="EAGLE-3 checkpoint directory")
@@ -47,12 +57,7 @@ def main() -> None:
                     help="also adaptive-hybrid arms whose copies need MIN..MAX matching tokens (default 1:3)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    target = resolve_target("ref")
-    dtype, weights = resolve_weights("auto", "auto")
-    model = LlamaModel.load(target, dtype=dtype, weight_format=weights)
-    tok = load_tokenizer(target)
-    eagle = Eagle3Drafter.from_checkpoint(args.draft, model, "draft", 16, 2100)
-    prompts = [encode_prompt(tok, p) for f in args.prompts for p in load_prompts(f, limit=args.per_file)]
+    model, eagle, prompts = load(args.draft, args.prompts, args.per_file)
     cfg = EngineConfig(max_batch=args.batch, max_seq_len=2048)
     profile = profile_latency(model, eagle, [1, 16], list(range(1, 6)), reps=10)
     arms = {"plain": lambda: LLMEngine(model, cfg),

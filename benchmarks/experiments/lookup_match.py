@@ -12,16 +12,10 @@ import argparse
 import collections
 
 from benchmarks.engine import decode_all
-from tide.engine.drafters.eagle3 import Eagle3Drafter
+from benchmarks.experiments.lookup_ab import PROMPTS, load
 from tide.engine.drafters.hybrid import HybridDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
-from tide.engine.llama import LlamaModel
 from tide.policies import FixedGamma
-from tide.precision import resolve_weights
-from tide.prompts import encode_prompt, load_prompts
-from tide.target import load_tokenizer, resolve_target
-
-PROMPTS = ("gsm8k_test.jsonl", "humaneval.jsonl.gz", "spec_bench_questions.jsonl[1::22]")
 
 
 def match_length(tokens: list[int], max_n: int = 3) -> int:
@@ -45,12 +39,7 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--per-file", type=int, default=21)
     args = ap.parse_args()
-    target = resolve_target("ref")
-    dtype, weights = resolve_weights("auto", "auto")
-    model = LlamaModel.load(target, dtype=dtype, weight_format=weights)
-    tok = load_tokenizer(target)
-    eagle = Eagle3Drafter.from_checkpoint(args.draft, model, "draft", 16, 2100)
-    prompts = [encode_prompt(tok, p) for f in PROMPTS for p in load_prompts(f, limit=args.per_file)]
+    model, eagle, prompts = load(args.draft, PROMPTS, args.per_file)
     drafter = _Recording(eagle)
     engine = LLMEngine(model, EngineConfig(max_batch=1, max_seq_len=2048), drafter=drafter,
                        policy=FixedGamma(args.gamma))
