@@ -46,7 +46,7 @@ with no forward, else "eagle3", the draft's chain); with `by_match` a copy is ke
 length too (`source_key`: "ngram/1" .. "ngram/3"). Each source has its own α̂_g and r_j, and each
 request its own history per source: a copy is accepted at a rate a draft chain is not (HumanEval,
 starter draft, γ = 3: accept length 2.32 copying against 1.23 drafting). A copying source costs no
-draft step (`FREE_SOURCES`), so its requests are priced by verification alone and go deeper. The
+draft step (`tide.telemetry.COPY_SOURCES`), so its requests are priced by verification alone and go deeper. The
 step plays one depth per source present, m_s, chosen jointly:
 
     G(m_s for s) = Σ_i E_i(m_{s_i}) / (T(b, 1 + max_s m_s) + max_{s costly} m_s · κ_d·D(b) + switch)
@@ -95,6 +95,7 @@ from tide.policies.estimators import (
     batch_bucket,
 )
 from tide.policies.profile import LatencyProfile
+from tide.telemetry import COPY_SOURCES
 
 _DEPTH_PRIOR = 20.0  # pseudo-attempts behind r_j = 1: a few steps' evidence before trusting r_j
 # Lags up to this are ordinary drafting (the previous step's bonus and accepted rows, ≤ γ + 1):
@@ -104,9 +105,6 @@ REGULAR_LAG = 4
 # so a step 16× off it is a stall (the process descheduled, a collector pause, another thread holding
 # the GIL), not a new cost; unclipped, one such step could lift κ_d past speculation's break-even.
 MAX_CORRECTION = 16.0
-# Sources whose proposals take no draft forward: a prompt-lookup copy is a few dictionary probes
-# (microseconds against a draft step's ~2 ms), priced at 0 draft ms.
-FREE_SOURCES = frozenset({"ngram"})
 
 
 def source_key(view: RequestView) -> str:
@@ -118,7 +116,7 @@ def source_key(view: RequestView) -> str:
 
 def is_free(key: str) -> bool:
     """A source that takes no draft forward (a copy), whatever its match length."""
-    return key.split("/", 1)[0] in FREE_SOURCES
+    return key.split("/", 1)[0] in COPY_SOURCES
 
 
 class _ReqState:

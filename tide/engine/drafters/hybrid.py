@@ -72,7 +72,10 @@ class HybridDrafter:
         length = len(seq.token_ids)
         got = self._match.get(seq.request_id)
         if got is None or got[0] != length:
-            got = self._match[seq.request_id] = (length, self.lookup.copy_match(seq) if self._copy(seq, 1) else 0)
+            n = self.lookup.copy_match(seq)
+            if n and seq.matcher is not None and not self._copy(seq, 1):
+                n = 0  # the grammar refuses the copy's first token: the draft proposes
+            got = self._match[seq.request_id] = (length, n)
         return got[1]
 
     def propose(self, seqs: list[Sequence], gammas: list[int], features: FeatureStore | None,
