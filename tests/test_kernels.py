@@ -167,6 +167,28 @@ def test_decode_attention_is_batch_position_and_padding_invariant(ops):
     assert torch.equal(no_bias, ops.decode_attention(q[:1], k[:1], v[:1], bias[:1]))
 
 
+def test_decode_attention_row_with_hidden_keys_equals_its_visible_keys_contiguous(ops):
+    """A draft tree's node sees the cached keys and its ancestors, not its siblings' keys between
+    them (tide.engine.llama.TreeRows): its row must be the bits of the same keys side by side, as
+    plain decoding of its path holds them."""
+    if not ops.has_decode_attention:
+        pytest.skip("decode_attention needs AVX-512 or AVX2")
+    g = torch.Generator().manual_seed(3)
+    cached, L = 77, 128
+    k, v = torch.randn(1, 3, L, 64, generator=g), torch.randn(1, 3, L, 64, generator=g)
+    q = torch.randn(1, 9, 1, 64, generator=g)  # float32 out: a bf16 result would round most differences away
+    for ancestors in ([cached, cached + 2, cached + 5], [cached + 1, cached + 9], [cached + 3]):
+        visible = [*range(cached), *ancestors]
+        holes = torch.full((1, 1, L), float("-inf"))
+        holes[..., visible] = 0.0
+        side_by_side = torch.full((1, 1, L), float("-inf"))
+        side_by_side[..., :len(visible)] = 0.0
+        at = torch.tensor(visible + [i for i in range(L) if i not in visible])
+        tree_row = ops.decode_attention(q, k, v, holes)
+        plain_row = ops.decode_attention(q, k[:, :, at].contiguous(), v[:, :, at].contiguous(), side_by_side)
+        assert torch.equal(tree_row, plain_row), ancestors
+
+
 def test_non_contiguous_inputs_are_read_correctly(ops):
     x = _rows(8, 1152, torch.bfloat16)[:, ::2]  # a strided view
     w = _rows(1, 576, torch.bfloat16, seed=1)[0]

@@ -385,9 +385,10 @@ inline void qk_rows(const float* const* q, const float* kb, int64_t ks, const fl
 
 // One row's softmax over its scores and the weighted sum of the values (rows of D floats, `vs`
 // apart) into `out`; `scores` holds L rounded up to 16 floats, the first Lv of them set.
+// `idx` (or nullptr: key l is row l) maps score l to its value row: a compacted row's (compact_visible).
 template <int ND>
 inline void softmax_pv(float* scores, float mx, int64_t Lv, int64_t L, const float* vb, int64_t vs, int64_t D,
-                       float* out) {
+                       float* out, const int64_t* idx) {
   using V = Lanes::V;
   constexpr int64_t W = Lanes::W;
   const int64_t nd = ND ? ND : D / W;
@@ -408,12 +409,32 @@ inline void softmax_pv(float* scores, float mx, int64_t Lv, int64_t L, const flo
     const float p = scores[l] * inv;
     if (p == 0.f) continue;  // masked and padded keys: adding 0 * v would change no bit
     const V pv = Lanes::set1(p);
-    const float* v = vb + l * vs;
+    const float* v = vb + (idx ? idx[l] : l) * vs;
     #pragma GCC unroll 16
     for (int64_t c = 0; c < nd; ++c) acc[c] = Lanes::fma(pv, Lanes::load(v + W * c), acc[c]);
   }
   #pragma GCC unroll 16
   for (int64_t c = 0; c < nd; ++c) Lanes::store(out + W * c, acc[c]);
+}
+
+// A row whose bias hides keys inside its visible length (a draft tree's node, tide.engine.tree: it
+// sees the cached tokens and its own ancestors, not its siblings' branches) gets its visible scores
+// moved to the front, in key order, and `idx` their keys: softmax_pv then sums them in the lanes
+// plain decoding of the node's path uses, where exactly those keys are contiguous, so the node's
+// result is plain decoding's bits. Returns the visible count; a row without holes (every decode,
+// verify and prompt row) is left as it is and returns Lv.
+inline int64_t compact_visible(float* scores, int64_t Lv, int64_t* idx) {
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  int64_t n = 0;
+  while (n < Lv && scores[n] != kMasked) ++n;
+  if (n == Lv) return Lv;
+  for (int64_t l = 0; l < n; ++l) idx[l] = l;
+  for (int64_t l = n + 1; l < Lv; ++l) {
+    if (scores[l] == kMasked) continue;
+    scores[n] = scores[l];
+    idx[n++] = l;
+  }
+  return n;
 }
 
 }  // namespace
@@ -470,6 +491,7 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
           constexpr int R = 4;  // query rows sharing each key's loads
           const int64_t Lr = (L + 15) / 16 * 16;
           std::vector<float> scores(R * Lr), qs(R * D), o(D);
+          std::vector<int64_t> idx(Lr);
           for (int64_t unit = chunk * grain; unit < std::min(units, (chunk + 1) * grain); ++unit) {
             const int64_t bh = unit / blocks, t0 = unit % blocks * kRowBlock;
             const int64_t b = bh / hq, h = bh % hq, kh = h / g;
@@ -501,10 +523,12 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
               else
                 qk_rows<1, 0>(qrows, kb, ks2, brows, L, D, srows, mx, Lv);
               for (int r = 0; r < n; ++r) {
+                const int64_t visible = brows[r] ? compact_visible(srows[r], Lv[r], idx.data()) : Lv[r];
+                const int64_t* keys = visible < Lv[r] ? idx.data() : nullptr;
                 if (D == 64)
-                  softmax_pv<kND64>(srows[r], mx[r], Lv[r], L, vb, vs2, D, o.data());
+                  softmax_pv<kND64>(srows[r], mx[r], visible, L, vb, vs2, D, o.data(), keys);
                 else
-                  softmax_pv<0>(srows[r], mx[r], Lv[r], L, vb, vs2, D, o.data());
+                  softmax_pv<0>(srows[r], mx[r], visible, L, vb, vs2, D, o.data(), keys);
                 T_* orow = op + ((b * hq + h) * T + t + r) * D;
                 for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T_>(o[d]);
               }
