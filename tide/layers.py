@@ -210,9 +210,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     the former K @ Q^T form (g = 3 output columns) and 4-D matmuls ran 2-3x slower — at batch 32
     with 640 keys, 6.8 vs 2.7 ms per layer, most of a generation step.
     """
-    kern = use_for(q, k, v)
-    if (kern is not None and kern.has_decode_attention and k.dtype == v.dtype == torch.float32
-            and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and k.stride(-1) == 1 and v.stride(-1) == 1):
+    kern = _kernel_attention(q, k, v)
+    if kern is not None:
         # The same contract in one AVX-512 kernel (tide.kernels): ~4x less time at batch 1, and no
         # per-position GEMM loop for verification. Batch-invariant by construction; not the same bits.
         return kern.decode_attention(q, k, v, bias)
@@ -233,6 +232,50 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
         outs.append(torch.bmm(torch.softmax(scores, dim=-1), vf))  # [B*Hkv, g, D]
     out = outs[0].view(B, hq, 1, d) if t == 1 else torch.stack(outs).view(t, B, hq, d).permute(1, 2, 0, 3)
     return out.to(q.dtype)
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor,
+                   paths: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """`grouped_attention` for the t nodes of draft trees (tide.engine.llama.TreeRows), each node's
+    row bit for bit what plain decoding computes for its path.
+
+    q: [B, Hq, t, D]; k, v: [B, Hkv, L, D], the sequences' cache rows, node j's key and value at
+    starts[b] + j (read only); bias: [B, t, L], each node's visible keys (the cached ones and its
+    ancestors); positions: [B, t] = starts + depth; paths: [B, t, P], paths[b, j, a] = node at depth a
+    on node j's path (j past its depth).
+
+    tide.kernels' attention takes the bias as it is: it computes a row over its visible keys moved
+    together. The torch ops group a row's softmax and P @ V sums by key index, so with an ancestor
+    at another index than in plain decoding (siblings share depths) the last bit could differ; here
+    each node instead reads a copy of its keys with its path placed at starts .. starts + depth,
+    where plain decoding holds it, under plain decoding's causal mask. Cost: a copy of the keys and
+    values per node and layer, on the torch path only (no kernels: tests with them off, GPUs)."""
+    if _kernel_attention(q, k, v) is not None:
+        return grouped_attention(q, k, v, bias)
+    B, _, t, _ = q.shape
+    L, P = k.shape[2], paths.shape[2]
+    b_idx = torch.arange(B, device=q.device)[:, None]
+    at = starts[:, None] + torch.arange(P, device=q.device)  # [B, P]: where plain decoding holds a path
+    keys = torch.arange(L, device=q.device)
+    outs = []
+    for j in range(t):
+        src = starts[:, None] + paths[:, j]  # [B, P]: cache index of each node on node j's path
+        kj, vj = k.float().clone(), v.float().clone()
+        kj[b_idx, :, at] = kj[b_idx, :, src]
+        vj[b_idx, :, at] = vj[b_idx, :, src]
+        causal = torch.zeros((B, 1, L), dtype=torch.float32, device=q.device)
+        causal.masked_fill_((keys[None, :] > positions[:, j, None])[:, None, :], float("-inf"))
+        outs.append(grouped_attention(q[:, :, j:j + 1], kj, vj, causal))
+    return torch.cat(outs, dim=2)
+
+
+def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """tide.kernels when its decode attention takes these operands, else None."""
+    kern = use_for(q, k, v)
+    if (kern is not None and kern.has_decode_attention and k.dtype == v.dtype == torch.float32
+            and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and k.stride(-1) == 1 and v.stride(-1) == 1):
+        return kern
+    return None
 
 
 GROUPED_KEY_BLOCK = 64  # grouped_attention's key length is a multiple of this (see its docstring)

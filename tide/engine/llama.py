@@ -26,6 +26,7 @@ from tide.layers import (
     rope_inv_freq,
     rope_table,
     silu_mul,
+    tree_attention,
 )
 from tide.quant import quantized_linear
 from tide.target import TargetFiles
@@ -114,6 +115,27 @@ class ForwardBatch:
     # Prompt tokens (the engine's prefill): with quantized weights they take the float projections
     # (LlamaModel.prefill_linears); without, this changes nothing.
     prefill: bool = False
+    tree: TreeRows | None = None  # set for the verification of draft trees (ModelRunner.run_tree)
+
+
+@dataclass
+class TreeRows:
+    """Where a tree-verification forward puts its rows (tide.engine.tree; one tree per sequence, a
+    chain being a tree without branches).
+
+    Row j of sequence b is tree node j (node 0, the root, is the sequence's pending token). Its RoPE
+    position (`ForwardBatch.positions[b, j]`) is start_b + depth(j); its key and value go to cache
+    index `cache_index[b, j]` = start_b + j, where no other node's go, and the forward's mask shows
+    row j the cached tokens and its own ancestors only. tide.kernels' attention computes such a row
+    over its visible keys moved together (compact_visible), so it gets the bits plain decoding of
+    the node's path gets; without the kernels `tide.layers.tree_attention` places each node's path
+    where plain decoding holds it. After verification the runner moves the accepted path's rows to
+    start_b + depth (ModelRunner.keep_paths). For a chain, node j is at depth j: the plain
+    verification layout."""
+
+    cache_index: torch.Tensor  # [B, q] long
+    paths: torch.Tensor  # [B, q, P] long: paths[b, j, a] = node at depth a on the path to node j (j past it)
+    starts: torch.Tensor  # [B] long: each root's cache index (the sequence's cached length)
 
 
 class KVCache:
@@ -358,12 +380,14 @@ class LlamaModel:
         cos, sin = cos_rows.unsqueeze(1), sin_rows.unsqueeze(1)  # [B, 1, q, hd]
         # RoPE and the cache writes as one kernel (tide.kernels) where the cache is the CPU's float32 one
         fused = kernel_ops() if self.device.type == "cpu" and cache.k[0].dtype == torch.float32 else None
-        small = q <= self.SMALL_Q
+        tree = fb.tree
+        small = q <= self.SMALL_Q or tree is not None
         # Prompt chunks too take the kernels' attention where it is built (`split_invariant_prefill`).
         grouped = small or self._grouped_prefill(fused)
         bias = None
         kv_len = fb.kv_len
-        span = fb.slot_span if small and fb.slot_range is None else None
+        span = fb.slot_span if small and fb.slot_range is None and tree is None else None
+        write_at = fb.positions if tree is None else tree.cache_index  # cache index of each row's key and value
         if grouped:
             kv_len = pad_keys(kv_len)
             if fb.mask is not None or kv_len != fb.kv_len:
@@ -376,7 +400,7 @@ class LlamaModel:
                 span_bias = torch.zeros((span[1] - span[0], q, kv_len), dtype=torch.float32, device=x.device)
                 span_bias[rows] = bias if bias is not None else 0.0  # rows of idle slots: garbage in, ignored
                 bias = span_bias
-        single = B == 1 and fb.slot_range is not None and fused is None  # the torch-op cache write below
+        single = B == 1 and fb.slot_range is not None and fused is None and tree is None  # torch-op cache write
         if single:
             s0, p0 = fb.slot_range[0], int(fb.positions[0, 0])
         a, b = fb.slot_range or span or (0, 0)
@@ -394,7 +418,7 @@ class LlamaModel:
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             if one_call:
                 x, delta = fused.decode_layer(x, delta, ln1, ln2, cfg.rms_norm_eps, *layer_args[i], cache.k[i],
-                                              cache.v[i], cos_rows, sin_rows, fb.slots, fb.positions, slot_lo,
+                                              cache.v[i], cos_rows, sin_rows, fb.slots, write_at, slot_lo,
                                               slot_hi, kv_len, bias, nh, nkv)
                 if fb.capture and i in self._aux:
                     x, delta = x + delta, None
@@ -409,7 +433,7 @@ class LlamaModel:
             qkv = qkv_proj(h)[:, :1] if pair else qkv_proj(h)
             kc, vc = cache.k[i], cache.v[i]
             if fused is not None:  # the same bits as the torch ops below, in one pass
-                qh = fused.rope_kv_cache(qkv, cos_rows, sin_rows, kc, vc, fb.slots, fb.positions, nh, nkv)
+                qh = fused.rope_kv_cache(qkv, cos_rows, sin_rows, kc, vc, fb.slots, write_at, nh, nkv)
             else:
                 # RoPE on q and k heads together: one rotation for both.
                 qk = apply_rope(qkv[..., :(nh + nkv) * hd].view(B, q, nh + nkv, hd).transpose(1, 2), cos, sin)
@@ -419,13 +443,15 @@ class LlamaModel:
                     kc[s0, :, p0:p0 + q] = kh[0]
                     vc[s0, :, p0:p0 + q] = vh[0]
                 else:
-                    kc[fb.slots[:, None], :, fb.positions] = kh.transpose(1, 2).to(kc.dtype)
-                    vc[fb.slots[:, None], :, fb.positions] = vh.transpose(1, 2).to(vc.dtype)
+                    kc[fb.slots[:, None], :, write_at] = kh.transpose(1, 2).to(kc.dtype)
+                    vc[fb.slots[:, None], :, write_at] = vh.transpose(1, 2).to(vc.dtype)
             if fb.slot_range is not None or span is not None:
                 keys, values = kc[a:b, :, :kv_len], vc[a:b, :, :kv_len]
             else:
                 keys, values = kc[fb.slots, :, :kv_len], vc[fb.slots, :, :kv_len]
-            if span is not None:
+            if tree is not None:
+                attn = tree_attention(qh, keys, values, bias, fb.positions, tree.paths, tree.starts)
+            elif span is not None:
                 q_span = qh.new_zeros((b - a, *qh.shape[1:]))
                 q_span[rows] = qh
                 attn = grouped_attention(q_span, keys, values, bias)[rows]

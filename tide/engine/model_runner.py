@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tide.engine.llama import ForwardBatch, LlamaModel
+from tide.engine.llama import ForwardBatch, LlamaModel, TreeRows
 from tide.engine.sequence import Sequence
+from tide.engine.tree import DraftTree
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ModelRunner:
         self.cache = model.new_cache(max_batch, max_seq_len + max_new_per_step + 1)
         model.ensure_positions(self.cache.max_len)
         self._prefill_on_kernels = model.split_invariant_prefill
+        self._tree_slots: list[tuple[int, int]] = []  # (slot, root's cache index) of the last run_tree
 
     def decode_threads(self):
         """The threads decoding (and verification) runs on: on CPU with the projections on the
@@ -140,3 +142,90 @@ class ModelRunner:
         )
         logits, final, aux = self.model.forward(fb, self.cache)
         return RunOutput(logits=logits, row_offsets=offsets, aux=aux, final=final)
+
+    def run_tree(self, seqs: list[Sequence], trees: list[DraftTree], capture: bool) -> RunOutput:
+        """Verify one draft tree per sequence (its root = the pending token) in one forward: row j
+        of sequence i is node j at position num_cached + depth(j), attending to the cached tokens
+        and its own path: bitwise the row plain decoding of that path computes (TreeRows). Every
+        node's logits are returned, in node order. The nodes' keys and values land at num_cached +
+        node: call `keep_paths` with the accepted paths before the next forward."""
+        B = len(seqs)
+        q = max(len(t.tokens) for t in trees)
+        P = max(t.depth for t in trees) + 1
+        starts = [s.num_cached for s in seqs]
+        if max(starts) + q > self.cache.max_len:
+            raise ValueError(f"a tree of {q} rows does not fit the cache ({self.cache.max_len} rows; "
+                             "ModelRunner's max_new_per_step)")
+        # Index lists built in Python and turned into tensors once (no per-node tensor ops). Padding
+        # rows (trees smaller than the batch's largest) continue the root as a chain of themselves:
+        # hidden from every real row, their logits never read.
+        ids: list[int] = []
+        pos: list[int] = []
+        path_rows: list[list[int]] = []
+        seen: list[list[bool]] = []  # [b * q + j][a]: node a is on node j's path
+        rows: list[int] = []
+        offsets = [0]
+        for i, tree in enumerate(trees):
+            n = len(tree.tokens)
+            ids += [*tree.tokens, *[0] * (q - n)]
+            pos += [starts[i] + d for d in tree.depths] + [starts[i] + j for j in range(n, q)]
+            for j in range(q):
+                path = tree.paths[j] if j < n else range(j + 1)
+                on = [False] * q
+                for a in path:
+                    on[a] = True
+                seen.append(on)
+                # paths[i, j, a] for the torch attention (tide.layers.tree_attention): past node j's
+                # depth any node will do (placed, but hidden from it): node j itself.
+                path_rows.append([*path[:P], *[j] * (P - len(path))])
+            rows.extend(range(i * q, i * q + n))
+            offsets.append(len(rows))
+        slots_list = [s.slot for s in seqs]
+        start_t = torch.tensor(starts, dtype=torch.long)
+        kv_len = max(st + q for st in starts)
+        # Every row sees its sequence's cached tokens (keys < start) and, from start on, its own path.
+        mask = (torch.arange(kv_len)[None, None, :] < start_t[:, None, None]).repeat(1, q, 1)
+        on_path = torch.tensor(seen, dtype=torch.bool).view(B, q, q)
+        for i, st in enumerate(starts):
+            mask[i, :, st:st + q] = on_path[i]
+        contiguous = slots_list == list(range(slots_list[0], slots_list[0] + B))
+        dev = self.device
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long).view(B, q).to(dev),
+            positions=torch.tensor(pos, dtype=torch.long).view(B, q).to(dev),
+            slots=torch.tensor(slots_list, dtype=torch.long, device=dev),
+            kv_len=kv_len,
+            mask=mask[:, None].to(dev),
+            slot_range=(slots_list[0], slots_list[0] + B) if contiguous else None,
+            logits_rows=None if len(rows) == B * q else torch.tensor(rows, dtype=torch.long, device=dev),
+            capture=capture,
+            tree=TreeRows(cache_index=(start_t[:, None] + torch.arange(q)).to(dev),
+                          paths=torch.tensor(path_rows, dtype=torch.long).view(B, q, P).to(dev),
+                          starts=start_t.to(dev)),
+        )
+        logits, final, aux = self.model.forward(fb, self.cache)
+        self._tree_slots = [(slot, st) for slot, st in zip(slots_list, starts, strict=True)]
+        return RunOutput(logits=logits, row_offsets=offsets, aux=aux, final=final)
+
+    def keep_paths(self, paths: list[list[int]]) -> None:
+        """After `run_tree`: keep each sequence's accepted nodes (paths[i]: node ids from the root, in
+        the order `run_tree` got the sequences) as its cache rows start, start + 1, ...: every layer's
+        key and value of node `path[d]` moves from start + path[d] to start + d. A chain's path
+        (node d at depth d) moves nothing; rows past the kept ones are scratch later forwards overwrite."""
+        if len(paths) != len(self._tree_slots):
+            raise ValueError("keep_paths needs one path per sequence of the last run_tree")
+        slot, src, dst = [], [], []
+        for (s, start), path in zip(self._tree_slots, paths, strict=True):
+            for d, node in enumerate(path):
+                if node != d:
+                    slot.append(s)
+                    src.append(start + node)
+                    dst.append(start + d)
+        self._tree_slots = []
+        if not slot:
+            return
+        dev = self.device
+        slot_t, src_t, dst_t = (torch.tensor(x, dtype=torch.long, device=dev) for x in (slot, src, dst))
+        for kc, vc in zip(self.cache.k, self.cache.v, strict=True):
+            kc[slot_t, :, dst_t] = kc[slot_t, :, src_t]  # the right side is gathered first: overlaps are safe
+            vc[slot_t, :, dst_t] = vc[slot_t, :, src_t]
