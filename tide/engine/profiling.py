@@ -118,6 +118,36 @@ def profile_target(model: LlamaModel, batches: Seq[int], ns: Seq[int], reps: int
     return table
 
 
+def bushy_tree(root: int, nodes: int, topk: int = 4):
+    """A tree of `nodes` draft nodes filled breadth first, `topk` children per node (what the
+    EAGLE-2 selection keeps is bushier near the root; the forward's cost depends on the row count
+    and little on the shape)."""
+    from tide.engine.tree import DraftTree
+
+    parents = [-1] + [(i - 1) // topk for i in range(1, nodes + 1)]
+    tokens = [root] + [7 + (i - 1) % topk for i in range(1, nodes + 1)]
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+@torch.inference_mode()
+def profile_tree(model: LlamaModel, batches: Seq[int], sizes: Seq[int], reps: int) -> dict[int, dict[int, float]]:
+    """T_tree(b, N) in ms: one tree-verification forward (ModelRunner.run_tree) of a tree of N draft
+    nodes for each of b sequences at CONTEXT cached tokens."""
+    trees = {n: bushy_tree(7, n) for n in sizes}
+    depth = max(t.depth for t in trees.values())
+    runner = ModelRunner(model, max(batches), CONTEXT + 8, depth + max(sizes) + 4)
+    points, fwds = [], []
+    for b in batches:
+        seqs = fake_seqs(b, CONTEXT)
+        for n in sizes:
+            points.append((b, n))
+            fwds.append(partial(runner.run_tree, seqs, [trees[n]] * b, False))
+    table: dict[int, dict[int, float]] = {b: {} for b in batches}
+    for (b, n), ms in zip(points, interleaved_min_ms(fwds, reps), strict=True):
+        table[b][n] = round(ms, 3)
+    return table
+
+
 @torch.inference_mode()
 def profile_prefill(model: LlamaModel, reps: int) -> float:
     """ms per prompt token: one PREFILL_CHUNK-token prefill forward of one sequence (last row's logits)."""
@@ -209,12 +239,14 @@ def _for_profiling(drafter: Eagle3Drafter, batches: Seq[int], lags: Seq[int]) ->
 
 
 def profile_latency(model: LlamaModel, drafter, batches: Seq[int], ns: Seq[int], lags: Seq[int] = (1, 4, 16, 64),
-                    reps: int = 5) -> LatencyProfile:
-    """Measure a LatencyProfile for `model` + `drafter` (None, an n-gram or an EAGLE-3 drafter)."""
+                    reps: int = 5, tree_sizes: Seq[int] = ()) -> LatencyProfile:
+    """Measure a LatencyProfile for `model` + `drafter` (None, an n-gram or an EAGLE-3 drafter);
+    `tree_sizes`: also T_tree(b, N) for these tree sizes N."""
     t0 = time.perf_counter()
     drafter = _timed_drafter(drafter)
     batches, ns, lags = sorted(set(batches)), sorted(set(ns)), sorted(set(lags))
     t_ms = profile_target(model, batches, ns, reps)
+    tree_ms = profile_tree(model, batches, sorted(set(tree_sizes)), reps) if tree_sizes else {}
     c_ms: dict[int, dict[int, float]] = {}
     if drafter is None:
         d_ms = {b: 0.0 for b in batches}
@@ -231,7 +263,7 @@ def profile_latency(model: LlamaModel, drafter, batches: Seq[int], ns: Seq[int],
             # T(b, 1 + max γ), not T(b, 1 + mean γ) (tide.policies.adaptive reads this)
             "verify_padding": True}
     prof = LatencyProfile(T_ms=t_ms, D0_ms=d_ms[batches[0]], D_ms=d_ms, C_ms=c_ms,
-                          prefill_ms_per_token=profile_prefill(model, reps), meta=meta)
+                          prefill_ms_per_token=profile_prefill(model, reps), meta=meta, tree_ms=tree_ms)
     prof.meta["profile_s"] = round(time.perf_counter() - t0, 1)
     return prof
 

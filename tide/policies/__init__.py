@@ -5,15 +5,19 @@ microseconds from local state; their parameters and tables come from the control
 """
 
 from tide.policies.base import (
+    Action,
     DraftAware,
     Estimate,
     FixedGamma,
+    FixedTree,
     GammaPolicy,
     Introspectable,
     RequestView,
     StepContext,
     StepFeedback,
+    TreeShape,
+    action_depth,
 )
 
-__all__ = ["DraftAware", "Estimate", "FixedGamma", "GammaPolicy", "Introspectable", "RequestView", "StepContext",
-           "StepFeedback"]
+__all__ = ["Action", "DraftAware", "Estimate", "FixedGamma", "FixedTree", "GammaPolicy", "Introspectable",
+           "RequestView", "StepContext", "StepFeedback", "TreeShape", "action_depth"]

@@ -7,6 +7,41 @@ from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
+class TreeShape:
+    """A draft tree to grow for a request this step (EAGLE-2, tide.engine.tree): `depth` levels,
+    the `topk` most probable children of each of the `topk` most probable frontier nodes per
+    level, of which the `tokens` most probable (by cumulative draft log-probability) are verified.
+    Verification costs a forward of `tokens` + 1 rows; at most `depth` drafts are accepted.
+    A chain of γ drafts is TreeShape(γ, 1, γ)."""
+
+    depth: int
+    topk: int
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.topk < 1 or self.tokens < 1:
+            raise ValueError(f"a tree needs depth, topk and tokens >= 1, got {self}")
+
+    @property
+    def drafted(self) -> int:
+        """Nodes the draft scores before keeping the best `tokens` (topk + (depth - 1) topk²)."""
+        return self.topk + (self.depth - 1) * self.topk * self.topk
+
+    def key(self) -> str:
+        """"d{depth}k{topk}n{tokens}": how telemetry and benchmarks name the shape."""
+        return f"d{self.depth}k{self.topk}n{self.tokens}"
+
+
+# What a policy decides per request: a chain of γ drafts (γ = 0: no speculation) or a tree.
+Action = int | TreeShape
+
+
+def action_depth(action: Action) -> int:
+    """Most draft tokens the action can accept: γ for a chain, the depth for a tree."""
+    return action.depth if isinstance(action, TreeShape) else int(action)
+
+
+@dataclass(frozen=True)
 class RequestView:
     """What a policy may know about one running request when it decides.
 
@@ -52,6 +87,9 @@ class StepFeedback:
     # cache (prompt + earlier output) before this step; () when the engine does not track it.
     # Used by the cache-FSM policy (seed 004 §4.2, Method 3).
     cache_hits: tuple[int, ...] = ()
+    # Optional, per request: the tree it drafted (gammas[i] is then its depth, the most drafts it
+    # could accept), None for a chain or no speculation; () when no request drafted a tree.
+    shapes: tuple[TreeShape | None, ...] = ()
 
     @property
     def emitted_tokens(self) -> int:
@@ -64,8 +102,10 @@ class GammaPolicy(Protocol):
 
     name: str
 
-    def decide(self, ctx: StepContext) -> list[int]:
-        """Return one γ ≥ 0 per request in `ctx.requests`, in order (each ≤ ctx.max_gamma)."""
+    def decide(self, ctx: StepContext) -> list[Action]:
+        """Return one action per request in `ctx.requests`, in order: γ ≥ 0 (each ≤ ctx.max_gamma)
+        or a TreeShape (depth ≤ ctx.max_gamma; the engine drafts a chain of γ = depth where the
+        drafter or the request cannot take a tree)."""
         ...
 
     def observe(self, feedback: StepFeedback) -> None:
@@ -119,6 +159,23 @@ class FixedGamma:
     def decide(self, ctx: StepContext) -> list[int]:
         g = min(self.gamma, ctx.max_gamma)
         return [g] * len(ctx.requests)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        return None
+
+
+class FixedTree:
+    """The same draft tree for every request and batch size (tests, benchmarks)."""
+
+    def __init__(self, depth: int, topk: int, tokens: int) -> None:
+        self.shape = TreeShape(depth, topk, tokens)
+        self.name = f"tree-{self.shape.key()}"
+
+    def decide(self, ctx: StepContext) -> list[Action]:
+        shape = self.shape
+        if shape.depth > ctx.max_gamma:
+            shape = TreeShape(ctx.max_gamma, shape.topk, shape.tokens) if ctx.max_gamma > 0 else None
+        return [shape if shape is not None else 0] * len(ctx.requests)
 
     def observe(self, feedback: StepFeedback) -> None:
         return None

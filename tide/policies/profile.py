@@ -102,6 +102,9 @@ class LatencyProfile:
     catchup_ms_per_token: float = 0.0
     prefill_ms_per_token: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    # T_tree(b, N): one tree-verification forward over b sequences × a tree of N draft nodes each
+    # (N + 1 rows; tide.engine.model_runner.run_tree). Missing → T(b, N + 1).
+    tree_ms: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.T_ms and not self.T_total_ms:
@@ -110,6 +113,7 @@ class LatencyProfile:
         self._t_total = _Curve(sorted(self.T_total_ms.items())) if self.T_total_ms else None
         self._d = _Curve(sorted(self.D_ms.items())) if self.D_ms else None
         self._c = _Grid(self.C_ms) if self.C_ms else None
+        self._tree = _Grid(self.tree_ms) if self.tree_ms else None
         self._t_cache: dict[tuple[float, float], float] = {}
 
     # ---------------------------------------------------------------- lookups (ms)
@@ -141,6 +145,17 @@ class LatencyProfile:
         extra = self.catchup_ms(lag, b) if gamma > 0 else 0.0
         return self.target_ms(b, gamma + 1) + gamma * self.draft_ms(b) + extra
 
+    def tree_target_ms(self, b: float, nodes: float) -> float:
+        """T_tree(b, N): verify b trees of N draft nodes each in one forward."""
+        return self._tree(b, nodes) if self._tree is not None else self.target_ms(b, nodes + 1)
+
+    def tree_step_ms(self, b: float, depth: int, topk: int, nodes: int, lag: float = 0.0) -> float:
+        """One tree draft+verify step: T_tree(b, N) + the draft's levels. Level 1 comes from the
+        extend every step pays, D(b), as a chain's first draft token does (step_ms's γ·D(b));
+        each further level is one draft step over the b·topk frontier rows, D(b·topk)."""
+        return (self.tree_target_ms(b, nodes) + self.draft_ms(b) + (depth - 1) * self.draft_ms(b * topk)
+                + self.catchup_ms(lag, b))
+
     def prefill_ms(self, tokens: int) -> float:
         return self.prefill_ms_per_token * tokens
 
@@ -163,6 +178,8 @@ class LatencyProfile:
             out["D_ms"] = {str(b): v for b, v in self.D_ms.items()}
         if self.C_ms:
             out["C_ms"] = {str(b): {str(k): v for k, v in row.items()} for b, row in self.C_ms.items()}
+        if self.tree_ms:
+            out["tree_ms"] = {str(b): {str(n): v for n, v in row.items()} for b, row in self.tree_ms.items()}
         out["catchup_ms_per_token"] = self.catchup_ms_per_token
         out["prefill_ms_per_token"] = self.prefill_ms_per_token
         if self.meta:
@@ -189,6 +206,8 @@ class LatencyProfile:
             catchup_ms_per_token=float(data.get("catchup_ms_per_token", 0.0)),
             prefill_ms_per_token=float(data.get("prefill_ms_per_token", 0.0)),
             meta=dict(data.get("meta", {})),
+            tree_ms={b: {int(n): float(v) for n, v in row.items()}
+                     for b, row in _int_keys(data.get("tree_ms", {})).items()},
         )
 
     def to_json(self) -> str:

@@ -129,3 +129,12 @@ def test_a_burst_of_interference_does_not_reach_the_profile(monkeypatch):
     small, big = work("small", 40.0), work("big", 70.0)
     assert profiling.interleaved_min_ms([small, big], reps=3, warmup=2) == pytest.approx([40.0, 70.0])
     assert calls == ["small"] * 2 + ["big"] * 2 + ["small", "big"] * 3  # warm-ups, then rounds
+
+
+def test_profile_measures_tree_verification(tiny_model):
+    """T_tree(b, N) for the tree sizes asked for: a forward of N + 1 rows per sequence."""
+    prof = profile_latency(tiny_model, None, [1, 2], [1, 2], [1], reps=1, tree_sizes=[4, 12])
+    assert sorted(prof.tree_ms) == [1, 2] and all(sorted(r) == [4, 12] for r in prof.tree_ms.values())
+    assert _finite_positive(v for r in prof.tree_ms.values() for v in r.values())
+    assert LatencyProfile.from_json(prof.to_json()).tree_ms == prof.tree_ms
+    assert prof.tree_target_ms(1, 4) == prof.tree_ms[1][4]
