@@ -65,6 +65,40 @@ class ScriptedDrafter:
         return Proposal(tokens=out, probs=[None] * len(seqs))
 
 
+class ScriptedTreeDrafter(ScriptedDrafter):
+    """ScriptedDrafter that also grows trees (tide.engine.drafters.TreeDrafter): along the known
+    continuation, each path node gets `topk` children, the scripted token among decoys at a place
+    that moves from call to call (so accepted paths run through first, middle and last children),
+    until the tree holds `tokens` nodes. Every `corrupt_every`-th tree has a wrong token mid-path."""
+
+    def propose_tree(self, seqs, shapes, features=None, generators=None) -> list:
+        from tide.engine.tree import DraftTree
+
+        trees = []
+        for seq, shape in zip(seqs, shapes, strict=True):
+            self.calls += 1
+            cont = list(self.continuations.get(seq.request_id, [])[seq.num_output:seq.num_output + shape.depth])
+            if cont and self.corrupt_every and self.calls % self.corrupt_every == 0:
+                cont[len(cont) // 2] = (cont[len(cont) // 2] + 1) % self.vocab
+            tokens, parents, node = [seq.token_ids[-1]], [-1], 0
+            for d, tok in enumerate(cont):
+                kids = [(tok + 1 + m) % self.vocab for m in range(shape.topk - 1)]
+                kids.insert((self.calls + d) % shape.topk, tok)
+                nxt = None
+                for kid in kids:
+                    if len(tokens) - 1 >= shape.tokens:
+                        break
+                    tokens.append(kid)
+                    parents.append(node)
+                    if kid == tok:
+                        nxt = len(tokens) - 1
+                if nxt is None:
+                    break
+                node = nxt
+            trees.append(DraftTree(tuple(tokens), tuple(parents)))
+        return trees
+
+
 class RandomDrafter:
     """Test drafter sampling proposals from a fixed random distribution q over the vocabulary
     (a useless draft with a non-trivial q, which exercises the p/q acceptance rule)."""
@@ -119,3 +153,54 @@ def tiny_eagle3_drafter(model, seed: int = 0, draft_vocab: int = 40, max_batch: 
     draft = draft.to(model.dtype)
     draft.set_embedding(model.embed)
     return Eagle3Drafter(draft, f"random-{seed}", max_batch, max_len)
+
+
+# ---- exact distributions for the sampling tests ----------------------------------------------
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """p-value of observed `counts` under `probs`; categories expected < min_expected are pooled."""
+    n = counts.sum()
+    expected = probs.double() * n
+    small = expected < min_expected
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+def target_last_probs(model, ids: list[int], params) -> torch.Tensor:
+    """The target's sampling distribution (float64) of the token after `ids`, from a fresh cache."""
+    from tide.engine.llama import ForwardBatch
+    from tide.engine.sampling import target_probs
+
+    t = torch.tensor([ids])
+    pos = torch.arange(len(ids))[None]
+    mask = torch.arange(len(ids))[None, None, None, :] <= pos[:, None, :, None]
+    logits, _, _ = model.forward(ForwardBatch(t, pos, torch.tensor([0]), len(ids), mask, slot_range=(0, 1)),
+                                 model.new_cache(1, len(ids) + 1))
+    return target_probs(logits[-1:], params)[0].double()
+
+
+def exact_first_two(model, prompt: list[int], params) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact distributions of the 1st and 2nd sampled tokens, by enumerating the first token. In
+    the engine's order: the prompt as a prefill forward, the first token as a decode step (with
+    quantized weights the two take different projections: LlamaModel.prefill_linears)."""
+    from tide.engine.llama import ForwardBatch
+    from tide.engine.sampling import target_probs
+
+    n = len(prompt)
+    cache = model.new_cache(1, n + 2)
+    pos = torch.arange(n)[None]
+    mask = torch.arange(n)[None, None, None, :] <= pos[:, None, :, None]
+    logits, _, _ = model.forward(ForwardBatch(torch.tensor([prompt]), pos, torch.tensor([0]), n, mask,
+                                              slot_range=(0, 1), prefill=True), cache)
+    p1 = target_probs(logits[-1:], params)[0].double()
+    p2 = torch.zeros_like(p1)
+    for tok in torch.nonzero(p1 > 0).flatten().tolist():
+        logits, _, _ = model.forward(ForwardBatch(torch.tensor([[tok]]), torch.tensor([[n]]), torch.tensor([0]),
+                                                  n + 1, None, slot_range=(0, 1)), cache)
+        p2 += p1[tok] * target_probs(logits, params)[0].double()
+    return p1, p2

@@ -16,7 +16,7 @@ import torch
 
 from tide.engine.constraints import CompiledGrammar, GrammarCompiler
 from tide.engine.detokenizer import IncrementalText
-from tide.engine.drafters.base import DraftAlgorithm, Drafter, copy_match, draft_source
+from tide.engine.drafters.base import DraftAlgorithm, Drafter, TreeDrafter, copy_match, draft_source
 from tide.engine.features import FeatureStore
 from tide.engine.llama import LlamaModel
 from tide.engine.logits import has_penalties, needs_processing, process
@@ -29,6 +29,8 @@ from tide.engine.sampling import (
     token_logprobs,
     verify_greedy,
     verify_sampling,
+    verify_tree_greedy,
+    verify_tree_sampling,
 )
 from tide.engine.scheduler import Scheduler
 from tide.engine.sequence import (
@@ -39,7 +41,18 @@ from tide.engine.sequence import (
     SequenceStatus,
     TokenLogprob,
 )
-from tide.policies import DraftAware, FixedGamma, GammaPolicy, RequestView, StepContext, StepFeedback
+from tide.engine.tree import DraftTree
+from tide.policies import (
+    Action,
+    DraftAware,
+    FixedGamma,
+    GammaPolicy,
+    RequestView,
+    StepContext,
+    StepFeedback,
+    TreeShape,
+    action_depth,
+)
 from tide.telemetry import StepRecord
 
 log = logging.getLogger(__name__)
@@ -50,7 +63,9 @@ class EngineConfig:
     max_batch: int = 16  # KV-cache slots = most sequences decoding at once
     max_seq_len: int = 2048  # prompt + output tokens per sequence
     max_tokens_per_step: int = 512  # prefill budget per step (decode rows count against it)
-    max_gamma: int = 8  # hard cap on draft tokens per request per step
+    max_gamma: int = 8  # hard cap on draft tokens per request per step (a chain's length, a tree's depth)
+    max_tree_tokens: int = 64  # most draft nodes of one request's tree (its verify forward has one row more)
+    max_tree_topk: int = 8  # most children per tree node
     forced_gamma: int = 3  # γ of a speculative=True request in a step its policy gives it 0
     prefill_chunk: int = 256  # prompts are prefilled in chunks cut at multiples of this
     prefix_cache: bool = True  # a prompt reuses the cache entries a finished request left (tide.engine.prefix_cache)
@@ -100,10 +115,13 @@ class CapturedRows:
 @dataclass
 class _Decoded:
     seq: Sequence
-    gamma: int
+    gamma: int  # the most drafts the step could accept: a chain's length, a tree's depth
     accepted: int
     emitted: list[int] = field(default_factory=list)
     source: str = ""  # where its drafts came from (draft_source), as the policy was told
+    path: list[int] = field(default_factory=list)  # verify rows kept: the root and the accepted drafts
+    drafted: int = 0  # draft tokens verified (a tree's node count)
+    shape: TreeShape | None = None  # the tree it drafted, None for a chain
 
 
 class LLMEngine:
@@ -121,8 +139,9 @@ class LLMEngine:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
+        # A tree's verification feeds its nodes and root (ModelRunner.run_tree), a chain γ + 1 rows.
         self.runner = ModelRunner(model, config.max_batch, config.max_seq_len,
-                                  max(config.prefill_chunk, config.max_gamma + 1))
+                                  max(config.prefill_chunk, config.max_gamma + 1, config.max_tree_tokens + 1))
         # How much of a finished sequence's cache a later prompt may reuse, exactly: every fed token
         # where decoding leaves the entries a prompt chunk would; else its prompt, at any token where
         # prompts are split-invariant, or in whole chunks (tide.engine.prefix_cache).
@@ -264,7 +283,8 @@ class LLMEngine:
             self.policy.observe(StepFeedback(
                 batch_size=len(decoded), gammas=tuple(d.gamma for d in decoded),
                 accepted=tuple(d.accepted for d in decoded), step_ms=draft_ms + verify_ms,
-                draft_ms=draft_ms, verify_ms=verify_ms))
+                draft_ms=draft_ms, verify_ms=verify_ms,
+                shapes=tuple(d.shape for d in decoded) if any(d.shape for d in decoded) else ()))
         if self.step_listeners and (decoded or prefill_tokens):
             record = StepRecord(
                 worker_id=self.config.worker_id, step=self._step, time_unix_s=time.time(),
@@ -312,7 +332,7 @@ class LLMEngine:
             # Prompt logprobs need every row (row j: the distribution of the token after chunk[j]).
             first_row = 0 if prompt_top is not None else n - 1 if completes else n
             out = self.runner.run([seq], [chunk], [seq.num_cached], [first_row], capture, prefill=True)
-            self._hand_off([seq], [seq.num_cached], [n], [chunk], out)
+            self._hand_off([seq], [seq.num_cached], [list(range(n))], [chunk], out)
             if prompt_top is not None:
                 following = seq.token_ids[seq.num_cached + 1:min(seq.num_cached + n + 1, seq.num_prompt)]
                 seq.prompt_logprobs.extend(token_logprobs(out.logits, following, prompt_top))
@@ -336,33 +356,41 @@ class LLMEngine:
         return sum(n for _, n in items)
 
     def _decode(self, seqs: list[Sequence], outputs: dict[str, RequestOutput]):
-        gammas, sources = self._decide_gammas(seqs)
+        """Draft (chains and trees), verify every sequence in one target forward, commit.
+
+        A step with any tree verifies the whole batch as trees (ModelRunner.run_tree; a chain is a
+        tree without branches, a plain row the root alone), else as padded chains (run)."""
+        actions, sources = self._decide_actions(seqs)
         t0 = time.perf_counter()
-        drafts: list[list[int]] = [[] for _ in seqs]
-        draft_probs: list[torch.Tensor | None] = [None] * len(seqs)
-        spec_idx = [i for i, g in enumerate(gammas) if g > 0]
-        if spec_idx:
-            proposal = self.drafter.propose(
-                [seqs[i] for i in spec_idx], [gammas[i] for i in spec_idx], self.features,
-                [self._generators.get(seqs[i].request_id) for i in spec_idx])
-            for j, i in enumerate(spec_idx):
-                drafts[i] = proposal.tokens[j][:gammas[i]]
-                probs = proposal.probs[j]
-                if probs is None and seqs[i].matcher is not None:
-                    # A one-hot draft the grammar refuses would be rejected anyway (its target
-                    # probability is 0, the residual is p itself): verify only the allowed prefix.
-                    # Not for a sampled q: there, cutting where the drawn token is refused would
-                    # change which distribution the next token comes from.
-                    drafts[i] = drafts[i][:seqs[i].matcher.validate(drafts[i])]
-                draft_probs[i] = None if probs is None else probs[:len(drafts[i])]
+        drafts, draft_probs, trees = self._propose(seqs, actions)
         t1 = time.perf_counter()
-        new_tokens = [[seq.token_ids[-1], *d] for seq, d in zip(seqs, drafts, strict=True)]
         starts = [seq.num_cached for seq in seqs]
-        out = self.runner.run(seqs, new_tokens, starts, [0] * len(seqs), self._capture())
+        capture = self._capture()
+        as_trees = any(t is not None and t.size > 0 for t in trees)
+        if as_trees:
+            verify = [t if t is not None else DraftTree.chain(s.token_ids[-1], d)
+                      for s, d, t in zip(seqs, drafts, trees, strict=True)]
+            out = self.runner.run_tree(seqs, verify, capture)
+            fed = [list(t.tokens) for t in verify]
+        else:
+            fed = [[seq.token_ids[-1], *d] for seq, d in zip(seqs, drafts, strict=True)]
+            out = self.runner.run(seqs, fed, starts, [0] * len(seqs), capture)
         greedy_rows = greedy_tokens(out.logits).tolist() if any(s.params.greedy for s in seqs) else None
         results: list[_Decoded] = []
         for i, seq in enumerate(seqs):
             lo, hi = out.row_offsets[i], out.row_offsets[i + 1]
+            tree = trees[i]
+            if tree is not None:
+                # Tree requests have no logits processing (_decide_actions routes those to chains).
+                if seq.params.greedy:
+                    path, nxt = verify_tree_greedy(greedy_rows[lo:hi], tree)
+                else:
+                    probs = target_probs(out.logits[lo:hi].cpu(), seq.params)
+                    path, nxt = verify_tree_sampling(probs, tree, self._generators[seq.request_id])
+                emitted = [tree.tokens[n] for n in path[1:]] + [nxt]
+                results.append(_Decoded(seq, tree.depth, len(path) - 1, emitted, sources[i], path, tree.size,
+                                        actions[i]))
+                continue
             logits = out.logits[lo:hi]
             processed = needs_processing(seq.params)
             if processed:  # the raw rows stay in `out` for logprobs
@@ -374,23 +402,57 @@ class LLMEngine:
                 # Sampling runs on the CPU, where the per-request generators live (small rows).
                 probs = target_probs(logits.cpu(), seq.params)
                 k, nxt = verify_sampling(probs, drafts[i], draft_probs[i], self._generators[seq.request_id])
-            results.append(_Decoded(seq, len(drafts[i]), k, drafts[i][:k] + [nxt], sources[i]))
-        self._hand_off(seqs, starts, [d.accepted + 1 for d in results], new_tokens, out)
+            results.append(_Decoded(seq, len(drafts[i]), k, drafts[i][:k] + [nxt], sources[i], list(range(k + 1)),
+                                    len(drafts[i])))
+        if as_trees:
+            self.runner.keep_paths([d.path for d in results])
+        self._hand_off(seqs, starts, [d.path for d in results], fed, out)
         for i, d in enumerate(results):
             d.seq.num_cached += d.accepted + 1
-            d.seq.record_step(d.gamma, d.accepted)
+            d.seq.record_step(d.gamma, d.accepted, d.drafted)
             logprobs = None
             if d.seq.params.logprobs is not None:
-                # Verify row j is the target's distribution of the token emitted at position j
-                # (accepted drafts, then the correction / bonus token): never the draft's.
-                lo = out.row_offsets[i]
-                logprobs = token_logprobs(out.logits[lo:lo + len(d.emitted)], d.emitted, d.seq.params.logprobs)
+                # Verify row path[j] is the target's distribution of the token emitted j-th (accepted
+                # drafts, then the correction / bonus token): never the draft's.
+                rows = out.logits[[out.row_offsets[i] + n for n in d.path]]
+                logprobs = token_logprobs(rows, d.emitted, d.seq.params.logprobs)
             self._emit(d.seq, d.emitted, outputs, logprobs)
         t2 = time.perf_counter()
         return results, (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
-    def _decide_gammas(self, seqs: list[Sequence]) -> tuple[list[int], list[str]]:
-        """γ per sequence, and the source of draft tokens each would draft from (draft_source)."""
+    def _propose(self, seqs: list[Sequence], actions: list[Action]):
+        """Draft per the actions: (chain drafts per sequence, their q rows or None, trees or None).
+        Chains and trees are drafted in one call each, over the sequences that asked for them."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        draft_probs: list[torch.Tensor | None] = [None] * len(seqs)
+        trees: list[DraftTree | None] = [None] * len(seqs)
+        gens = [self._generators.get(s.request_id) for s in seqs]
+        chain_idx = [i for i, a in enumerate(actions) if not isinstance(a, TreeShape) and a > 0]
+        tree_idx = [i for i, a in enumerate(actions) if isinstance(a, TreeShape)]
+        if chain_idx:
+            proposal = self.drafter.propose(
+                [seqs[i] for i in chain_idx], [actions[i] for i in chain_idx], self.features,
+                [gens[i] for i in chain_idx])
+            for j, i in enumerate(chain_idx):
+                drafts[i] = proposal.tokens[j][:actions[i]]
+                probs = proposal.probs[j]
+                if probs is None and seqs[i].matcher is not None:
+                    # A one-hot draft the grammar refuses would be rejected anyway (its target
+                    # probability is 0, the residual is p itself): verify only the allowed prefix.
+                    # Not for a sampled q: there, cutting where the drawn token is refused would
+                    # change which distribution the next token comes from.
+                    drafts[i] = drafts[i][:seqs[i].matcher.validate(drafts[i])]
+                draft_probs[i] = None if probs is None else probs[:len(drafts[i])]
+        if tree_idx:
+            grown = self.drafter.propose_tree([seqs[i] for i in tree_idx], [actions[i] for i in tree_idx],
+                                              self.features, [gens[i] for i in tree_idx])
+            for j, i in enumerate(tree_idx):
+                trees[i] = grown[j]
+        return drafts, draft_probs, trees
+
+    def _decide_actions(self, seqs: list[Sequence]) -> tuple[list[Action], list[str]]:
+        """The policy's action per request, made feasible (a chain's γ ≥ 0 or a TreeShape), and the
+        source of draft tokens each would draft from (draft_source)."""
         cap = self.config.max_gamma
         if self.drafter is None:
             return [0] * len(seqs), [""] * len(seqs)
@@ -401,8 +463,10 @@ class LLMEngine:
             match=copy_match(self.drafter, s),
         ) for s in seqs)
         decided = self.policy.decide(StepContext(batch_size=len(seqs), requests=views, step=self._step, max_gamma=cap))
-        gammas = []
-        for seq, g in zip(seqs, decided, strict=True):
+        trees_ok = isinstance(self.drafter, TreeDrafter)
+        actions: list[Action] = []
+        for seq, a in zip(seqs, decided, strict=True):
+            g = action_depth(a)
             # The request's own flag overrides the policy, both ways (the only place it is applied).
             if seq.speculative is False:
                 g = 0
@@ -410,22 +474,41 @@ class LLMEngine:
                 g = self.config.forced_gamma
             # Never draft past max_tokens or the context: at most remaining - 1 drafts + 1 bonus.
             remaining = min(seq.params.max_tokens - seq.num_output, self.config.max_seq_len - len(seq.token_ids))
-            gammas.append(max(0, min(int(g), cap, remaining - 1)))
-        return gammas, [v.drafter for v in views]
+            g = max(0, min(int(g), cap, remaining - 1))
+            # Trees only where verification needs no per-path logits processing (penalties, bias and
+            # grammar masks depend on the drafts before a row): those requests draft a chain of the
+            # tree's depth instead, as do all requests of a drafter that cannot grow trees.
+            if isinstance(a, TreeShape) and g > 0 and trees_ok and not needs_processing(seq.params):
+                actions.append(TreeShape(g, min(a.topk, self.config.max_tree_topk),
+                                         min(a.tokens, self.config.max_tree_tokens)))
+            else:
+                actions.append(g)
+        return actions, [v.drafter for v in views]
 
-    def _hand_off(self, seqs, starts, counts, tokens, out) -> None:
-        """Store committed rows' features for the drafter and give them to capture listeners."""
+    def _hand_off(self, seqs, starts, rows: list[list[int]], tokens: list[list[int]], out) -> None:
+        """Store committed rows' features for the drafter and give them to capture listeners.
+        rows[i]: the forward rows of sequence i that were committed, in order (they land at
+        positions starts[i], starts[i] + 1, ...); tokens[i]: the tokens fed, one per forward row."""
         if out.aux is None:
             return
+        aux, final, toks = [], [], []
+        for i, r in enumerate(rows):
+            if r == list(range(len(r))):  # a prefix: views, no copy
+                aux.append(out.aux[i, :len(r)])
+                final.append(out.final[i, :len(r)])
+            else:
+                at = torch.tensor(r, dtype=torch.long, device=out.aux.device)
+                aux.append(out.aux[i].index_select(0, at))
+                final.append(out.final[i].index_select(0, at))
+            toks.append([tokens[i][j] for j in r])
         if self.features is not None:
             for i, seq in enumerate(seqs):
-                self.features.write(seq.slot, starts[i], out.aux[i, :counts[i]])
+                self.features.write(seq.slot, starts[i], aux[i])
         if self.capture_listeners:
-            rows = [CapturedRows(seq.request_id, seq.workload, seq.num_prompt, starts[i], tokens[i][:counts[i]],
-                                 out.aux[i, :counts[i]], out.final[i, :counts[i]])
-                    for i, seq in enumerate(seqs)]
+            captured = [CapturedRows(seq.request_id, seq.workload, seq.num_prompt, starts[i], toks[i], aux[i],
+                                     final[i]) for i, seq in enumerate(seqs)]
             for listener in self.capture_listeners:
-                listener(rows)
+                listener(captured)
 
     # ---- outputs -------------------------------------------------------------------------------
 

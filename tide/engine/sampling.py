@@ -7,6 +7,7 @@ min(1, p(x)/q(x)); on rejection sample from norm(max(0, p - q)); if every draft 
 the bonus from p. The emitted tokens are distributed exactly as sampling from p alone.
 `p` is the target's distribution after temperature / top-k / top-p; `q` the drafter's proposal
 distribution over the target vocabulary (one-hot for deterministic drafters such as n-gram).
+Draft trees (tide.engine.tree): `verify_tree_greedy` and `verify_tree_sampling` below.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tide.engine.sequence import SamplingParams, TokenLogprob
+from tide.engine.tree import DraftTree
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -81,6 +83,77 @@ def verify_sampling(
             residual = probs[j]
         return j, sample(residual, generator)
     return n, sample(probs[n], generator)
+
+
+def verify_tree_greedy(target_argmax: list[int], tree: DraftTree) -> tuple[list[int], int]:
+    """target_argmax[j] = the target's argmax at tree row j (after node j's path).
+
+    Walks from the root to the child carrying the target's choice while there is one (siblings
+    carry distinct tokens: at most one matches). Returns (accepted path: node ids from the root,
+    root included; the token emitted after it) — what plain greedy decoding emits, token for
+    token, as long as the rows are plain decoding's (ModelRunner.run_tree)."""
+    path = [0]
+    while True:
+        token = target_argmax[path[-1]]
+        child = tree.child_with(path[-1], token)
+        if child is None:
+            return path, token
+        path.append(child)
+
+
+def verify_tree_sampling(probs: torch.Tensor, tree: DraftTree,
+                         generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Multi-branch rejection sampling with deterministic candidates (EAGLE-2's tree sampling;
+    SpecInfer's multi-step speculative sampling with one-hot proposals). probs: the target's
+    distribution at every tree row [len(tree.tokens), V]. Returns (accepted path, root included;
+    the token emitted after it).
+
+    At node u with p = probs[u], try its children c_1..c_m in order: accept c_i with probability
+    p_{i-1}(c_i), where p_0 = p and p_i = p_{i-1} with c_i's entry zeroed and renormalised (the
+    residual norm(max(p_{i-1} - q, 0)) for the one-hot proposal q = δ_{c_i}); after an accept move
+    to c_i and repeat with its row, after m rejections emit a sample of p_m.
+
+    Exactness. The children are fixed before the target is consulted (the draft builds the tree
+    deterministically from its own distributions, tide.engine.drafters.eagle3), and are distinct.
+    Claim: the token emitted at u (accepted child or residual sample) is distributed as p. Let
+    X_i be the output of stages i+1 .. m+1 given they are reached; X_m ~ p_m. If X_i ~ p_i then
+    stage i emits c_i with probability p_{i-1}(c_i) + (1 - p_{i-1}(c_i)) · p_i(c_i) = p_{i-1}(c_i)
+    (p_i(c_i) = 0), and x != c_i with (1 - p_{i-1}(c_i)) · p_{i-1}(x) / (1 - p_{i-1}(c_i)) =
+    p_{i-1}(x): X_{i-1} ~ p_{i-1}, so X_0 ~ p_0 = p. When child c is accepted, the next token is
+    drawn at c the same way from row c, which is the target's distribution given the context and
+    c; the uniforms are fresh at every node, so by the chain rule the emitted tokens are
+    distributed as sampling from the target token by token. (Drawing the children from q and
+    accepting with min(1, p/q) is the other exact scheme only for children sampled without
+    replacement and all kept; EAGLE-2 keeps the most probable nodes, which is not such a sample.)"""
+    path = [0]
+    while True:
+        node = path[-1]
+        p = probs[node]
+        kids = tree.children[node]
+        accepted = None
+        rejected: list[int] = []
+        if kids:
+            toks = [tree.tokens[c] for c in kids]
+            p_kids = p[toks].tolist()
+            u = torch.rand(len(kids), generator=generator, device=p.device).tolist()
+            # p_{i-1}(c_i) = p(c_i) / rest with rest = 1 - p(c_1) - ... - p(c_{i-1}): the
+            # renormalised residual without materialising it (one row copy only if all are rejected).
+            rest = 1.0
+            for child, tok, pc, ui in zip(kids, toks, p_kids, u, strict=True):
+                if ui * rest < pc:
+                    accepted = child
+                    break
+                rejected.append(tok)
+                rest -= pc
+                if rest <= 0.0:  # all mass was on the rejected tokens: a measure-zero rejection
+                    break
+        if accepted is None:
+            if rejected:
+                residual = p.clone()
+                residual[rejected] = 0.0
+                p = residual if residual.sum().item() > 0 else p  # as verify_sampling's fallback
+            return path, sample(p, generator)  # multinomial normalises the residual
+        path.append(accepted)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -167,12 +167,14 @@ class Sequence:
             return 0.0
         return (self.accepted_tokens + self.verify_steps) / self.verify_steps
 
-    def record_step(self, gamma: int, accepted: int) -> None:
+    def record_step(self, gamma: int, accepted: int, drafted: int | None = None) -> None:
+        """`gamma`: the most drafts the step could accept (a chain's length, a tree's depth);
+        `drafted`: draft tokens verified (a tree's node count; default gamma)."""
         if gamma > 0:
             self.verify_steps += 1
         else:
             self.plain_steps += 1
-        self.draft_tokens += gamma
+        self.draft_tokens += gamma if drafted is None else drafted
         self.accepted_tokens += accepted
         self.last_gamma = gamma
         self.recent.append((gamma, accepted))

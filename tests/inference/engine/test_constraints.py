@@ -179,6 +179,25 @@ def test_constraint_and_unconstrained_requests_share_a_batch(vocab_model, tokeni
     assert [s.output_ids for s in together] == [s.output_ids for s in alone]
 
 
+def test_tree_policy_gives_constrained_requests_chains(vocab_model, tokenizer):
+    """Draft trees are for unconstrained requests: a constrained request under a tree policy drafts a
+    chain of the tree's depth (masked to its grammar), an unconstrained one in the same batch a tree."""
+    from tide.policies import FixedTree
+
+    prompts = _prompts(tokenizer, 2)
+    mixed = [SamplingParams(max_tokens=16, grammar=SPECS["json_schema"]),
+             SamplingParams(max_tokens=16, ignore_eos=True)]
+    engine = LLMEngine(vocab_model, EngineConfig(max_batch=4, max_seq_len=256), tokenizer=tokenizer,
+                       drafter=_drafter("eagle3", vocab_model), policy=FixedTree(3, 3, 7))
+    together = engine.generate(prompts, mixed, speculative=True)
+    alone = [_engine(vocab_model, tokenizer).generate([p], sp, speculative=False)[0]
+             for p, sp in zip(prompts, mixed, strict=True)]
+    assert [s.output_ids for s in together] == [s.output_ids for s in alone]
+    constrained, free = together
+    assert 0 < constrained.draft_tokens <= 3 * constrained.verify_steps  # chains of at most 3
+    assert free.draft_tokens > 3 * free.verify_steps  # trees of 7 nodes
+
+
 def test_termination_stop_when_complete_length_when_cut(vocab_model, tokenizer):
     prompt = _prompts(tokenizer, 2)[1]
     done = _engine(vocab_model, tokenizer).generate([prompt], SamplingParams(max_tokens=40, grammar=SPECS["regex"]))[0]

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine import ScriptedDrafter, save_tiny_target, tiny_eagle3_drafter
+from support.engine import ScriptedDrafter, ScriptedTreeDrafter, save_tiny_target, tiny_eagle3_drafter
 
 from tide.engine.drafters import NgramDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.llama import LlamaModel
 from tide.engine.sequence import SamplingParams
-from tide.policies import FixedGamma
+from tide.policies import FixedGamma, FixedTree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -52,4 +52,31 @@ def test_cuda_sampling_runs_with_seeds(cuda_model):
     runs = [[s.output_ids for s in LLMEngine(cuda_model, cfg, drafter=tiny_eagle3_drafter(cuda_model, max_batch=4,
                                                                                            max_len=160),
                                              policy=FixedGamma(3)).generate(_prompts(), params)] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "scripted"])
+@pytest.mark.parametrize("shape", [(2, 2, 3), (4, 3, 8), (6, 4, 24)], ids=lambda s: "d{}k{}n{}".format(*s))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_cuda_greedy_tree_decoding_equals_plain(cuda_model, kind, shape, batch):
+    """Tree verification on the GPU: every node's row equals plain decoding's (bf16 cache included)."""
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    cfg = EngineConfig(max_batch=4, max_seq_len=128)
+    prompts = _prompts()[:batch]
+    plain = [s.output_ids for s in LLMEngine(cuda_model, cfg).generate(prompts, params)]
+    drafter = {"eagle3": lambda: tiny_eagle3_drafter(cuda_model, max_batch=4, max_len=160),
+               "scripted": lambda: ScriptedTreeDrafter({f"gen-0-{i}": o for i, o in enumerate(plain)}, 96, 3)}[kind]()
+    spec = LLMEngine(cuda_model, cfg, drafter=drafter, policy=FixedTree(*shape)).generate(prompts, params)
+    assert [s.output_ids for s in spec] == plain
+    assert sum(s.draft_tokens for s in spec) > 0
+    if kind == "scripted":
+        assert sum(s.accepted_tokens for s in spec) > 0
+
+
+def test_cuda_tree_sampling_runs_with_seeds(cuda_model):
+    params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True) for i in range(4)]
+    cfg = EngineConfig(max_batch=4, max_seq_len=128)
+    runs = [[s.output_ids for s in LLMEngine(cuda_model, cfg, drafter=tiny_eagle3_drafter(cuda_model, max_batch=4,
+                                                                                           max_len=160),
+                                             policy=FixedTree(3, 2, 6)).generate(_prompts(), params)] for _ in range(2)]
     assert runs[0] == runs[1]

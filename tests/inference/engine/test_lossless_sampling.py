@@ -11,30 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine import RandomDrafter, tiny_eagle3_drafter
+from support.engine import RandomDrafter, chi_square_p_value, exact_first_two, tiny_eagle3_drafter
 
 from tide.engine.drafters import NgramDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
-from tide.engine.llama import ForwardBatch
-from tide.engine.sampling import target_probs, verify_sampling
+from tide.engine.sampling import verify_sampling
 from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma
 
 ALPHA = 1e-3
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """p-value of observed `counts` under `probs`; categories expected < min_expected are pooled."""
-    n = counts.sum()
-    expected = probs.double() * n
-    small = expected < min_expected
-    obs = torch.cat([counts[~small].double(), counts[small].double().sum().view(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
 @pytest.mark.parametrize("proposal", ["q", "one-hot"])
@@ -56,25 +41,6 @@ def test_verifier_first_token_follows_p(proposal):
     assert chi_square_p_value(counts, p) > ALPHA
 
 
-def _exact_first_two(model, prompt: list[int], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact distributions of the 1st and 2nd sampled tokens, by enumerating the first token. In
-    the engine's order: the prompt as a prefill forward, the first token as a decode step (with
-    quantized weights the two take different projections: LlamaModel.prefill_linears)."""
-    n = len(prompt)
-    cache = model.new_cache(1, n + 2)
-    pos = torch.arange(n)[None]
-    mask = torch.arange(n)[None, None, None, :] <= pos[:, None, :, None]
-    logits, _, _ = model.forward(ForwardBatch(torch.tensor([prompt]), pos, torch.tensor([0]), n, mask,
-                                              slot_range=(0, 1), prefill=True), cache)
-    p1 = target_probs(logits[-1:], params)[0].double()
-    p2 = torch.zeros_like(p1)
-    for tok in torch.nonzero(p1 > 0).flatten().tolist():
-        logits, _, _ = model.forward(ForwardBatch(torch.tensor([[tok]]), torch.tensor([[n]]), torch.tensor([0]),
-                                                  n + 1, None, slot_range=(0, 1)), cache)
-        p2 += p1[tok] * target_probs(logits, params)[0].double()
-    return p1, p2
-
-
 @pytest.mark.parametrize("drafter_kind,params", [
     ("random-q", SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),
     ("ngram", SamplingParams(max_tokens=3, temperature=0.8, top_k=20, ignore_eos=True)),
@@ -83,7 +49,7 @@ def _exact_first_two(model, prompt: list[int], params: SamplingParams) -> tuple[
 def test_engine_sampling_matches_target_distribution(tiny_model, drafter_kind, params):
     # Every vocabulary id occurs in the prompt, so the n-gram drafter always finds a match to copy.
     prompt = list(range(3, tiny_model.cfg.vocab_size)) + [5, 17, 5]
-    p1, p2 = _exact_first_two(tiny_model, prompt, params)
+    p1, p2 = exact_first_two(tiny_model, prompt, params)
     drafter = {"random-q": lambda: RandomDrafter(tiny_model.cfg.vocab_size, seed=3, sharpness=1.0),
                "ngram": NgramDrafter,
                "eagle3": lambda: tiny_eagle3_drafter(tiny_model, max_batch=64)}[drafter_kind]()
@@ -112,7 +78,7 @@ def test_sampling_with_prompt_lookup_matches_target_distribution(tiny_model):
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     vocab = tiny_model.cfg.vocab_size
     prompt = list(range(3, vocab, 2)) + [5, 17, 5]
-    p1, p2 = _exact_first_two(tiny_model, prompt, params)
+    p1, p2 = exact_first_two(tiny_model, prompt, params)
     drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, max_batch=64))
     engine = LLMEngine(tiny_model, EngineConfig(max_batch=64, max_seq_len=128), drafter=drafter,
                        policy=FixedGamma(3))
@@ -133,7 +99,7 @@ def test_sampling_matches_the_quantized_targets_distribution(tiny_model_quantize
     model = tiny_model_quantized
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     prompt = list(range(3, model.cfg.vocab_size)) + [5, 17, 5]
-    p1, p2 = _exact_first_two(model, prompt, params)
+    p1, p2 = exact_first_two(model, prompt, params)
     engine = LLMEngine(model, EngineConfig(max_batch=64, max_seq_len=128),
                        drafter=tiny_eagle3_drafter(model, max_batch=64), policy=FixedGamma(3))
     seqs = []

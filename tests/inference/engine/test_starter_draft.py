@@ -54,3 +54,31 @@ def test_the_starter_accepts_as_its_card_says_and_stays_lossless(path, ref):
                      drafter=Eagle3Drafter.from_checkpoint(path, model, "starter", 2, 1024)).generate(
         prompts[:2], SamplingParams(max_tokens=32), speculative=True)
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+
+
+@pytest.mark.parametrize("shape", [(4, 4, 10), (6, 8, 32)], ids=lambda s: "d{}k{}n{}".format(*s))
+def test_the_starter_grows_trees_that_stay_lossless_and_accept_more(ref, shape):
+    """EAGLE-2 trees from the starter on the reference target: greedy output identical to plain
+    decoding at batch 1 and 2, and longer accepted paths than the chain of the same depth."""
+    from tide.policies import FixedTree
+
+    target, model, tok = ref
+    card = json.loads((STARTERS[0] / "card.json").read_text())
+    prompts = [encode_prompt(tok, Prompt(p["text"], "check", "card", p["chat"])) for p in card["check"]["prompts"]][:2]
+    params = SamplingParams(max_tokens=32)
+    cfg = EngineConfig(max_batch=2, max_seq_len=1024)
+    plain = [s.output_ids for s in LLMEngine(model, cfg).generate(prompts, params)]
+
+    def run(policy, batch):
+        drafter = Eagle3Drafter.from_checkpoint(STARTERS[0], model, "starter", 2, 1024)
+        seqs = []
+        for i in range(0, len(prompts), batch):
+            seqs += LLMEngine(model, cfg, policy=policy, drafter=drafter).generate(prompts[i:i + batch], params)
+        return seqs
+
+    for batch in (1, 2):
+        trees = run(FixedTree(*shape), batch)
+        assert [s.output_ids for s in trees] == plain
+    chains = run(FixedGamma(shape[0]), 2)
+    accept = lambda seqs: sum(s.accepted_tokens + s.verify_steps for s in seqs) / sum(s.verify_steps for s in seqs)  # noqa: E731
+    assert accept(trees) > accept(chains)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from tide.engine.features import FeatureStore
 from tide.engine.sequence import Sequence
+from tide.engine.tree import DraftTree
+from tide.policies import TreeShape
 
 
 class DraftAlgorithm(enum.Enum):
@@ -83,3 +85,19 @@ def copy_match(drafter: Drafter, seq: Sequence) -> int:
     now matched (RequestView.match); 0 for a draft model's chain or no copy."""
     match = getattr(drafter, "copy_match", None)
     return match(seq) if match is not None else 0
+
+
+@runtime_checkable
+class TreeDrafter(Protocol):
+    """A drafter that also grows draft trees (EAGLE-2); the engine drafts chains with the others."""
+
+    def propose_tree(
+        self,
+        seqs: list[Sequence],
+        shapes: list[TreeShape],
+        features: FeatureStore | None,
+        generators: list[torch.Generator | None],
+    ) -> list[DraftTree]:
+        """One tree per sequence, rooted at its last token, grown as shapes[i] says (at most
+        shapes[i].tokens draft nodes, none deeper than shapes[i].depth). Like `propose`, it
+        consumes the sequences' new target features."""

@@ -17,6 +17,17 @@ the tokens the grammar allows after the drafts so far, so drafts follow the gram
 request's q is that masked distribution, exactly what its draft was drawn from. A chain stops
 where the grammar allows nothing in the draft vocabulary (decided before drawing, so lossless).
 The matcher is rolled back to the committed output before returning.
+
+Trees (EAGLE-2, `propose_tree`): after the same extend, the root's top-k children by draft
+log-probability form level 1; each further level runs one draft step for the level's `topk` best
+nodes by cumulative log-probability (the frontier, all sequences of the group at once) and scores
+their top-k children; finally the best `tokens` nodes of all scored ones are kept. The trees are
+deterministic functions of the draft's distributions (no sampling, also for sampled requests:
+tide.engine.sampling.verify_tree_sampling says why that keeps sampling exact). A frontier node's
+step writes a scratch row of the draft cache past the committed ones, seen only by its
+descendants; like a chain's rows, the next extend overwrites them, so after a tree step the draft
+cache holds exactly the committed (accepted) tokens. Constrained requests never get trees (the
+engine drafts chains for them).
 """
 
 from __future__ import annotations
@@ -31,6 +42,11 @@ from tide.engine.drafters.base import DraftAlgorithm, Proposal
 from tide.engine.features import FeatureStore
 from tide.engine.llama import LlamaModel
 from tide.engine.sequence import Sequence
+from tide.engine.tree import DraftTree
+from tide.policies import TreeShape
+
+# Draft-cache rows a tree may use beyond a sequence's committed ones: (depth - 1) · topk.
+TREE_SCRATCH = 128
 
 
 class Eagle3Drafter:
@@ -41,7 +57,8 @@ class Eagle3Drafter:
         self.version = version
         cfg = draft.cfg
         p = draft.fc.weight
-        shape = (max_batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        # Rows past max_len: scratch for tree steps of sequences near the end of the context.
+        shape = (max_batch, cfg.num_key_value_heads, max_len + TREE_SCRATCH, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.max_len = max_len
@@ -74,32 +91,9 @@ class Eagle3Drafter:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], gammas: list[int], features: FeatureStore | None,
                 generators: list[torch.Generator | None]) -> Proposal:
-        if features is None:
-            raise RuntimeError("EAGLE-3 drafting needs the engine's feature store")
+        last, ends, slots = self._extend(seqs, features)
         device = self.k.device
         B = len(seqs)
-        starts = [self._consumed[s.request_id] for s in seqs]
-        ends = [s.num_cached for s in seqs]
-        P = max(e - s for s, e in zip(starts, ends, strict=True))
-        width = features.rows.shape[-1]
-        aux = torch.zeros((B, P, width), dtype=features.rows.dtype, device=device)
-        ids = torch.zeros((B, P), dtype=torch.long)
-        pos = torch.empty((B, P), dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            n = ends[i] - starts[i]
-            aux[i, :n] = features.read(seq.slot, starts[i], ends[i])
-            ids[i, :n] = torch.tensor(seq.token_ids[starts[i] + 1:ends[i] + 1])
-            # Padding rows continue past `end` into the speculative area, which later steps rewrite
-            # (clamped to the last cache row, which no committed position ever reaches).
-            pos[i] = torch.clamp(torch.arange(starts[i], starts[i] + P), max=self.max_len - 1)
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=device)
-        out = self.draft.step(ids.to(device), self.draft.project(aux), pos.to(device),
-                              self._attend_fn(slots, pos.to(device)))
-        last_rows = torch.tensor([e - s - 1 for s, e in zip(starts, ends, strict=True)], device=device)
-        last = out[torch.arange(B, device=device), last_rows]
-        for seq, end in zip(seqs, ends, strict=True):
-            self._consumed[seq.request_id] = end
-
         gmax = max(gammas)
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -132,6 +126,115 @@ class Eagle3Drafter:
                   for i in range(B)]
         return Proposal(tokens=tokens, probs=q_rows)
 
+    @torch.inference_mode()
+    def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape], features: FeatureStore | None,
+                     generators: list[torch.Generator | None]) -> list[DraftTree]:
+        """One EAGLE-2 draft tree per sequence (see the module docstring's "Trees")."""
+        last, ends, slots = self._extend(seqs, features)
+        trees: list[DraftTree | None] = [None] * len(seqs)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, shape in enumerate(shapes):
+            groups.setdefault((shape.depth, min(shape.topk, self.draft.cfg.draft_vocab_size)), []).append(i)
+        for (depth, topk), idx in groups.items():
+            if (depth - 1) * topk > TREE_SCRATCH:
+                raise ValueError(f"a tree of depth {depth} and top-k {topk} needs more than the draft's "
+                                 f"{TREE_SCRATCH} scratch rows")
+            at = torch.tensor(idx, device=last.device)
+            grown = self._grow(seqs, idx, last[at], [ends[i] for i in idx], slots[at], depth, topk,
+                               [shapes[i].tokens for i in idx])
+            for i, tree in zip(idx, grown, strict=True):
+                trees[i] = tree
+        return trees
+
+    def _grow(self, seqs, idx: list[int], last: torch.Tensor, ends: list[int], slots: torch.Tensor, depth: int,
+              topk: int, keep: list[int]) -> list[DraftTree]:
+        """Expand `depth` levels from the roots (states `last` [B, H]) and keep the best nodes.
+
+        The pool lists every scored node level by level: level 1 = the root's topk children, each
+        later level the topk children of each of the previous level's topk best (its frontier),
+        topk² per level. Scores are cumulative log-probabilities, clamped to their parent's so a
+        child never outranks it even by rounding; a stable descending sort then ranks a parent
+        before its children (ties go to the earlier pool entry), so the best N are ancestor-closed.
+        Frontier node i of level s runs its draft step at position n + s - 1 (a chain's place for
+        depth s) from cache row n + (s - 1)·topk + i, attending to the committed rows < n and the
+        rows of its own ancestors only."""
+        device = last.device
+        B = len(idx)
+        n = torch.tensor(ends, dtype=torch.long, device=device)
+        logp = torch.log_softmax(self.draft.logits(last).float(), dim=-1)  # [B, Vd]
+        score, tok = logp.topk(topk, dim=-1)  # [B, k]: level 1
+        pool_score, pool_tok = [score], [tok]
+        pool_parent = [torch.full((B, topk), -1, dtype=torch.long, device=device)]
+        f_score, f_tok, f_pool = score, tok, torch.arange(topk, device=device).expand(B, topk)
+        f_hidden = last[:, None].expand(B, topk, last.shape[-1])
+        f_anc = torch.empty((B, topk, 0), dtype=torch.long, device=device)  # cache rows of the ancestors
+        offset = topk
+        for s in range(1, depth):
+            rows = n[:, None] + (s - 1) * topk + torch.arange(topk, device=device)  # [B, k]
+            anc = torch.cat([f_anc, rows[..., None]], dim=-1)  # [B, k, s]
+            pos = (n + s - 1)[:, None].expand(B, topk)
+            kv_len = int(rows.max()) + 1
+            visible = torch.arange(kv_len, device=device)[None, None, :] < n[:, None, None]
+            visible = visible.expand(B, topk, kv_len).clone().scatter_(-1, anc, True)
+            out = self.draft.step(self._d2t_ids[f_tok], f_hidden, pos,
+                                  self._attend_fn(slots, pos, rows, visible[:, None]))
+            logp = torch.log_softmax(self.draft.logits(out).float(), dim=-1)  # [B, k, Vd]
+            c_logp, c_tok = logp.topk(topk, dim=-1)  # [B, k, k]
+            c_score = torch.minimum(f_score[..., None] + c_logp, f_score[..., None]).reshape(B, topk * topk)
+            c_tok = c_tok.reshape(B, topk * topk)
+            pool_score.append(c_score)
+            pool_tok.append(c_tok)
+            pool_parent.append(f_pool[..., None].expand(B, topk, topk).reshape(B, topk * topk))
+            best = torch.sort(c_score, dim=-1, descending=True, stable=True).indices[:, :topk]  # [B, k]
+            from_frontier = best // topk
+            f_score, f_tok, f_pool = c_score.gather(1, best), c_tok.gather(1, best), offset + best
+            f_hidden = out.gather(1, from_frontier[..., None].expand(B, topk, out.shape[-1]))
+            f_anc = anc.gather(1, from_frontier[..., None].expand(B, topk, s))
+            offset += topk * topk
+        scores = torch.cat(pool_score, dim=1)
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices.tolist()
+        tokens = self._d2t_ids[torch.cat(pool_tok, dim=1)].tolist()
+        parents = torch.cat(pool_parent, dim=1).tolist()
+        trees = []
+        for b, i in enumerate(idx):
+            kept = sorted(order[b][:keep[b]])  # pool order: parents first
+            node = {p: j + 1 for j, p in enumerate(kept)}  # pool index -> node id (root = 0)
+            if any(parents[b][p] >= 0 and parents[b][p] not in node for p in kept):
+                raise AssertionError("draft tree selection is not ancestor-closed")
+            trees.append(DraftTree((seqs[i].token_ids[-1], *(tokens[b][p] for p in kept)),
+                                   (-1, *(node.get(parents[b][p], 0) for p in kept))))
+        return trees
+
+    def _extend(self, seqs: list[Sequence], features: FeatureStore | None):
+        """Feed the target features the draft has not consumed (step 1 of the module docstring).
+        Returns (the last row's output [B, H], each sequence's n, the slots tensor)."""
+        if features is None:
+            raise RuntimeError("EAGLE-3 drafting needs the engine's feature store")
+        device = self.k.device
+        B = len(seqs)
+        starts = [self._consumed[s.request_id] for s in seqs]
+        ends = [s.num_cached for s in seqs]
+        P = max(e - s for s, e in zip(starts, ends, strict=True))
+        width = features.rows.shape[-1]
+        aux = torch.zeros((B, P, width), dtype=features.rows.dtype, device=device)
+        ids = torch.zeros((B, P), dtype=torch.long)
+        pos = torch.empty((B, P), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            n = ends[i] - starts[i]
+            aux[i, :n] = features.read(seq.slot, starts[i], ends[i])
+            ids[i, :n] = torch.tensor(seq.token_ids[starts[i] + 1:ends[i] + 1])
+            # Padding rows continue past `end` into the speculative area, which later steps rewrite
+            # (clamped to the last cache row, which no committed position ever reaches).
+            pos[i] = torch.clamp(torch.arange(starts[i], starts[i] + P), max=self.max_len - 1)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=device)
+        out = self.draft.step(ids.to(device), self.draft.project(aux), pos.to(device),
+                              self._attend_fn(slots, pos.to(device)))
+        last_rows = torch.tensor([e - s - 1 for s, e in zip(starts, ends, strict=True)], device=device)
+        last = out[torch.arange(B, device=device), last_rows]
+        for seq, end in zip(seqs, ends, strict=True):
+            self._consumed[seq.request_id] = end
+        return last, ends, slots
+
     def _mask_to_grammar(self, seq: Sequence, row: torch.Tensor) -> bool:
         """Mask one draft-logits row [Vd] to the tokens the grammar allows next; False (row left
         alone) when none of them is in the draft vocabulary: the chain stops there."""
@@ -157,16 +260,21 @@ class Eagle3Drafter:
             probs[i].append(full.index_copy_(0, self._d2t_ids.cpu(), q))
         return chosen
 
-    def _attend_fn(self, slots: torch.Tensor, positions: torch.Tensor):
-        """attend(q, k, v) over this drafter's cache: write the new k/v rows at `positions`, then
-        attend to every cached key at a position <= the query's."""
-        kv_len = int(positions.max()) + 1
+    def _attend_fn(self, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
+                   visible: torch.Tensor | None = None):
+        """attend(q, k, v) over this drafter's cache: write the new k/v rows at cache rows `rows`
+        (default: their positions), then attend to every cached key at a position <= the query's,
+        or to the keys `visible` [B, 1, q, kv_len] allows (tree steps; kv_len = max row + 1)."""
+        rows = positions if rows is None else rows
+        kv_len = int(rows.max()) + 1
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k[slots[:, None], :, positions] = k.transpose(1, 2)
-            self.v[slots[:, None], :, positions] = v.transpose(1, 2)
+            self.k[slots[:, None], :, rows] = k.transpose(1, 2)
+            self.v[slots[:, None], :, rows] = v.transpose(1, 2)
             keys, values = self.k[slots, :, :kv_len], self.v[slots, :, :kv_len]
-            mask = torch.arange(kv_len, device=q.device)[None, None, None, :] <= positions[:, None, :, None]
+            mask = visible
+            if mask is None:
+                mask = torch.arange(kv_len, device=q.device)[None, None, None, :] <= positions[:, None, :, None]
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=keys.shape[1] != q.shape[1])
         return attend
