@@ -12,7 +12,7 @@ from tide.engine.drafters.hybrid import HybridDrafter
 from tide.engine.drafters.ngram import NgramIndex
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.sequence import SamplingParams
-from tide.policies import FixedGamma
+from tide.policies import FixedGamma, FixedTree
 from tide.policies.adaptive import AdaptivePolicy
 from tide.policies.profile import synthetic_profile
 
@@ -60,6 +60,25 @@ def test_greedy_output_equals_plain_and_both_sources_propose(tiny_model, batch):
     spec = LLMEngine(tiny_model, config, drafter=drafter, policy=FixedGamma(3)).generate(prompts, params)
     assert [s.output_ids for s in spec] == plain
     assert drafter.copied > 0 and drafter.drafted > 0
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_output_equals_plain_with_trees_from_both_sources(tiny_model, batch):
+    """Under a tree policy the hybrid proposes a copy as a branchless tree and grows the draft's
+    trees elsewhere; one forward verifies both kinds side by side."""
+    rng = random.Random(10 + batch)
+    prompts = [([rng.randrange(3, 96) for _ in range(4)] * 5) if i % 2 == 0 else
+               [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(batch)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    config = EngineConfig(max_batch=8, max_seq_len=256)
+    plain = [s.output_ids for s in LLMEngine(tiny_model, config).generate(prompts, params)]
+    drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=batch), min_match=2)
+    records = []
+    engine = LLMEngine(tiny_model, config, drafter=drafter, policy=FixedTree(3, 2, 5))
+    engine.step_listeners.append(records.append)
+    assert [s.output_ids for s in engine.generate(prompts, params)] == plain
+    assert drafter.copied > 0 and drafter.drafted > 0
+    assert {s for r in records for s in r.sources} == {"ngram", "eagle3"}
 
 
 class _Recording(FixedGamma):

@@ -13,7 +13,8 @@ and a copied proposal is deterministic (q one-hot, `probs` None), as the n-gram 
 For a constrained request a copy is cut to what the grammar allows; where nothing is left the
 EAGLE-3 draft, whose steps follow the grammar, proposes.
 The EAGLE-3 draft catches up on the target features of the steps it skipped the next time it
-drafts for that sequence (its `lag`), as after speculation was off.
+drafts for that sequence (its `lag`), as after speculation was off. Asked for a draft tree
+(`propose_tree`), a copy is a branchless tree and the draft grows the others.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.engine.drafters.ngram import NgramDrafter
 from tide.engine.features import FeatureStore
 from tide.engine.sequence import Sequence
+from tide.engine.tree import DraftTree
+from tide.policies import TreeShape
 
 
 class HybridDrafter:
@@ -97,3 +100,24 @@ class HybridDrafter:
             for j, i in enumerate(drafted):
                 tokens[i], probs[i] = sub.tokens[j], sub.probs[j]
         return Proposal(tokens=tokens, probs=probs)
+
+    def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape], features: FeatureStore | None,
+                     generators: list) -> list[DraftTree]:
+        """A copy where `source` says so, as a branchless tree of the shape's depth (one path is all a
+        copy proposes); else the EAGLE-3 draft's tree (Eagle3Drafter.propose_tree)."""
+        trees: list[DraftTree | None] = [None] * len(seqs)
+        drafted = []
+        for i, (seq, shape) in enumerate(zip(seqs, shapes, strict=True)):
+            copy = self._copy(seq, shape.depth)
+            if copy:
+                trees[i] = DraftTree.chain(seq.token_ids[-1], copy)
+            else:
+                drafted.append(i)
+        self.copied += len(seqs) - len(drafted)
+        self.drafted += len(drafted)
+        if drafted:
+            grown = self.eagle.propose_tree([seqs[i] for i in drafted], [shapes[i] for i in drafted], features,
+                                            [generators[i] for i in drafted])
+            for j, i in enumerate(drafted):
+                trees[i] = grown[j]
+        return trees
