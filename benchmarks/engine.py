@@ -28,7 +28,7 @@ from tide.engine.llama import LlamaModel
 from tide.engine.profiling import CONTEXT, profile_draft, profile_latency, profile_target, random_draft
 from tide.engine.sequence import SamplingParams
 from tide.memory import rss_bytes
-from tide.policies import FixedGamma
+from tide.policies import FixedGamma, FixedTree, TreeShape
 from tide.precision import DTYPE_NAMES, WEIGHTS_NAMES, dtype_name, native_bf16, resolve_weights
 from tide.prompts import encode_prompt, load_prompts
 from tide.streams import StreamNames
@@ -52,6 +52,7 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
 # the output; longer prompts are left out of the speculation rows.
 SPEC_MAX_LEN = 2048
 DRAFTERS = ("ngram", "eagle3", "hybrid")  # hybrid: EAGLE-3 with prompt lookup (tide/engine/drafters/hybrid.py)
+TREE_DRAFTERS = ("eagle3", "hybrid")  # the drafters that grow draft trees (propose_tree)
 
 
 def decode_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -80,9 +81,11 @@ def decode_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def spec_sweep(model: LlamaModel, eagle: Eagle3Drafter, prompts: list[list[int]], batches: list[int],
-               gammas: list[int], drafters: list[str], max_tokens: int, profile) -> list[dict]:
+               gammas: list[int], drafters: list[str], max_tokens: int, profile,
+               trees: list[TreeShape] = ()) -> list[dict]:
     """Rows per #30's interface: per batch, plain decoding (γ = 0), each drafter at each γ (chains:
-    `tree` null), and the adaptive γ policy on the last drafter listed (`"policy": "adaptive"`).
+    `tree` null), each drafter that grows trees at each tree shape (`gamma` its depth, `tree`
+    {"topk", "tokens"}), and the adaptive γ policy on the last drafter listed (`"policy": "adaptive"`).
     Plain runs first and last in each batch; its tok/s is the mean of the two (drift over the sweep
     hits the ratios `x_plain` less), each run decodes every prompt."""
     from tide.engine.drafters.hybrid import HybridDrafter
@@ -102,6 +105,14 @@ def spec_sweep(model: LlamaModel, eagle: Eagle3Drafter, prompts: list[list[int]]
                                                  prompts, max_tokens)))
                     print(f"  {name:6s} γ={g} b={b:2d}: {runs[-1][1]['tok_s']:7.1f} tok/s  accept "
                           f"{runs[-1][1]['accept_length']:.2f}", flush=True)
+            for shape in trees if name in TREE_DRAFTERS else ():
+                key = {"drafter": name, "batch": b, "gamma": shape.depth,
+                       "tree": {"topk": shape.topk, "tokens": shape.tokens}}
+                policy = FixedTree(shape.depth, shape.topk, shape.tokens)
+                runs.append((key, decode_all(LLMEngine(model, cfg, drafter=make[name](), policy=policy),
+                                             prompts, max_tokens)))
+                print(f"  {name:6s} tree {shape.key()} b={b:2d}: {runs[-1][1]['tok_s']:7.1f} tok/s  accept "
+                      f"{runs[-1][1]['accept_length']:.2f}", flush=True)
         if drafters:
             policy = make_policy("adaptive", {}, profile)
             key = {"drafter": drafters[-1], "batch": b, "gamma": None, "tree": None, "policy": "adaptive"}
@@ -376,7 +387,8 @@ def run(args) -> dict:
     res["D_ms"], res["switch_ms"] = profile_draft(eagle, model, batches, [1, 4, 16, 64, 256], reps)
     res["D0_ms"] = res["D_ms"][1]
     res["spec"] = spec_sweep(model, eagle, spec_prompts, batches, gammas, args.drafters, max_tokens,
-                             profile_latency(model, eagle, batches, list(range(1, max(gammas) + 2)), reps=reps))
+                             profile_latency(model, eagle, batches, list(range(1, max(gammas) + 2)), reps=reps),
+                             args.trees or [])
     plain = next((r for r in res["spec"] if r["batch"] == 1 and r["gamma"] == 0), None)
     if plain is not None:
         res["plain_tok_s"] = plain["tok_s"]  # batch 1, every prompt of --prompts one after another
@@ -435,6 +447,13 @@ def _ints(value: str) -> list[int]:
     return [int(v) for v in value.split(",")]
 
 
+def _trees(value: str) -> list[TreeShape]:
+    try:
+        return [TreeShape(*(int(x) for x in v.split(":"))) for v in value.split(",") if v]
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"trees are depth:topk:tokens (e.g. 4:2:6): {e}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and tokens (< 5 min)")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -453,6 +472,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, help="speculation rows: output tokens per prompt [96; quick 32]")
     parser.add_argument("--batches", type=_ints, help="speculation rows: batch sizes [1,4,16]")
     parser.add_argument("--gammas", type=_ints, help="speculation rows: chain lengths, 0 = plain [0,1,2,3,4,5]")
+    parser.add_argument("--trees", type=_trees, help="speculation rows: EAGLE-2 draft trees as depth:topk:tokens, "
+                             "comma-separated (e.g. 4:2:6,5:4:12), for the drafters that grow trees [none]")
     parser.add_argument("--drafters", type=lambda v: v.split(","), default=list(DRAFTERS),
                         help="speculation rows: drafters, the last also under the adaptive policy "
                              f"[{','.join(DRAFTERS)}]")
