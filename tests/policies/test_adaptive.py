@@ -5,7 +5,7 @@ import random
 import pytest
 
 from tide.policies.adaptive import AdaptivePolicy
-from tide.policies.base import FixedGamma, RequestView, StepContext, StepFeedback
+from tide.policies.base import FixedGamma, RequestView, StepContext, StepFeedback, TreeShape
 from tide.policies.profile import LatencyProfile, synthetic_profile
 from tide.policies.simulator import simulate
 from tide.policies.workload import DEFAULT_DOMAINS, Phase, Workload
@@ -349,3 +349,66 @@ def test_copies_are_learnt_by_the_length_of_their_match():
     assert sum(g > 0 for g in played[1][-100:]) <= 5
     assert {e.scope.split(",")[0] for e in pol.estimates()} >= {"source=ngram/1", "source=ngram/3"}
     assert pol.raw_times(1, (4,), [9], ["ngram/3"])[1:] == (0.0, 0.0)  # a copy of any match: no draft cost
+
+
+def _tree_steps(pol: AdaptivePolicy, steps: int, chain_accept: float, tree_bonus: int, trees: bool = True,
+                source: str = "eagle3", seed: int = 0) -> list:
+    """One request at batch 1 drafting from `source`: a chain of γ accepts each draft with
+    probability `chain_accept`; a tree accepts that and `tree_bonus` drafts more (up to its
+    depth). The actions the policy played."""
+    rng = random.Random(seed)
+    played = []
+    for _ in range(steps):
+        action = pol.decide(StepContext(1, (RequestView("r", drafter=source),), trees=trees))[0]
+        played.append(action)
+        shape = action if isinstance(action, TreeShape) else None
+        depth = shape.depth if shape else action
+        acc = 0
+        while acc < depth and rng.random() < chain_accept:
+            acc += 1
+        if shape:
+            acc = min(depth, acc + tree_bonus)
+        pol.observe(StepFeedback(1, (depth,), (acc,), step_ms=50.0, draft_ms=2.0 * depth, verify_ms=50.0,
+                                 shapes=(shape,)))
+    return played
+
+
+def test_trees_are_played_where_their_extra_rows_are_cheap_and_they_accept_more():
+    """Verification flat in the rows (a GPU, or a CPU whose GEMM is memory-bound): a tree whose
+    extra branches add accepted tokens beats its chain once learnt, for the draft's requests."""
+    profile = LatencyProfile(T_ms={1: {n: 50.0 for n in range(1, 17)}}, D0_ms=2.0)
+    pol = AdaptivePolicy(profile, explore=0.0, alpha_prior=0.6)
+    played = _tree_steps(pol, 300, chain_accept=0.6, tree_bonus=1)
+    late = played[-100:]
+    assert all(isinstance(a, TreeShape) and a.topk == 2 and a.tokens > a.depth for a in late)
+    assert pol.tree_gain_of("eagle3", late[-1]) > 1.15  # learnt from the tree steps, not the 1.03-1.09 prior
+    est = {(e.name, e.scope) for e in pol.estimates()}
+    assert ("tree_gain", f"source=eagle3,shape={late[-1].key()}") in est
+
+
+def test_no_trees_where_each_row_is_dear_or_the_drafter_cannot_grow_them():
+    """Rows priced like a decode step each (a CPU whose verify is compute-bound), or a drafter
+    without trees (StepContext.trees false): chains only, and a copy never grows a tree."""
+    dear = LatencyProfile(T_ms={1: {n: 50.0 * n for n in range(1, 17)}}, D0_ms=0.5)
+    played = _tree_steps(AdaptivePolicy(dear, explore=0.0, alpha_prior=0.9), 200, chain_accept=0.9, tree_bonus=0)
+    assert not any(isinstance(a, TreeShape) for a in played)
+    cheap = LatencyProfile(T_ms={1: {n: 50.0 for n in range(1, 17)}}, D0_ms=2.0)
+    for trees, source in ((False, "eagle3"), (True, "ngram")):
+        pol = AdaptivePolicy(cheap, explore=0.0, alpha_prior=0.6)
+        played = _tree_steps(pol, 100, chain_accept=0.6, tree_bonus=1, trees=trees, source=source)
+        assert not any(isinstance(a, TreeShape) for a in played) and max(played) > 0
+
+
+def test_tree_steps_teach_the_tree_gain_not_the_chain_acceptance():
+    profile = LatencyProfile(T_ms={1: {n: 50.0 for n in range(1, 17)}}, D0_ms=2.0)
+    pol = AdaptivePolicy(profile, explore=0.0, alpha_prior=0.5)
+    before = pol.source("eagle3").alpha.value
+    shape = TreeShape(3, 2, 5)
+    for _ in range(50):
+        pol.decide(StepContext(1, (RequestView("r", drafter="eagle3"),), trees=True))
+        pol.observe(StepFeedback(1, (3,), (3,), step_ms=50.0, verify_ms=50.0, shapes=(shape,)))
+    assert pol.source("eagle3").alpha.value <= before  # aged, never raised by a tree's acceptance
+    # A tree step is priced as one: its rows (6), the draft's levels over the frontier.
+    verify, draft, _ = pol.raw_times(1, (3,), [0], ["eagle3"], (shape,))
+    assert verify == profile.tree_target_ms(1, 5)
+    assert draft == pytest.approx(profile.draft_ms(1) + 2 * profile.draft_ms(2))

@@ -462,8 +462,9 @@ class LLMEngine:
             lag=self.drafter.lag(s), context_len=len(s.token_ids), drafter=draft_source(self.drafter, s),
             match=copy_match(self.drafter, s),
         ) for s in seqs)
-        decided = self.policy.decide(StepContext(batch_size=len(seqs), requests=views, step=self._step, max_gamma=cap))
         trees_ok = isinstance(self.drafter, TreeDrafter)
+        decided = self.policy.decide(StepContext(batch_size=len(seqs), requests=views, step=self._step, max_gamma=cap,
+                                                 trees=trees_ok))
         actions: list[Action] = []
         for seq, a in zip(seqs, decided, strict=True):
             g = action_depth(a)

@@ -55,6 +55,17 @@ step plays one depth per source present, m_s, chosen jointly:
 uniform depth one source at a time. Catch-up is the costly sources' lag only (a copy does not feed
 the draft). With one source this is the formula above.
 
+Trees (EAGLE-2; `trees`, where the drafter grows them: StepContext.trees): for a source that pays
+a draft forward, at its chosen depth m, the arms TreeShape(m, tree_topk, m + w) for w in
+`tree_extra` are priced as a tree step costs (T_tree(b, N), every sequence padded to the largest
+tree's rows, plus D(b) + (m − 1)·D(b·topk) for the levels) and credited with the chain's expected
+tokens times a gain learnt per (source, shape) from the tree steps played (emitted over the chain's
+E_i(m) at decision time; prior +3 % per extra node, worth a few steps). A tree is played where it
+beats the chain by `min_gain`, tried by exploration where it comes within `explore_margin`. Tree
+steps teach only the gain: a tree's acceptance is not its chain's, so α̂ and r_j learn from chains.
+Where every verified row costs about a decode step (the AVX2 CPUs: docs/results/speculation,
+session 40) trees never pay and are not played; where rows are nearly free (GPUs) they are.
+
 Padded verification (`padded_verify`, default: the profile's ``meta["verify_padding"]``, which
 tide.engine.profiling sets for our engine): when the engine pads every sequence of a verify
 forward to the longest draft, a step costs T(b, 1 + max_i γ_i) whatever the others draft. Then
@@ -84,7 +95,7 @@ import random
 from collections import Counter
 from itertools import accumulate
 
-from tide.policies.base import Estimate, RequestView, StepContext, StepFeedback
+from tide.policies.base import Action, Estimate, RequestView, StepContext, StepFeedback, TreeShape
 from tide.policies.costs import MIN_GAIN
 from tide.policies.estimators import (
     ALPHA_CAP,
@@ -105,6 +116,13 @@ REGULAR_LAG = 4
 # so a step 16× off it is a stall (the process descheduled, a collector pause, another thread holding
 # the GIL), not a new cost; unclipped, one such step could lift κ_d past speculation's break-even.
 MAX_CORRECTION = 16.0
+# A tree's expected tokens before it has run: its chain's times (1 + TREE_GAIN_PRIOR · extra nodes),
+# worth TREE_PRIOR_TOKENS of its chains' expected tokens as evidence (a few steps). Measured on the
+# starter draft, held-out mix, batch 1: the EAGLE-3 draft's tree of depth 3 with 1 node more than its
+# chain accepted 1.53 against 1.44 (+6 %), depth 4 with 3 more 1.60 against 1.47 (+9 %)
+# (docs/results/speculation, session 40).
+TREE_GAIN_PRIOR = 0.03
+TREE_PRIOR_TOKENS = 16.0
 
 
 def source_key(view: RequestView) -> str:
@@ -191,6 +209,13 @@ class AdaptivePolicy:
         # on the held-out mix: 1.47x plain against 1.53x unsplit (docs/results/speculation, session
         # 39): the split halves each copy state's evidence and did not pay; off.
         by_match: bool = False,
+        # EAGLE-2 trees for a source that pays a draft forward, where the drafter grows them
+        # (StepContext.trees): at a source's chosen depth m, TreeShape(m, tree_topk, m + w) for each w
+        # in tree_extra is priced (T_tree(b, N) + D(b) + (m - 1) D(b · topk)) against the chain, its
+        # tokens the chain's times a gain learnt from the tree steps played. () or trees=False: chains.
+        trees: bool = True,
+        tree_topk: int = 2,
+        tree_extra: tuple[int, ...] = (1, 3),
         seed: int = 0,
     ) -> None:
         self.name = "adaptive"
@@ -212,6 +237,9 @@ class AdaptivePolicy:
         self.rng = random.Random(seed)
         self.alpha_decay, self.alpha_prior = alpha_decay, alpha_prior
         self.per_source, self.by_match = per_source, by_match
+        self.trees, self.tree_topk, self.tree_extra = trees, tree_topk, tuple(tree_extra)
+        # (source, shape) -> [tokens emitted, tokens its chain was expected to emit], fading per step played
+        self.tree_gain: dict[tuple[str, TreeShape], list[float]] = {}
         self.sources: dict[str, _SourceState] = {}  # by RequestView.drafter; see `source`
         self.requests: RequestStates[_ReqState] = RequestStates()
         self.kv: dict[tuple[int, int], float] = {}
@@ -227,6 +255,7 @@ class AdaptivePolicy:
         show that the new one pays. The κ latency corrections stay (same target, same engine)."""
         for src in self.sources.values():
             src.reset()
+        self.tree_gain = {}
         self.requests = RequestStates()
 
     def source(self, name: str = "none") -> _SourceState:
@@ -279,13 +308,15 @@ class AdaptivePolicy:
             out.append(Estimate("alpha_global", src.alpha.value, tag))
             out += [Estimate("depth_ratio", src.depth_ratio(j), ",".join(filter(None, (tag, f"depth={j}"))))
                     for j in range(1, self.max_gamma + 1)]
+        out += [Estimate("tree_gain", self.tree_gain_of(source, shape), f"source={source},shape={shape.key()}")
+                for source, shape in sorted(self.tree_gain, key=lambda k: (k[0], k[1].key()))]
         out += [Estimate("kappa_verify", v, f"batch={b},tokens={n}") for (b, n), v in sorted(self.kv.items())]
         for name, table in (("kappa_draft", self.kd), ("kappa_catchup", self.kc)):
             out += [Estimate(name, v, f"batch={b}") for b, v in sorted(table.items())]
         return out
 
     # ------------------------------------------------------------------ decide
-    def decide(self, ctx: StepContext) -> list[int]:
+    def decide(self, ctx: StepContext) -> list[Action]:
         hists = self.requests.begin(ctx, lambda r: _ReqState(self.history))
         n, b = len(hists), ctx.batch_size
         gmax = min(self.max_gamma, ctx.max_gamma)
@@ -354,12 +385,47 @@ class AdaptivePolicy:
                 best = max((best[:k] + (m,) + best[k + 1:] for m in range(gmax + 1)), key=value)
         if value(best) < (1 + self.min_gain) * value(off):
             best = off  # a predicted gain within the model's error: drafting would as likely lose
+
+        def tree_arms(depths: tuple[int, ...]) -> dict[tuple[str, TreeShape], float]:
+            """Goodput of growing one costly source's requests a tree at its depth in `depths`
+            (a tree step verifies every sequence padded to its rows: ModelRunner.run_tree)."""
+            if not (self.trees and ctx.trees and self.tree_extra) or depths == off:
+                return {}
+            out = {}
+            for k in paid:
+                s, m = kinds[k], depths[k]
+                if m < 1:
+                    continue
+                others = [depths[j] for j in range(k_sources) if j != k]
+                tokens = sum(tokens_at[kinds[j]][depths[j]] for j in range(k_sources) if j != k)
+                chain_draft = max((depths[j] for j in paid if j != k), default=0) * d
+                for w in self.tree_extra:
+                    shape = TreeShape(m, self.tree_topk, m + w)
+                    if shape.tokens > shape.drafted:
+                        continue
+                    rows = max(shape.tokens + 1, 1 + max(others, default=0))
+                    verify = (max(self.verify_ratio(bucket, rows), plain_ratio)
+                              * self.profile.tree_target_ms(b, rows - 1))
+                    grow = self.kd.get(bucket, 1.0) * (self.profile.draft_ms(b)
+                                                       + (m - 1) * self.profile.draft_ms(b * self.tree_topk))
+                    got = tokens + tokens_at[s][m] * self.tree_gain_of(s, shape)
+                    out[(s, shape)] = got / (verify + chain_draft + grow + switch)
+            return out
+
+        trees = tree_arms(best)
+        tree = max(trees, key=trees.get) if trees else None
+        if tree is not None and trees[tree] < (1 + self.min_gain) * value(best):
+            tree = None  # as for drafting at all: a gain within the model's error is no reason (exploration tries it)
         if self.explore > 0 and self.rng.random() < self.explore:
-            floor = (1 - self.explore_margin) * value(best)
+            top = trees[tree] if tree is not None else value(best)
+            floor = (1 - self.explore_margin) * top
             steps = [best[:k] + (best[k] + step,) + best[k + 1:] for k in range(k_sources) for step in (-1, 1)
                      if 0 <= best[k] + step <= gmax]
-            near = [arm for arm in steps if value(arm) >= floor]
-            best = self.rng.choice(near) if near else best
+            near = [(arm, None) for arm in steps if value(arm) >= floor]
+            near += [(best, t) for t, v in trees.items() if t != tree and v >= floor]
+            if tree is not None:
+                near.append((best, None))  # the chain the tree beat
+            best, tree = self.rng.choice(near) if near else (best, tree)
         depth = dict(zip(kinds, best, strict=True))
 
         if best == off:
@@ -378,9 +444,24 @@ class AdaptivePolicy:
                     while k > 1 and ch[k] < value(best) * delta:
                         k -= 1
                 gammas.append(k)
+        actions: list[Action] = list(gammas)
+        expected = [0.0] * n
+        if tree is not None:  # the source's requests grow the tree at its depth, untrimmed
+            src, shape = tree
+            for i, (s, a) in enumerate(zip(names, alphas, strict=True)):
+                if s == src:
+                    gammas[i], actions[i] = shape.depth, shape
+                    expected[i] = cum[(s, a)][shape.depth]
         self._pending = {"lags": [r.lag for r in ctx.requests], "alphas": alphas, "gammas": gammas,
-                         "sources": names}
-        return gammas
+                         "sources": names, "expected": expected}
+        return actions
+
+    def tree_gain_of(self, source: str, shape: TreeShape) -> float:
+        """Tokens a step of `shape` emits over what its chain of the same depth was expected to
+        (E_i(depth) at decision time), learnt from the tree steps played, on top of a prior."""
+        prior = TREE_PRIOR_TOKENS * (1.0 + TREE_GAIN_PRIOR * (shape.tokens - shape.depth))
+        got, expected = self.tree_gain.get((source, shape), (0.0, 0.0))
+        return (got + prior) / (expected + TREE_PRIOR_TOKENS)
 
     def _probe_due(self, b: int, n: int, plain_ms: float, d: float, switch: float) -> bool:
         """Off for long enough that a probe step fits `probe_budget` (see the module docstring)."""
@@ -397,17 +478,26 @@ class AdaptivePolicy:
         return 1 + (max(gammas, default=0) if self.padded else sum(gammas) / b)
 
     def raw_times(self, b: int, gammas: tuple[int, ...], lags: list[int],
-                  sources: list[str] | None = None) -> tuple[float, float, float]:
+                  sources: list[str] | None = None, shapes=()) -> tuple[float, float, float]:
         """Uncorrected profile (verify ms, draft ms, catch-up ms) for the γs the engine actually ran;
         the catch-up is 0 unless a drafting request lagged more than REGULAR_LAG rows (the draft ms
         then holds the ordinary catch-up, as D(b) was profiled). Requests of a free source (a copy)
-        add neither."""
+        add neither. With trees (`shapes`, per request or ()), the step verified every sequence
+        padded to the largest tree's rows, and the trees' levels drafted beside the chains."""
         paid = [not is_free(s) for s in sources] if sources is not None else [True] * len(gammas)
+        grown = [sh for sh in shapes if sh is not None]
+        chained = [g if (not shapes or shapes[i] is None) else 0 for i, g in enumerate(gammas)]
         spec = [lag for lag, g, p in zip(lags, gammas, paid, strict=False) if g > 0 and p]
-        draft = max((g for g, p in zip(gammas, paid, strict=False) if p), default=0) * self.profile.draft_ms(b)
+        draft = max((g for g, p in zip(chained, paid, strict=False) if p), default=0) * self.profile.draft_ms(b)
+        if grown:
+            top = max(grown, key=lambda sh: sh.depth)
+            draft += self.profile.draft_ms(b) + (top.depth - 1) * self.profile.draft_ms(b * top.topk)
         catchup = self.profile.catchup_ms(max(spec), len(spec)) if spec and max(spec) > 0 else 0.0
         if spec and max(spec) <= REGULAR_LAG:
             draft, catchup = draft + catchup, 0.0
+        if grown:
+            rows = max(max(sh.tokens for sh in grown) + 1, 1 + max(chained, default=0))
+            return self.profile.tree_target_ms(b, rows - 1), draft, catchup
         return self.profile.target_ms(b, self.verify_n(b, gammas)), draft, catchup
 
     # ------------------------------------------------------------------ observe
@@ -416,21 +506,28 @@ class AdaptivePolicy:
         p, self._pending = self._pending, None
         asked = self.asked(p["gammas"] if p is not None else (), feedback.gammas)
         names = p["sources"] if p is not None and len(p["sources"]) == len(asked) else ["none"] * len(asked)
-        for st, s, g, v in zip(states, names, asked, feedback.accepted, strict=False):
-            st.hist(s).add(g, v)
+        shapes = feedback.shapes if len(feedback.shapes) == len(asked) else (None,) * len(asked)
+        # A tree's acceptance is not its chain's: tree steps teach the tree's gain, chains the rest.
+        chain = [sh is None for sh in shapes]
+        for st, s, g, v, c in zip(states, names, asked, feedback.accepted, chain, strict=False):
+            if c:
+                st.hist(s).add(g, v)
             st.off = 0 if g > 0 else st.off + 1
         for s in set(names) | set(self.sources):  # every source ages each step, drafting or not
-            mine = [(g, v) for name, g, v in zip(names, asked, feedback.accepted, strict=False) if name == s]
+            mine = [(g, v) for name, g, v, c in zip(names, asked, feedback.accepted, chain, strict=False)
+                    if name == s and c]
             self.source(s).alpha.update([g for g, _ in mine], [v for _, v in mine])
         self.probe.record(asked)
         b = feedback.batch_size
         if p is None or not states or b <= 0:
             return
+        self._learn_tree_gains(names, shapes, feedback.accepted, p.get("expected", ()))
         bucket = batch_bucket(b)
-        verify, draft, catchup = self.raw_times(b, feedback.gammas, p["lags"], names)
+        verify, draft, catchup = self.raw_times(b, feedback.gammas, p["lags"], names, shapes)
         if feedback.verify_ms > 0 and verify > 0:
             ratio = feedback.verify_ms / verify
-            played = round(self.verify_n(b, feedback.gammas))
+            grown = [sh.tokens + 1 for sh in shapes if sh is not None]
+            played = max(max(grown), 1 + max(feedback.gammas)) if grown else round(self.verify_n(b, feedback.gammas))
             self._ema(self.kv, (bucket, played), ratio)
             self._ema(self.kv_bucket, bucket, ratio)
             self._relax_unplayed(bucket, played)
@@ -443,9 +540,22 @@ class AdaptivePolicy:
         elif feedback.draft_ms > 0 and draft > 0:
             self._ema(self.kd, bucket, feedback.draft_ms / draft)
         for s in set(names):
-            rows = [(a, g, v) for name, a, g, v in zip(names, p["alphas"], asked, feedback.accepted, strict=False)
-                    if name == s]
-            self._learn_depths(self.source(s).depth, *map(tuple, zip(*rows, strict=True)))
+            rows = [(a, g, v) for name, a, g, v, c in zip(names, p["alphas"], asked, feedback.accepted, chain,
+                                                           strict=False) if name == s and c]
+            if rows:
+                self._learn_depths(self.source(s).depth, *map(tuple, zip(*rows, strict=True)))
+
+    def _learn_tree_gains(self, names: list[str], shapes, accepted: tuple[int, ...], expected) -> None:
+        """Per (source, shape) played this step: tokens emitted against the chain's expectation."""
+        played: dict[tuple[str, TreeShape], list[float]] = {}
+        for s, shape, v, e in zip(names, shapes, accepted, expected, strict=False):
+            if shape is not None and e > 0:
+                row = played.setdefault((s, shape), [0.0, 0.0])
+                row[0] += v + 1
+                row[1] += e
+        for key, (got, exp) in played.items():
+            old = self.tree_gain.get(key, [0.0, 0.0])
+            self.tree_gain[key] = [self.depth_decay * old[0] + got, self.depth_decay * old[1] + exp]
 
     @staticmethod
     def asked(decided, ran: tuple[int, ...]) -> tuple[int, ...]:

@@ -71,6 +71,9 @@ class StepContext:
     requests: tuple[RequestView, ...]
     step: int = 0
     max_gamma: int = 8
+    # Whether the drafter grows draft trees (a TreeShape is drafted as asked, else as a chain of its
+    # depth): a policy prices trees only where they can run.
+    trees: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma, FixedTree
 from tide.policies.adaptive import AdaptivePolicy
-from tide.policies.profile import synthetic_profile
+from tide.policies.profile import LatencyProfile, synthetic_profile
 
 
 def _scan(tokens: list[int], gamma: int, max_n: int, min_n: int) -> list[int]:
@@ -132,3 +132,32 @@ def test_greedy_output_equals_plain_under_the_adaptive_policy_with_both_sources(
                            policy=AdaptivePolicy(synthetic_profile(), alpha_prior=0.9))
         assert [s.output_ids for s in engine.generate(prompts, params)] == plain
         assert drafter.copied > 0
+
+
+class _SeesShapes(AdaptivePolicy):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trees_played = 0
+
+    def observe(self, feedback):
+        self.trees_played += sum(sh is not None for sh in feedback.shapes)
+        super().observe(feedback)
+
+
+def test_greedy_output_equals_plain_when_the_adaptive_policy_grows_trees(tiny_model):
+    """Rows priced free (a GPU's verify): the adaptive policy plays trees for the draft's requests
+    and chains for the copies, and the output is plain decoding's, at batch 1 and 4."""
+    rng = random.Random(7)
+    prompts = [([rng.randrange(3, 96) for _ in range(3)] * 6) if i % 2 == 0 else
+               [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(4)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    plain = [s.output_ids for s in LLMEngine(tiny_model, EngineConfig(max_batch=4, max_seq_len=256)).generate(
+        prompts, params)]
+    flat = LatencyProfile(T_ms={b: {n: 50.0 for n in range(1, 17)} for b in (1, 2, 4)}, D0_ms=0.5)
+    for batch in (1, 4):
+        drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=7), min_match=2)
+        policy = _SeesShapes(flat, alpha_prior=0.9, tree_extra=(3,))
+        engine = LLMEngine(tiny_model, EngineConfig(max_batch=batch, max_seq_len=256), drafter=drafter,
+                           policy=policy)
+        assert [s.output_ids for s in engine.generate(prompts, params)] == plain
+        assert policy.trees_played > 0 and drafter.copied > 0
