@@ -40,6 +40,20 @@ def load(draft: str, files, per_file: int) -> tuple[LlamaModel, Eagle3Drafter, l
     return model, eagle, [encode_prompt(tok, p) for f in files for p in load_prompts(f, limit=per_file)]
 
 
+def count_trees(engine: LLMEngine):
+    """A counter of the requests' steps that verified a draft tree (the policy hears each step's
+    shapes; the benchmark listens in on its `observe`)."""
+    seen = [0]
+    observe = engine.policy.observe
+
+    def counting(feedback) -> None:
+        seen[0] += sum(shape is not None for shape in feedback.shapes)
+        observe(feedback)
+
+    engine.policy.observe = counting
+    return lambda: seen[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", required=True, help="EAGLE-3 checkpoint directory")
@@ -51,8 +65,9 @@ def main() -> None:
                                                   "adaptive-hybrid"],
                     help="which of: plain, adaptive-eagle3 (the draft alone), adaptive-hybrid-one-source "
                          "(draft + lookup, one acceptance estimate for both), adaptive-hybrid-by-match "
-                         "(copies of each match length apart too), adaptive-hybrid (the default: "
-                         "draft + lookup, each source learnt and priced apart)")
+                         "(copies of each match length apart too), adaptive-hybrid-chains (the default "
+                         "without draft trees), adaptive-hybrid (the default: draft + lookup, each source "
+                         "learnt and priced apart, trees where they pay)")
     ap.add_argument("--lookups", nargs="*", default=[], metavar="MIN:MAX",
                     help="also adaptive-hybrid arms whose copies need MIN..MAX matching tokens (default 1:3)")
     ap.add_argument("--json")
@@ -69,6 +84,8 @@ def main() -> None:
             "adaptive-hybrid-by-match": lambda: LLMEngine(
                 model, cfg, drafter=HybridDrafter(eagle),
                 policy=make_policy("adaptive", {"by_match": True}, profile)),
+            "adaptive-hybrid-chains": lambda: LLMEngine(model, cfg, drafter=HybridDrafter(eagle),
+                                                        policy=make_policy("adaptive", {"trees": False}, profile)),
             "adaptive-hybrid": lambda: LLMEngine(model, cfg, drafter=HybridDrafter(eagle),
                                                  policy=make_policy("adaptive", {}, profile))}
     arms = {k: v for k, v in arms.items() if k in args.arms}
@@ -80,16 +97,20 @@ def main() -> None:
     runs: dict[str, list[dict]] = {k: [] for k in arms}
     for order in (list(arms), list(arms)[::-1]):
         for name in order:
-            r = decode_all(arms[name](), prompts, args.max_tokens)
+            engine = arms[name]()
+            trees = count_trees(engine)
+            r = decode_all(engine, prompts, args.max_tokens)
+            r["tree_steps"] = trees()
             runs[name].append(r)
-            print(f"{name:26s} {r['tok_s']:6.1f} tok/s  accept {r['accept_length']:.2f}  mean γ {r['gamma_mean']}",
-                  flush=True)
+            print(f"{name:26s} {r['tok_s']:6.1f} tok/s  accept {r['accept_length']:.2f}  mean γ {r['gamma_mean']}"
+                  f"  requests' tree steps {r['tree_steps']}", flush=True)
     plain = sum(r["tok_s"] for r in runs.get("plain", ())) or float("nan")
     out = {"cpu": cpu_name(), "draft": args.draft, "prompts": args.prompts, "per_file": args.per_file,
            "max_tokens": args.max_tokens, "batch": args.batch,
            "tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
            "accept_length": {k: [r["accept_length"] for r in v] for k, v in runs.items()},
            "gamma_mean": {k: [r["gamma_mean"] for r in v] for k, v in runs.items()},
+           "tree_steps": {k: [r["tree_steps"] for r in v] for k, v in runs.items()},
            "x_plain": {k: round(sum(r["tok_s"] for r in v) / plain, 3) for k, v in runs.items()}}
     print(out["x_plain"])
     if args.json:
