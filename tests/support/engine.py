@@ -204,3 +204,19 @@ def exact_first_two(model, prompt: list[int], params) -> tuple[torch.Tensor, tor
                                                   n + 1, None, slot_range=(0, 1)), cache)
         p2 += p1[tok] * target_probs(logits, params)[0].double()
     return p1, p2
+
+
+def repetitive_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of 3-40 tokens, each a short random run repeated (the n-gram drafter finds copies)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 17, 9, 30, 12, 23, 3, 40][:n]
+    return [(torch.randint(3, vocab, (max(2, L // 3),), generator=g).tolist() * 3)[:L] for L in lengths]
+
+
+def sample_many(engine, prompt: list[int], params, n: int = 1000) -> list:
+    """n sampled requests of one prompt, seeds 0..n-1, 64 at a time: their sequences."""
+    seqs = []
+    for start in range(0, n, 64):
+        batch = [type(params)(**{**params.__dict__, "seed": i}) for i in range(start, min(n, start + 64))]
+        seqs += engine.generate([prompt] * len(batch), batch)
+    return seqs

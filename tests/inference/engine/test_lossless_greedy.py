@@ -8,8 +8,7 @@ wrong), the n-gram drafter and EAGLE-3 with prompt lookup; a drafter hot-swap mi
 from __future__ import annotations
 
 import pytest
-import torch
-from support.engine import CyclingGamma, RandomDrafter, ScriptedDrafter, tiny_eagle3_drafter
+from support.engine import CyclingGamma, RandomDrafter, ScriptedDrafter, repetitive_prompts, tiny_eagle3_drafter
 
 from tide.engine.drafters import NgramDrafter
 from tide.engine.drafters.hybrid import HybridDrafter
@@ -22,10 +21,7 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = [5, 17, 9, 30, 12, 23, 3, 40][:n]
-    # Repetitive prompts give the n-gram drafter something to find.
-    return [(torch.randint(3, VOCAB, (max(2, L // 3),), generator=g).tolist() * 3)[:L] for L in lengths]
+    return repetitive_prompts(n, VOCAB, seed)  # the n-gram drafter finds copies in them
 
 
 def _engine(model, drafter=None, policy=None, max_batch=8) -> LLMEngine:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine import RandomDrafter, chi_square_p_value, exact_first_two, tiny_eagle3_drafter
+from support.engine import RandomDrafter, chi_square_p_value, exact_first_two, sample_many, tiny_eagle3_drafter
 
 from tide.engine.drafters import NgramDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
@@ -55,11 +55,7 @@ def test_engine_sampling_matches_target_distribution(tiny_model, drafter_kind, p
                "eagle3": lambda: tiny_eagle3_drafter(tiny_model, max_batch=64)}[drafter_kind]()
     engine = LLMEngine(tiny_model, EngineConfig(max_batch=64, max_seq_len=128), drafter=drafter,
                        policy=FixedGamma(3))
-    n = 1000
-    seqs = []
-    for start in range(0, n, 64):
-        batch = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(start, min(n, start + 64))]
-        seqs += engine.generate([prompt] * len(batch), batch)
+    seqs = sample_many(engine, prompt, params)
     assert sum(s.draft_tokens for s in seqs) > 0
     if drafter_kind != "ngram":  # the copied n-gram is unlikely under this random target: mostly rejected
         assert sum(s.accepted_tokens for s in seqs) > 0

@@ -26,6 +26,13 @@ def _scan(tokens: list[int], gamma: int, max_n: int, min_n: int) -> list[int]:
     return []
 
 
+def _mixed_prompts(seed: int, n: int, cycle: int = 4, repeats: int = 5) -> list[list[int]]:
+    """Half the prompts repeat a short cycle (copies), half are fresh tokens (drafts)."""
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 96) for _ in range(cycle)] * repeats) if i % 2 == 0 else
+            [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(n)]
+
+
 @pytest.mark.parametrize("vocab,max_n,min_n", [(6, 3, 1), (20, 4, 2), (200, 3, 1)])
 def test_index_finds_what_a_scan_of_the_history_finds(vocab, max_n, min_n):
     rng = random.Random(vocab)
@@ -49,10 +56,7 @@ def test_index_of_another_shorter_list_starts_over():
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_output_equals_plain_and_both_sources_propose(tiny_model, batch):
-    rng = random.Random(batch)
-    # Half the prompts repeat a short cycle (copies), half are fresh tokens (drafts).
-    prompts = [([rng.randrange(3, 96) for _ in range(4)] * 5) if i % 2 == 0 else
-               [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(batch)]
+    prompts = _mixed_prompts(batch, batch)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     config = EngineConfig(max_batch=8, max_seq_len=256)
     plain = [s.output_ids for s in LLMEngine(tiny_model, config).generate(prompts, params)]
@@ -66,9 +70,7 @@ def test_greedy_output_equals_plain_and_both_sources_propose(tiny_model, batch):
 def test_greedy_output_equals_plain_with_trees_from_both_sources(tiny_model, batch):
     """Under a tree policy the hybrid proposes a copy as a branchless tree and grows the draft's
     trees elsewhere; one forward verifies both kinds side by side."""
-    rng = random.Random(10 + batch)
-    prompts = [([rng.randrange(3, 96) for _ in range(4)] * 5) if i % 2 == 0 else
-               [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(batch)]
+    prompts = _mixed_prompts(10 + batch, batch)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     config = EngineConfig(max_batch=8, max_seq_len=256)
     plain = [s.output_ids for s in LLMEngine(tiny_model, config).generate(prompts, params)]
@@ -99,9 +101,7 @@ def test_the_policy_is_told_which_source_each_request_drafts_from(tiny_model):
     """RequestView.drafter (and StepRecord.sources) is "ngram" exactly for the requests the hybrid
     then copies for and "eagle3" for those it drafts for, so the γ policy can price and learn each
     apart."""
-    rng = random.Random(3)
-    prompts = [([rng.randrange(3, 96) for _ in range(4)] * 5) if i % 2 == 0 else
-               [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(6)]
+    prompts = _mixed_prompts(3, 6)
     drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=3), min_match=2)
     policy = _Recording(2)
     engine = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256), drafter=drafter, policy=policy)
@@ -120,9 +120,7 @@ def test_the_policy_is_told_which_source_each_request_drafts_from(tiny_model):
 
 
 def test_greedy_output_equals_plain_under_the_adaptive_policy_with_both_sources(tiny_model):
-    rng = random.Random(5)
-    prompts = [([rng.randrange(3, 96) for _ in range(3)] * 6) if i % 2 == 0 else
-               [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(4)]
+    prompts = _mixed_prompts(5, 4, cycle=3, repeats=6)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     config = EngineConfig(max_batch=4, max_seq_len=256)
     plain = [s.output_ids for s in LLMEngine(tiny_model, config).generate(prompts, params)]
@@ -147,9 +145,7 @@ class _SeesShapes(AdaptivePolicy):
 def test_greedy_output_equals_plain_when_the_adaptive_policy_grows_trees(tiny_model):
     """Rows priced free (a GPU's verify): the adaptive policy plays trees for the draft's requests
     and chains for the copies, and the output is plain decoding's, at batch 1 and 4."""
-    rng = random.Random(7)
-    prompts = [([rng.randrange(3, 96) for _ in range(3)] * 6) if i % 2 == 0 else
-               [rng.randrange(3, 96) for _ in range(9 + i)] for i in range(4)]
+    prompts = _mixed_prompts(7, 4, cycle=3, repeats=6)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     plain = [s.output_ids for s in LLMEngine(tiny_model, EngineConfig(max_batch=4, max_seq_len=256)).generate(
         prompts, params)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine import ScriptedTreeDrafter, tiny_eagle3_drafter
+from support.engine import ScriptedTreeDrafter, repetitive_prompts, tiny_eagle3_drafter
 
 from tide.engine.drafters import NgramDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
@@ -27,9 +27,7 @@ SHAPES = [(1, 2, 2), (3, 2, 4), (4, 3, 8), (5, 4, 16)]
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = [5, 17, 9, 30, 12, 23, 3, 40][:n]
-    return [(torch.randint(3, VOCAB, (max(2, L // 3),), generator=g).tolist() * 3)[:L] for L in lengths]
+    return repetitive_prompts(n, VOCAB, seed)  # the n-gram drafter finds copies in them
 
 
 def _engine(model, drafter=None, policy=None, max_batch=8) -> LLMEngine:

@@ -14,6 +14,7 @@ from support.engine import (
     ScriptedDrafter,
     chi_square_p_value,
     exact_first_two,
+    sample_many,
     target_last_probs,
     tiny_eagle3_drafter,
 )
@@ -108,11 +109,7 @@ def test_engine_tree_sampling_matches_target_distribution(tiny_model, drafter_ki
         drafter = _OracleTreeDrafter(tiny_model, params)
     engine = LLMEngine(tiny_model, EngineConfig(max_batch=64, max_seq_len=128), drafter=drafter,
                        policy=FixedTree(2, 8, 10))
-    n = 1000
-    seqs = []
-    for start in range(0, n, 64):
-        batch = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(start, min(n, start + 64))]
-        seqs += engine.generate([prompt] * len(batch), batch)
+    seqs = sample_many(engine, prompt, params)
     assert sum(s.draft_tokens for s in seqs) > 0
     assert sum(s.accepted_tokens for s in seqs) > 0
     first = torch.bincount(torch.tensor([s.output_ids[0] for s in seqs]), minlength=p1.numel())

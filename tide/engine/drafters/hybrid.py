@@ -83,17 +83,9 @@ class HybridDrafter:
 
     def propose(self, seqs: list[Sequence], gammas: list[int], features: FeatureStore | None,
                 generators: list) -> Proposal:
-        tokens: list[list[int]] = [[] for _ in seqs]
+        copies, drafted = self._copies(seqs, gammas)
+        tokens: list[list[int]] = [c or [] for c in copies]
         probs: list = [None] * len(seqs)
-        drafted = []
-        for i, (seq, gamma) in enumerate(zip(seqs, gammas, strict=True)):
-            copy = self._copy(seq, gamma)
-            if copy:
-                tokens[i] = copy
-            else:
-                drafted.append(i)
-        self.copied += len(seqs) - len(drafted)
-        self.drafted += len(drafted)
         if drafted:
             sub = self.eagle.propose([seqs[i] for i in drafted], [gammas[i] for i in drafted], features,
                                      [generators[i] for i in drafted])
@@ -105,19 +97,19 @@ class HybridDrafter:
                      generators: list) -> list[DraftTree]:
         """A copy where `source` says so, as a branchless tree of the shape's depth (one path is all a
         copy proposes); else the EAGLE-3 draft's tree (Eagle3Drafter.propose_tree)."""
-        trees: list[DraftTree | None] = [None] * len(seqs)
-        drafted = []
-        for i, (seq, shape) in enumerate(zip(seqs, shapes, strict=True)):
-            copy = self._copy(seq, shape.depth)
-            if copy:
-                trees[i] = DraftTree.chain(seq.token_ids[-1], copy)
-            else:
-                drafted.append(i)
-        self.copied += len(seqs) - len(drafted)
-        self.drafted += len(drafted)
+        copies, drafted = self._copies(seqs, [shape.depth for shape in shapes])
+        trees = [DraftTree.chain(seq.token_ids[-1], c) if c else None for seq, c in zip(seqs, copies, strict=True)]
         if drafted:
             grown = self.eagle.propose_tree([seqs[i] for i in drafted], [shapes[i] for i in drafted], features,
                                             [generators[i] for i in drafted])
             for j, i in enumerate(drafted):
                 trees[i] = grown[j]
         return trees
+
+    def _copies(self, seqs: list[Sequence], depths: list[int]) -> tuple[list[list[int] | None], list[int]]:
+        """This step's copy per sequence (None where the draft proposes), and the draft's sequences."""
+        copies = [self._copy(seq, depth) or None for seq, depth in zip(seqs, depths, strict=True)]
+        drafted = [i for i, copy in enumerate(copies) if copy is None]
+        self.copied += len(seqs) - len(drafted)
+        self.drafted += len(drafted)
+        return copies, drafted
