@@ -155,6 +155,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_batch, config.max_tokens_per_step, config.max_seq_len,
                                    config.prefill_chunk, prefixes)
         self.drafter: Drafter | None = None
+        self._drafter_trees = False  # whether the drafter grows trees (TreeDrafter): set with the drafter
         self.features: FeatureStore | None = None
         self.policy: GammaPolicy = policy or FixedGamma(0)
         self.eos_ids = set(model.cfg.eos_token_ids)
@@ -251,6 +252,7 @@ class LLMEngine:
             for seq in self.scheduler.active.values():
                 old.remove_sequence(seq)
         self.drafter = drafter
+        self._drafter_trees = isinstance(drafter, TreeDrafter)  # a protocol check (~10 us): once, not per step
         if drafter is not None:
             for seq in self.scheduler.active.values():
                 drafter.add_sequence(seq)
@@ -462,7 +464,7 @@ class LLMEngine:
             lag=self.drafter.lag(s), context_len=len(s.token_ids), drafter=draft_source(self.drafter, s),
             match=copy_match(self.drafter, s),
         ) for s in seqs)
-        trees_ok = isinstance(self.drafter, TreeDrafter)
+        trees_ok = self._drafter_trees
         decided = self.policy.decide(StepContext(batch_size=len(seqs), requests=views, step=self._step, max_gamma=cap,
                                                  trees=trees_ok))
         actions: list[Action] = []

@@ -45,13 +45,14 @@ def test_cuda_greedy_speculative_equals_plain(cuda_model, kind, gamma):
     assert sum(s.draft_tokens for s in spec) > 0
 
 
-def test_cuda_sampling_runs_with_seeds(cuda_model):
-    """Sampled requests on CUDA: seeded runs repeat exactly, with and without speculation drafts."""
+@pytest.mark.parametrize("policy", [FixedGamma(3), FixedTree(3, 2, 6)], ids=["chains", "trees"])
+def test_cuda_sampling_runs_with_seeds(cuda_model, policy):
+    """Sampled requests on CUDA: seeded runs repeat exactly, with drafted chains or trees."""
     params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True) for i in range(4)]
     cfg = EngineConfig(max_batch=4, max_seq_len=128)
     runs = [[s.output_ids for s in LLMEngine(cuda_model, cfg, drafter=tiny_eagle3_drafter(cuda_model, max_batch=4,
                                                                                            max_len=160),
-                                             policy=FixedGamma(3)).generate(_prompts(), params)] for _ in range(2)]
+                                             policy=policy).generate(_prompts(), params)] for _ in range(2)]
     assert runs[0] == runs[1]
 
 
@@ -72,11 +73,3 @@ def test_cuda_greedy_tree_decoding_equals_plain(cuda_model, kind, shape, batch):
     if kind == "scripted":
         assert sum(s.accepted_tokens for s in spec) > 0
 
-
-def test_cuda_tree_sampling_runs_with_seeds(cuda_model):
-    params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True) for i in range(4)]
-    cfg = EngineConfig(max_batch=4, max_seq_len=128)
-    runs = [[s.output_ids for s in LLMEngine(cuda_model, cfg, drafter=tiny_eagle3_drafter(cuda_model, max_batch=4,
-                                                                                           max_len=160),
-                                             policy=FixedTree(3, 2, 6)).generate(_prompts(), params)] for _ in range(2)]
-    assert runs[0] == runs[1]
