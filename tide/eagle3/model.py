@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tide.eagle3.config import DraftIncompatible, Eagle3Config
+from tide.kernels import use_for
 from tide.layers import Linear, apply_rope, rms_norm, rope_inv_freq, rope_table, silu_mul
 
 # attend(q [B, nH, q, hd], k [B, nKV, q, hd], v [B, nKV, q, hd]) -> [B, nH, q, hd]; q and k RoPE'd.
@@ -154,6 +155,16 @@ class Eagle3Draft(nn.Module):
         self._serving = ServingLinears(self)
         return self
 
+    @property
+    def serving(self) -> ServingLinears | None:
+        """The packed projections of a draft frozen for serving, else None."""
+        return self._serving
+
+    def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [..., hd] at `positions`, in `dtype`."""
+        cos_t, sin_t = self._rope_tables(positions.device)
+        return cos_t[positions].to(dtype), sin_t[positions].to(dtype)
+
     # --- the engine-facing API ------------------------------------------------------------------
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
@@ -173,9 +184,7 @@ class Eagle3Draft(nn.Module):
         embeds = F.embedding(input_ids, self.embed).to(hidden.dtype)
         residual = hidden
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        cos_t, sin_t = self._rope_tables(x.device)
-        cos = cos_t[positions].unsqueeze(1).to(x.dtype)  # [B, 1, q, hd]
-        sin = sin_t[positions].unsqueeze(1).to(x.dtype)
+        cos, sin = (t.unsqueeze(1) for t in self.rope_rows(positions, x.dtype))  # [B, 1, q, hd]
         attn, fast = layer.self_attn, self._serving
         if fast is not None:
             q, k, v = fast.qkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -205,6 +214,18 @@ class Eagle3Draft(nn.Module):
         draft = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)
         ids[draft + self.d2t] = draft
         return ids
+
+
+def fused_step_kernels(draft: Eagle3Draft):
+    """tide.kernels where its `draft_layer` can run this frozen draft's steps (a CPU draft whose
+    projections all run on the kernels' GEMM), else None."""
+    lin = draft.serving
+    kern = use_for(draft.fc.weight) if lin is not None else None
+    if kern is None or not kern.has_decode_attention or not hasattr(kern, "draft_layer"):
+        return None
+    if any(p.kernel_args is None for p in (lin.qkv, lin.o, lin.gate_up, lin.down)):
+        return None
+    return kern
 
 
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -564,6 +564,17 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layer(
     const torch::Tensor& slots, const torch::Tensor& positions, int64_t slot_lo, int64_t slot_hi, int64_t kv_len,
     const c10::optional<torch::Tensor>& bias, int64_t hq, int64_t hkv);
 
+torch::Tensor draft_layer(
+    const torch::Tensor& ids, const torch::Tensor& embed, const torch::Tensor& hidden, const torch::Tensor& ln_in,
+    const torch::Tensor& ln_hidden, const torch::Tensor& ln_post, double eps,
+    const std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>& qkv,
+    const std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>& o,
+    const std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>& gate_up,
+    const std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>& down,
+    torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
+    const torch::Tensor& slots, const torch::Tensor& write_at, int64_t kv_len, const torch::Tensor& bias, int64_t hq,
+    int64_t hkv);
+
 // Every op releases the GIL while it runs, as torch's own ops do: the worker's gRPC and exporter
 // threads then run beside a forward instead of between its calls (a decode_layer call is ~0.3 ms).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -584,6 +595,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "(x @ q.T) * scale + bias, bf16 x, int8 q, row-invariant (AVX512_BF16)",
         nogil);
   m.def("decode_layer", &decode_layer, "one decoder layer for few query tokens a sequence (layer.cpp)", nogil);
+  m.def("draft_layer", &draft_layer, "one EAGLE-3 draft layer pass for few query tokens a sequence (layer.cpp)",
+        nogil);
   m.def("set_pool", [](bool on) { tide_pool::Pool::get().set_enabled(on); },
         "on: the kernels' threads are tide_pool's (pool.h); off: OpenMP's static split");
   m.def("set_pool_threads", [](int n) { tide_pool::Pool::get().set_threads(n); },

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tide.eagle3 import Eagle3Draft, load_checkpoint
+from tide.eagle3.model import fused_step_kernels
 from tide.engine.drafters.base import DraftAlgorithm, Proposal
 from tide.engine.features import FeatureStore
 from tide.engine.llama import LlamaModel
@@ -52,15 +53,20 @@ TREE_SCRATCH = 128
 class Eagle3Drafter:
     algorithm = DraftAlgorithm.EAGLE3
 
-    def __init__(self, draft: Eagle3Draft, version: str, max_batch: int, max_len: int) -> None:
+    def __init__(self, draft: Eagle3Draft, version: str, max_batch: int, max_len: int, fused_step: bool = True) -> None:
         self.draft = draft.eval().freeze_for_serving()  # its projections on tide.kernels' GEMM
         self.version = version
         cfg = draft.cfg
         p = draft.fc.weight
+        # A draft step in one kernel call where tide.kernels serves every projection (the cache is
+        # then float32, as the kernels' attention reads it); else the torch ops of Eagle3Draft.step
+        # (`fused_step=False`: benchmarks time the two side by side).
+        self._fused = fused_step_kernels(self.draft) if fused_step else None
         # Rows past max_len: scratch for tree steps of sequences near the end of the context.
         shape = (max_batch, cfg.num_key_value_heads, max_len + TREE_SCRATCH, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        cache_dtype = torch.float32 if self._fused is not None else p.dtype
+        self.k = torch.zeros(shape, dtype=cache_dtype, device=p.device)
+        self.v = torch.zeros(shape, dtype=cache_dtype, device=p.device)
         self.max_len = max_len
         self._consumed: dict[str, int] = {}
         # Draft id -> target id as a plain tensor; target ids for sampled q rows.
@@ -70,10 +76,10 @@ class Eagle3Drafter:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, target: LlamaModel, version: str, max_batch: int,
-                        max_len: int) -> Eagle3Drafter:
+                        max_len: int, fused_step: bool = True) -> Eagle3Drafter:
         """Load and check a checkpoint against the serving target (raises DraftIncompatible)."""
         draft = load_checkpoint(path, target.embed, target.cfg, device=target.device, dtype=target.dtype)
-        return cls(draft, version, max_batch, max_len)
+        return cls(draft, version, max_batch, max_len, fused_step)
 
     # ---- per-sequence lifecycle ----------------------------------------------------------------
 
@@ -118,7 +124,7 @@ class Eagle3Drafter:
                 if j == gmax - 1 or all(i in stopped or j + 1 >= gammas[i] for i in range(B)):
                     break  # no chain goes on: no more draft forwards
                 step_pos = torch.tensor([[e + j] for e in ends], dtype=torch.long, device=device)
-                hidden = self.draft.step(chosen.view(B, 1), hidden, step_pos, self._attend_fn(slots, step_pos))
+                hidden = self._step(chosen.view(B, 1), hidden, step_pos, slots)
         finally:
             for i in constrained:
                 seqs[i].matcher.rollback(len(tokens[i]))
@@ -176,8 +182,7 @@ class Eagle3Drafter:
             kv_len = int(rows.max()) + 1
             visible = torch.arange(kv_len, device=device)[None, None, :] < n[:, None, None]
             visible = visible.expand(B, topk, kv_len).clone().scatter_(-1, anc, True)
-            out = self.draft.step(self._d2t_ids[f_tok], f_hidden, pos,
-                                  self._attend_fn(slots, pos, rows, visible[:, None]))
+            out = self._step(self._d2t_ids[f_tok], f_hidden, pos, slots, rows, visible)
             logp = torch.log_softmax(self.draft.logits(out).float(), dim=-1)  # [B, k, Vd]
             c_logp, c_tok = logp.topk(topk, dim=-1)  # [B, k, k]
             c_score = torch.minimum(f_score[..., None] + c_logp, f_score[..., None]).reshape(B, topk * topk)
@@ -227,8 +232,7 @@ class Eagle3Drafter:
             # (clamped to the last cache row, which no committed position ever reaches).
             pos[i] = torch.clamp(torch.arange(starts[i], starts[i] + P), max=self.max_len - 1)
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=device)
-        out = self.draft.step(ids.to(device), self.draft.project(aux), pos.to(device),
-                              self._attend_fn(slots, pos.to(device)))
+        out = self._step(ids.to(device), self.draft.project(aux), pos.to(device), slots)
         last_rows = torch.tensor([e - s - 1 for s, e in zip(starts, ends, strict=True)], device=device)
         last = out[torch.arange(B, device=device), last_rows]
         for seq, end in zip(seqs, ends, strict=True):
@@ -260,6 +264,29 @@ class Eagle3Drafter:
             probs[i].append(full.index_copy_(0, self._d2t_ids.cpu(), q))
         return chosen
 
+    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              rows: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft layer pass over this drafter's cache: ids [B, q] (target ids), hidden [B, q, H],
+        positions [B, q]; the new keys and values go to cache rows `rows` (default: their
+        positions); each query sees every cached key at a position <= its own, or the keys
+        `visible` [B, q, kv_len] allows (tree steps; kv_len = max row + 1). Returns out [B, q, H]."""
+        fused = self._fused
+        if fused is None:
+            mask = None if visible is None else visible[:, None]
+            return self.draft.step(ids, hidden, positions, self._attend_fn(slots, positions, rows, mask))
+        rows = positions if rows is None else rows
+        kv_len = int(rows.max()) + 1
+        if visible is None:
+            visible = torch.arange(kv_len)[None, None, :] <= positions[:, :, None]
+        bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
+        cfg, layer, lin = self.draft.cfg, self.draft.midlayer, self.draft.serving
+        cos, sin = self.draft.rope_rows(positions, hidden.dtype)
+        return fused.draft_layer(
+            ids, self.draft.embed, hidden, layer.input_layernorm.weight, layer.hidden_norm.weight,
+            layer.post_attention_layernorm.weight, cfg.rms_norm_eps, lin.qkv.kernel_args, lin.o.kernel_args,
+            lin.gate_up.kernel_args, lin.down.kernel_args, self.k, self.v, cos, sin, slots, rows, kv_len, bias,
+            cfg.num_attention_heads, cfg.num_key_value_heads)
+
     def _attend_fn(self, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
                    visible: torch.Tensor | None = None):
         """attend(q, k, v) over this drafter's cache: write the new k/v rows at cache rows `rows`
@@ -269,9 +296,9 @@ class Eagle3Drafter:
         kv_len = int(rows.max()) + 1
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k[slots[:, None], :, rows] = k.transpose(1, 2)
-            self.v[slots[:, None], :, rows] = v.transpose(1, 2)
-            keys, values = self.k[slots, :, :kv_len], self.v[slots, :, :kv_len]
+            self.k[slots[:, None], :, rows] = k.transpose(1, 2).to(self.k.dtype)
+            self.v[slots[:, None], :, rows] = v.transpose(1, 2).to(self.v.dtype)
+            keys, values = self.k[slots, :, :kv_len].to(q.dtype), self.v[slots, :, :kv_len].to(q.dtype)
             mask = visible
             if mask is None:
                 mask = torch.arange(kv_len, device=q.device)[None, None, None, :] <= positions[:, None, :, None]
