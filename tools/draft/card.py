@@ -2,11 +2,12 @@
 `card.json` (what the registry reads: services/registry/starter.py) and a model card README.
 
     python -m tools.draft.card --draft var/starter/draft --out tide/starter_drafts/smollm2-135m-instruct \
-        --eval-prompts gsm8k_test.jsonl[:40] --command "tide draft bootstrap ..."
+        --eval-prompts "gsm8k_test.jsonl[:14]" "humaneval.jsonl.gz[:13]" "spec_bench_questions.jsonl[1:287:22]" \
+        --command "tide draft bootstrap ..."
 
 It measures, with the serving engine (greedy, batch 8, forced γ):
-- `eval_metrics.accept_length_g1..g5`: tokens per verify step on the held-out prompts (default 40
-  GSM8K test questions, 128 new tokens each) — prompts the bootstrap never saw;
+- `eval_metrics.accept_length_g1..g5`: tokens per verify step on the held-out prompts (the files
+  taken in turn; default 40 GSM8K test questions), 128 new tokens each — prompts the bootstrap never saw;
 - `check`: the same at γ = 3 on the first CHECK_PROMPTS of them, 64 tokens each, with the prompt
   texts stored in the card: tests/inference/engine/test_starter_draft.py replays exactly this and
   requires the accept length within 5 % (greedy is deterministic on one machine; across CPUs bf16
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import shutil
 import sys
@@ -34,14 +36,15 @@ from tide.prompts import encode_prompt, load_prompts
 from tide.target import load_tokenizer, reference_gguf_path, resolve_target
 
 CHECK_PROMPTS, CHECK_TOKENS, CHECK_GAMMA = 8, 64, 3
+CONTEXT = 1024  # the engine's max_seq_len here and in the test that replays the check
 FILES = ("config.json", "model.safetensors")
 
 
 def accept_length(model: LlamaModel, draft_dir: Path, prompts: list[list[int]], gamma: int, max_tokens: int,
                   batch: int = 8) -> tuple[float, int]:
     """(tokens per verify step, output tokens) of greedy decoding with the draft at fixed γ."""
-    drafter = Eagle3Drafter.from_checkpoint(draft_dir, model, draft_dir.name, batch, 1024)
-    engine = LLMEngine(model, EngineConfig(max_batch=batch, max_seq_len=1024), drafter=drafter,
+    drafter = Eagle3Drafter.from_checkpoint(draft_dir, model, draft_dir.name, batch, CONTEXT)
+    engine = LLMEngine(model, EngineConfig(max_batch=batch, max_seq_len=CONTEXT), drafter=drafter,
                        policy=FixedGamma(gamma))
     accepted = steps = out = 0
     for i in range(0, len(prompts), batch):
@@ -60,8 +63,12 @@ def make_card(args) -> dict:
     target = resolve_target(args.target)
     model = LlamaModel.load(target, dtype=torch.bfloat16)
     tok = load_tokenizer(target)
-    held_out = load_prompts(args.eval_prompts)
-    encoded = [encode_prompt(tok, p) for p in held_out]
+    # Files taken in turn (round robin), so the check's first prompts cover every file's domain.
+    per_file = [load_prompts(f) for f in args.eval_prompts]
+    held_out = [p for group in itertools.zip_longest(*per_file) for p in group if p is not None]
+    # Only prompts that fit the engine's context with their new tokens (Spec-Bench has 1k-token ones).
+    fits = [(p, e) for p in held_out if len(e := encode_prompt(tok, p)) + args.max_tokens <= CONTEXT]
+    held_out, encoded = [p for p, _ in fits], [e for _, e in fits]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in FILES:
@@ -79,7 +86,7 @@ def make_card(args) -> dict:
         "target_gguf_sha256": sha256(reference_gguf_path()) if args.target == "ref" else None,
         "format": "EAGLE-3 (SGLang / vLLM layout: config.json + model.safetensors)",
         "command": args.command,
-        "eval": {"prompts": args.eval_prompts, "count": len(held_out), "max_tokens": args.max_tokens,
+        "eval": {"prompts": " ".join(args.eval_prompts), "count": len(held_out), "max_tokens": args.max_tokens,
                  "decoding": "greedy, batch 8, forced γ, bf16 target", "seconds": round(time.perf_counter() - t0, 1)},
         "eval_metrics": {k: round(v, 4) for k, v in metrics.items()},
         "check": {"gamma": CHECK_GAMMA, "max_tokens": CHECK_TOKENS, "accept_length": round(check_len, 4),
@@ -123,7 +130,8 @@ The registry registers and promotes this draft as the first version of `{card['t
 when it has none (services/registry/starter.py), so `make run` speculates with EAGLE-3 from the
 first request; the online loop then adapts it to the traffic it serves.
 
-Made with the project's own bootstrap from the train splits under ../shared/data:
+Made with the project's own bootstrap from prompts under ../shared/data that the evaluation below
+never uses:
 
     {card['command']}
 {_bootstrap_lines(card.get("bootstrap"))}
@@ -138,7 +146,7 @@ new tokens each, {card['eval']['decoding']}; tokens per verification step, bonus
 
 `tests/inference/engine/test_starter_draft.py` replays the card's `check` (γ = {card['check']['gamma']},
 {len(card['check']['prompts'])} prompts, {card['check']['max_tokens']} tokens: {card['check']['accept_length']:.3f})
-and requires it within 5 %. Chains only: the engine has no draft trees yet.
+and requires it within 5 %.
 
 ## Files
 
@@ -155,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", required=True, help="the bootstrap's exported draft directory")
     p.add_argument("--out", required=True, help="where the starter goes (tide/starter_drafts/<name>)")
     p.add_argument("--target", default="ref")
-    p.add_argument("--eval-prompts", default="gsm8k_test.jsonl[:40]")
+    p.add_argument("--eval-prompts", nargs="+", default=["gsm8k_test.jsonl[:40]"],
+                   help="held-out prompt files (slices allowed), taken in turn")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--command", required=True, help="the command that made the draft (for the card)")
     card = make_card(p.parse_args(argv))
