@@ -2,8 +2,9 @@
 
 Code, summaries and retrieval answers repeat their context, and a small target repeats itself:
 there an n-gram copy accepts more than a one-layer draft and costs no forward. Measured on the
-starter draft at γ = 3, 16 prompts each: HumanEval accept length 2.32 copying against 1.23
-drafting, Spec-Bench 1.48 against 1.22, GSM8K test 1.89 against 2.13 (docs/results/speculation).
+first starter draft (trained on GSM8K and Alpaca prompts only) at γ = 3, 16 prompts each: HumanEval
+accept length 2.32 copying against 1.23 drafting, Spec-Bench 1.48 against 1.22, GSM8K test 1.89
+against 2.13 (docs/results/speculation).
 So each step, for each sequence, the latest earlier occurrence of its last `min_match`..`max_n`
 tokens is looked up (`NgramDrafter`); where there is one, what followed it is the proposal, else
 the EAGLE-3 draft's.
