@@ -1,5 +1,6 @@
 """What an EAGLE-3 proposal costs with the draft step in one kernel call (tide.kernels' draft_layer,
-the default) against the same draft's torch-op step, side by side in one process: chains of
+the default), with bf16 and with int8 projections, against the same draft's torch-op step, side by
+side in one process: chains of
 γ = 1, 3, 5 and a 4:2:7 tree at batch 1, 300 cached tokens, each timed right after a target
 forward (the draft's weights cold, as in the engine) and again at once (warm). Medians in ms.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -32,8 +34,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     model = LlamaModel.load(resolve_target("ref"), dtype=torch.bfloat16)
-    arms = {"one kernel call": Eagle3Drafter.from_checkpoint(args.draft, model, "fused", 1, 2048),
-            "torch ops": Eagle3Drafter.from_checkpoint(args.draft, model, "torch", 1, 2048, fused_step=False)}
+    load = partial(Eagle3Drafter.from_checkpoint, args.draft, model, "draft", 1, 2048)
+    arms = {"one call, bf16": load(weights="float"), "torch ops, bf16": load(fused_step=False, weights="float"),
+            "one call, int8": load(weights="int8")}
     store = FeatureStore(1, CONTEXT + 64, 3 * model.cfg.hidden_size, model.dtype, model.device)
     store.rows.normal_(generator=torch.Generator().manual_seed(0))
     seqs = fake_seqs(1, CONTEXT)
@@ -58,13 +61,13 @@ def main() -> None:
                     runner.run(seqs, [[7] * 4], [CONTEXT], [0], False)  # a verify forward: caches cold
                     times.setdefault((name, str(kind), False), []).append(propose(drafter, kind))
                     times.setdefault((name, str(kind), True), []).append(propose(drafter, kind))
-    print(f"{'proposal':>24} {'warm':>5} " + " ".join(f"{n:>16}" for n in arms) + "    ratio")
+    print(f"{'proposal':>24} {'warm':>5} " + " ".join(f"{n:>16}" for n in arms) + "    torch / one call (bf16, int8)")
     for kind in KINDS:
         for warm in (False, True):
             ms = [statistics.median(times[(n, str(kind), warm)]) for n in arms]
             label = f"tree {kind.key()}" if isinstance(kind, TreeShape) else f"chain γ={kind}"
             print(f"{label:>24} {'yes' if warm else 'no':>5} " + " ".join(f"{m:16.2f}" for m in ms)
-                  + f"    {ms[1] / ms[0]:.2f}x")
+                  + f"    {ms[1] / ms[0]:.2f}x {ms[1] / ms[2]:.2f}x")
 
 
 if __name__ == "__main__":

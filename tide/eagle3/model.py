@@ -28,6 +28,7 @@ from torch import nn
 from tide.eagle3.config import DraftIncompatible, Eagle3Config
 from tide.kernels import use_for
 from tide.layers import Linear, apply_rope, rms_norm, rope_inv_freq, rope_table, silu_mul
+from tide.quant import quantized_linear
 
 # attend(q [B, nH, q, hd], k [B, nKV, q, hd], v [B, nKV, q, hd]) -> [B, nH, q, hd]; q and k RoPE'd.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -81,23 +82,30 @@ class MidLayer(nn.Module):
 
 class ServingLinears:
     """A frozen draft's projections on tide.layers.Linear (tide.kernels' GEMM where it serves, on
-    AVX512_BF16 and AVX2 CPUs alike), q|k|v and gate|up fused: the inference engine's copy
-    (`Eagle3Draft.freeze_for_serving`). nn.Linear's bf16 GEMM on an AVX2 CPU is torch's emulated
+    AVX512_BF16 and AVX2 CPUs alike) or tide.quant's int8 ones, q|k|v and gate|up fused: the
+    inference engine's copy (`Eagle3Draft.freeze_for_serving`). nn.Linear's bf16 GEMM on an AVX2 CPU is torch's emulated
     one: a draft step took 3 ms there against a 15 ms target step."""
 
-    def __init__(self, draft: Eagle3Draft) -> None:
-        layer = draft.midlayer
+    def __init__(self, draft: Eagle3Draft, weights: str = "float") -> None:
+        dtype = draft.fc.weight.dtype
+
+        def make(weight: torch.Tensor):
+            return Linear(weight) if weights == "float" else quantized_linear(weight, None, weights, dtype)
+
+        ws = self.weights(draft)
+        self.fc, self.qkv, self.o = make(ws["fc"]), make(ws["qkv"]), make(ws["o"])
+        self.gate_up, self.down, self.lm_head = make(ws["gate_up"]), make(ws["down"]), make(ws["lm_head"])
+
+    @staticmethod
+    def weights(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+        """Each serving projection's weight [out, in], q|k|v and gate|up concatenated."""
+        attn, mlp = draft.midlayer.self_attn, draft.midlayer.mlp
 
         def w(*mods: nn.Linear) -> torch.Tensor:
             return torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
 
-        attn, mlp = layer.self_attn, layer.mlp
-        self.fc = Linear(w(draft.fc))
-        self.qkv = Linear(w(attn.q_proj, attn.k_proj, attn.v_proj))
-        self.o = Linear(w(attn.o_proj))
-        self.gate_up = Linear(w(mlp.gate_proj, mlp.up_proj))
-        self.down = Linear(w(mlp.down_proj))
-        self.lm_head = Linear(w(draft.lm_head))
+        return {"fc": w(draft.fc), "qkv": w(attn.q_proj, attn.k_proj, attn.v_proj), "o": w(attn.o_proj),
+                "gate_up": w(mlp.gate_proj, mlp.up_proj), "down": w(mlp.down_proj), "lm_head": w(draft.lm_head)}
 
 
 class Eagle3Draft(nn.Module):
@@ -147,12 +155,13 @@ class Eagle3Draft(nn.Module):
             self._rope[device] = (cos.to(device), sin.to(device))
         return self._rope[device]
 
-    def freeze_for_serving(self) -> Eagle3Draft:
+    def freeze_for_serving(self, weights: str = "auto") -> Eagle3Draft:
         """Inference only from now on (the engine's drafter): the projections run on copies packed
-        for tide.kernels' GEMM (`ServingLinears`); the parameters stay as they are for `state_dict`.
-        A draft being trained never calls this: it needs autograd through nn.Linear."""
+        for tide.kernels' GEMM (`ServingLinears`, in the format `serving_weights` picks: "float",
+        "int8" or "auto"); the parameters stay as they are for `state_dict`. A draft being trained
+        never calls this: it needs autograd through nn.Linear."""
         self.requires_grad_(False)
-        self._serving = ServingLinears(self)
+        self._serving = ServingLinears(self, serving_weights(self, weights))
         return self
 
     @property
@@ -214,6 +223,21 @@ class Eagle3Draft(nn.Module):
         draft = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)
         ids[draft + self.d2t] = draft
         return ids
+
+
+def serving_weights(draft: Eagle3Draft, weights: str = "auto") -> str:
+    """The format `freeze_for_serving` packs the draft's projections in. "auto": "int8" where
+    tide.kernels' int8 GEMM takes every projection of this bf16 CPU draft — the same accept length
+    as bf16 and half the bytes a draft step reads (0.4-0.8 ms less a proposal on a Zen 4 guest;
+    docs/results/speculation, session 41) — else "float"."""
+    if weights != "auto":
+        return weights
+    kern = use_for(draft.fc.weight)
+    if kern is None or not getattr(kern, "has_int8_gemm", False) or draft.fc.weight.dtype != torch.bfloat16:
+        return "float"
+    # Shapes the int8 kernel packs (tide.quant.Int8Linear): output features a multiple of 16, inputs of 4.
+    fits = all(w.shape[0] % 16 == 0 and w.shape[1] % 4 == 0 for w in ServingLinears.weights(draft).values())
+    return "int8" if fits else "float"
 
 
 def fused_step_kernels(draft: Eagle3Draft):

@@ -1,7 +1,9 @@
 """The EAGLE-3 drafter's one-call draft step (tide.kernels' draft_layer) computes what the draft's
 torch ops compute: extend rows, chain steps and tree steps with their masks, and the cache rows
 they write. Not bit for bit (its attention sums in float32 over a float32 cache): a draft's numerics
-only decide what is proposed, and verification against the target keeps the output exact."""
+only decide what is proposed, and verification against the target keeps the output exact. With
+int8 projections (the served default where the int8 kernel takes them) the same, within int8's
+rounding of the weights."""
 
 from __future__ import annotations
 
@@ -24,15 +26,17 @@ pytestmark = pytest.mark.skipif(ops is None or not ops.has_bf16_gemm or not ops.
 H, V = TINY_TARGET["hidden_size"], TINY_TARGET["vocab_size"]
 
 
-@pytest.fixture(scope="module")
-def drafters() -> tuple[Eagle3Drafter, Eagle3Drafter]:
-    """(the drafter on the kernels, the same draft on torch ops)."""
-    draft, _ = make_draft(seed=3)
+@pytest.fixture(scope="module", params=["float", "int8"])
+def drafters(request) -> tuple[Eagle3Drafter, Eagle3Drafter]:
+    """(the drafter on the kernels, bf16 or int8 projections; the same draft on torch ops, bf16).
+    A draft vocabulary of 48: every projection's shape fits the int8 kernel's packing."""
+    draft, _ = make_draft(seed=3, draft_vocab_size=48)
     draft = draft.to(torch.bfloat16)
-    fused = Eagle3Drafter(copy.deepcopy(draft), "fused", 4, 64)
+    fused = Eagle3Drafter(copy.deepcopy(draft), "fused", 4, 64, weights=request.param)
     with kernels.disabled():
-        plain = Eagle3Drafter(copy.deepcopy(draft), "torch", 4, 64)
+        plain = Eagle3Drafter(copy.deepcopy(draft), "torch", 4, 64, weights="float")
     assert fused._fused is not None and fused.k.dtype == torch.float32
+    assert fused.draft.serving.qkv.kind == ("bf16-kernel" if request.param == "float" else "int8-kernel")
     assert plain._fused is None and plain.k.dtype == torch.bfloat16
     return fused, plain
 

@@ -10,7 +10,9 @@ positions [0, n) and whose last token x_n is pending, a proposal is:
 2. γ - 1 autoregressive steps at positions n, n+1, ...: hidden = the previous step's output (the
    draft's own stand-in for the target's features), input id = the previous draft token.
 Only rows from target features are committed (`consumed` = n); the speculative rows at positions
->= n are overwritten by the next extend, so rejected drafts need no rollback.
+>= n are overwritten by the next extend, so rejected drafts need no rollback. Each draft pass (an
+extend, a chain step, a tree level) is one tide.kernels call (`draft_layer`, over a float32 cache)
+where the kernels serve the draft's projections, else Eagle3Draft.step's torch ops.
 
 Constrained requests (a grammar matcher on the sequence): each draft step's logits are masked to
 the tokens the grammar allows after the drafts so far, so drafts follow the grammar; a sampled
@@ -53,8 +55,9 @@ TREE_SCRATCH = 128
 class Eagle3Drafter:
     algorithm = DraftAlgorithm.EAGLE3
 
-    def __init__(self, draft: Eagle3Draft, version: str, max_batch: int, max_len: int, fused_step: bool = True) -> None:
-        self.draft = draft.eval().freeze_for_serving()  # its projections on tide.kernels' GEMM
+    def __init__(self, draft: Eagle3Draft, version: str, max_batch: int, max_len: int, fused_step: bool = True,
+                 weights: str = "auto") -> None:
+        self.draft = draft.eval().freeze_for_serving(weights)  # its projections on tide.kernels' GEMM
         self.version = version
         cfg = draft.cfg
         p = draft.fc.weight
@@ -76,10 +79,10 @@ class Eagle3Drafter:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, target: LlamaModel, version: str, max_batch: int,
-                        max_len: int, fused_step: bool = True) -> Eagle3Drafter:
+                        max_len: int, fused_step: bool = True, weights: str = "auto") -> Eagle3Drafter:
         """Load and check a checkpoint against the serving target (raises DraftIncompatible)."""
         draft = load_checkpoint(path, target.embed, target.cfg, device=target.device, dtype=target.dtype)
-        return cls(draft, version, max_batch, max_len, fused_step)
+        return cls(draft, version, max_batch, max_len, fused_step, weights)
 
     # ---- per-sequence lifecycle ----------------------------------------------------------------
 
@@ -296,9 +299,9 @@ class Eagle3Drafter:
         kv_len = int(rows.max()) + 1
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k[slots[:, None], :, rows] = k.transpose(1, 2).to(self.k.dtype)
-            self.v[slots[:, None], :, rows] = v.transpose(1, 2).to(self.v.dtype)
-            keys, values = self.k[slots, :, :kv_len].to(q.dtype), self.v[slots, :, :kv_len].to(q.dtype)
+            self.k[slots[:, None], :, rows] = k.transpose(1, 2)
+            self.v[slots[:, None], :, rows] = v.transpose(1, 2)
+            keys, values = self.k[slots, :, :kv_len], self.v[slots, :, :kv_len]
             mask = visible
             if mask is None:
                 mask = torch.arange(kv_len, device=q.device)[None, None, None, :] <= positions[:, None, :, None]
