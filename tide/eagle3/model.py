@@ -82,17 +82,19 @@ class MidLayer(nn.Module):
 
 class ServingLinears:
     """A frozen draft's projections on tide.layers.Linear (tide.kernels' GEMM where it serves, on
-    AVX512_BF16 and AVX2 CPUs alike) or tide.quant's int8 ones, q|k|v and gate|up fused: the
-    inference engine's copy (`Eagle3Draft.freeze_for_serving`). nn.Linear's bf16 GEMM on an AVX2 CPU is torch's emulated
-    one: a draft step took 3 ms there against a 15 ms target step."""
+    AVX512_BF16 and AVX2 CPUs alike) or tide.quant's int8 ones (`serving_format`), q|k|v and
+    gate|up fused: the inference engine's copy (`Eagle3Draft.freeze_for_serving`). nn.Linear's bf16
+    GEMM on an AVX2 CPU is torch's emulated one: a draft step took 3 ms there against a 15 ms
+    target step."""
 
-    def __init__(self, draft: Eagle3Draft, weights: str = "float") -> None:
+    def __init__(self, draft: Eagle3Draft, weights: str = "auto") -> None:
         dtype = draft.fc.weight.dtype
+        ws = self.weights(draft)
+        self.format = fmt = serving_format(draft, ws, weights)
 
         def make(weight: torch.Tensor):
-            return Linear(weight) if weights == "float" else quantized_linear(weight, None, weights, dtype)
+            return Linear(weight) if fmt == "float" else quantized_linear(weight, None, fmt, dtype)
 
-        ws = self.weights(draft)
         self.fc, self.qkv, self.o = make(ws["fc"]), make(ws["qkv"]), make(ws["o"])
         self.gate_up, self.down, self.lm_head = make(ws["gate_up"]), make(ws["down"]), make(ws["lm_head"])
 
@@ -157,11 +159,11 @@ class Eagle3Draft(nn.Module):
 
     def freeze_for_serving(self, weights: str = "auto") -> Eagle3Draft:
         """Inference only from now on (the engine's drafter): the projections run on copies packed
-        for tide.kernels' GEMM (`ServingLinears`, in the format `serving_weights` picks: "float",
-        "int8" or "auto"); the parameters stay as they are for `state_dict`. A draft being trained
+        for tide.kernels' GEMM (`ServingLinears`; `weights` "float", "int8" or "auto", see
+        `serving_format`); the parameters stay as they are for `state_dict`. A draft being trained
         never calls this: it needs autograd through nn.Linear."""
         self.requires_grad_(False)
-        self._serving = ServingLinears(self, serving_weights(self, weights))
+        self._serving = ServingLinears(self, weights)
         return self
 
     @property
@@ -225,18 +227,18 @@ class Eagle3Draft(nn.Module):
         return ids
 
 
-def serving_weights(draft: Eagle3Draft, weights: str = "auto") -> str:
-    """The format `freeze_for_serving` packs the draft's projections in. "auto": "int8" where
-    tide.kernels' int8 GEMM takes every projection of this bf16 CPU draft — the same accept length
-    as bf16 and half the bytes a draft step reads (0.4-0.8 ms less a proposal on a Zen 4 guest;
+def serving_format(draft: Eagle3Draft, weights: dict[str, torch.Tensor], asked: str = "auto") -> str:
+    """The format ServingLinears packs the draft's projections (`weights`) in. "auto": "int8" where
+    tide.kernels' int8 GEMM takes every one of this bf16 CPU draft's — the same accept length as
+    bf16 and half the bytes a draft step reads (0.15-0.5 ms less a proposal on a Zen 4 guest;
     docs/results/speculation, session 41) — else "float"."""
-    if weights != "auto":
-        return weights
+    if asked != "auto":
+        return asked
     kern = use_for(draft.fc.weight)
     if kern is None or not getattr(kern, "has_int8_gemm", False) or draft.fc.weight.dtype != torch.bfloat16:
         return "float"
     # Shapes the int8 kernel packs (tide.quant.Int8Linear): output features a multiple of 16, inputs of 4.
-    fits = all(w.shape[0] % 16 == 0 and w.shape[1] % 4 == 0 for w in ServingLinears.weights(draft).values())
+    fits = all(w.shape[0] % 16 == 0 and w.shape[1] % 4 == 0 for w in weights.values())
     return "int8" if fits else "float"
 
 
@@ -245,7 +247,7 @@ def fused_step_kernels(draft: Eagle3Draft):
     projections all run on the kernels' GEMM), else None."""
     lin = draft.serving
     kern = use_for(draft.fc.weight) if lin is not None else None
-    if kern is None or not kern.has_decode_attention or not hasattr(kern, "draft_layer"):
+    if kern is None or not kern.has_decode_attention:
         return None
     if any(p.kernel_args is None for p in (lin.qkv, lin.o, lin.gate_up, lin.down)):
         return None

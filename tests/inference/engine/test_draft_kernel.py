@@ -87,7 +87,10 @@ def test_extend_chain_and_tree_steps_match_the_torch_ops(drafters):
 
 
 def test_proposals_follow_the_same_draft_distributions(drafters):
-    """Chains and trees proposed on the kernels score their tokens as the torch path does."""
+    """Chains and trees proposed on the kernels come from the distributions the torch path computes:
+    the extend's logits agree, and each path's first draft token is the other's argmax up to
+    rounding (this random draft's top two logits are ~0.04 apart, so neither path's exact argmax is
+    asserted: another CPU's kernels round otherwise)."""
     g = torch.Generator().manual_seed(1)
     store = FeatureStore(4, 64, 3 * H, torch.bfloat16, torch.device("cpu"))
     store.rows[:, :20] = torch.randn((4, 20, 3 * H), generator=g).to(torch.bfloat16)
@@ -97,13 +100,18 @@ def test_proposals_follow_the_same_draft_distributions(drafters):
         seq = Sequence(f"r-{d.version}", tokens, 5, SamplingParams())
         seq.slot, seq.num_cached = 1, 20
         d.add_sequence(seq)
+        last, _, _ = d._extend([seq], store)
+        logits = d.draft.logits(last).float()[0]  # [Vd]: the first draft token's distribution
+        d._consumed[seq.request_id] = 0
         chain = d.propose([seq], [4], store, [None]).tokens[0]
         d._consumed[seq.request_id] = 12  # as after a rejection: extend 8 rows again
         tree = d.propose_tree([seq], [TreeShape(3, 2, 5)], store, [None])[0]
         d.remove_sequence(seq)
-        return chain, tree
+        return logits, chain, tree
 
-    (chain_a, tree_a), (chain_b, tree_b) = _both(drafters, propose)
+    (logits_a, chain_a, tree_a), (logits_b, chain_b, tree_b) = _both(drafters, propose)
+    torch.testing.assert_close(logits_a, logits_b, atol=0.1, rtol=0.05)
     assert len(chain_a) == len(chain_b) == 4 and tree_a.size == tree_b.size == 5
-    # The first draft token comes from the extend's last row: a clear argmax on both paths.
-    assert chain_a[0] == chain_b[0] and tree_a.tokens[1] == tree_b.tokens[1]
+    to_draft = drafters[0].draft.target_to_draft()
+    for first, other in ((chain_a[0], logits_b), (chain_b[0], logits_a), (tree_a.tokens[1], logits_b)):
+        assert other[to_draft[first]] >= other.max() - 0.1
