@@ -1,7 +1,7 @@
 """The engine's CPU kernels, built once per machine: cpu_ops.cpp (the small per-token ops: norms,
 silu*up, RoPE with the cache writes, decode attention), gemm.cpp (row-invariant bf16-weight GEMMs
-and int8-weight GEMMs for the projections and the lm_head on AVX512_BF16 or AVX2 + FMA)
-and layer.cpp (a decode layer in one call).
+and int8-weight GEMMs for the projections and the lm_head on AVX512_BF16 or AVX2 + FMA, on AMX
+tiles where the CPU has AMX-BF16: gemm_amx.h) and layer.cpp (a decode layer in one call).
 
 `ops()` returns the compiled module, or None where it cannot be had; callers then run the same
 math with torch ops. Built at first use with the system C++ compiler through torch's extension
@@ -10,6 +10,7 @@ key hashes the sources, torch's version and install path, and this CPU's model a
 shared between machines never hands one CPU another's build. Later processes load the built module
 in well under a second. `make setup` builds it, so neither a service's start nor a test pays the compile.
 
+`TIDE_AMX=0` keeps the GEMMs on AVX-512 tiles where AMX exists (other bits; `has_amx`, `amx_enabled()`).
 `TIDE_CPU_KERNELS=0` turns them off (the torch-op path everywhere); `TIDE_KERNEL_POOL=0` keeps them
 but runs them on OpenMP's threads instead of their own pool (pool.h, `own_threads`). No compiler, or a failed build:
 one warning in the log naming the compiler's output (`build-error.log`, which also stops later
@@ -40,7 +41,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "gemm.cpp", "layer.cpp")]
-HEADERS = [Path(__file__).with_name("pool.h")]  # the kernels' thread pool, included by the sources
+HEADERS = [Path(__file__).with_name(n) for n in ("pool.h", "gemm_amx.h")]  # included by the sources
 # No -ffast-math (reductions keep the order written) and no FMA contraction (a vectorised body
 # and its scalar tail would otherwise round the same expression differently). -fopenmp: without it
 # ATen's at::parallel_for compiles to a plain loop (one thread); the module then uses the libgomp

@@ -552,6 +552,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           const c10::optional<torch::Tensor>& bias);
 bool has_bf16_gemm();
 bool has_int8_gemm();
+bool amx_available();
+bool amx_enabled();
+void set_amx(bool on);
 // layer.cpp
 std::tuple<torch::Tensor, torch::Tensor> decode_layer(
     const torch::Tensor& x, const c10::optional<torch::Tensor>& delta, const torch::Tensor& ln1,
@@ -589,6 +592,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_kv_cache", &rope_kv_cache, "RoPE on q and k, k and v into the cache, rotated q out", nogil);
   m.attr("has_bf16_gemm") = has_bf16_gemm();
   m.attr("has_int8_gemm") = has_int8_gemm();
+  m.attr("has_amx") = amx_available();
+  m.def("amx_enabled", &amx_enabled, "whether the GEMMs take AMX tiles now (gemm_amx.h)");
+  m.def("set_amx", &set_amx, "AMX tiles on or off, for side-by-side benchmarks (the bits differ)", nogil);
   m.def("bf16_pack", &bf16_pack, "W [N, K] bf16 -> the layout bf16_linear reads", nogil);
   m.def("bf16_linear", &bf16_linear, "x @ W.T, bf16, row-invariant (AVX512_BF16 or AVX2)", nogil);
   m.def("int8_pack", &int8_pack, "q [N, K] int8 -> the layout int8_linear reads", nogil);

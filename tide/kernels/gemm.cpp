@@ -187,6 +187,24 @@ TileFn<W> tile_for(int rt, int cb) {
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512VBMI__)
+#define TIDE_AMX_BUILT 1
+}  // namespace
+#include "gemm_amx.h"
+namespace {
+#endif
+
+// Whether a weight of K inputs takes AMX's tiles (gemm_amx.h): whole k-tiles only, so that the
+// choice depends on the weight alone and never on the number of rows (see the rounding note there).
+bool takes_amx(int64_t K) {
+#ifdef TIDE_AMX_BUILT
+  return K % amx::TILE_K == 0 && amx::enabled().load(std::memory_order_relaxed);
+#else
+  (void)K;
+  return false;
+#endif
+}
+
 // x [..., K] bf16 -> [..., N] bf16 over a packed weight of element type W.
 template <typename W>
 torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale_in,
@@ -210,11 +228,21 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, con
   // Chunks of output features, ~64 KB of weights each (a few microseconds at the guest's ~30 GB/s):
   // small enough that a thread the OS takes away leaves little for the others to redo, large enough
   // that taking one (an atomic on a shared line) costs a few percent of it. See pool.h.
-  const int64_t per = std::max<int64_t>(1, (int64_t{1} << 16) / (block * static_cast<int64_t>(sizeof(W))));
+  int64_t per = std::max<int64_t>(1, (int64_t{1} << 16) / (block * static_cast<int64_t>(sizeof(W))));
+  const bool on_amx = takes_amx(K);
+  if (on_amx) per = (per + MAX_BLOCKS - 1) / MAX_BLOCKS * MAX_BLOCKS;  // whole groups of 4 C tiles
   tide_pool::parallel(
       (blocks + per - 1) / per,
       [=](int64_t chunk) {
         const int64_t b0 = chunk * per, b1 = std::min(blocks, b0 + per);
+#ifdef TIDE_AMX_BUILT
+        if (on_amx) {
+          for (int64_t b = b0; b < b1; b += MAX_BLOCKS)
+            amx::group<W>(xp, M, K, wp + b * block, block, static_cast<int>(std::min<int64_t>(MAX_BLOCKS, b1 - b)),
+                          yp + b * COLS, N, sp ? sp + b * COLS : nullptr, bp ? bp + b * COLS : nullptr);
+          return;
+        }
+#endif
         for (int64_t b = b0; b < b1; b += MAX_BLOCKS) {
           const int cb = static_cast<int>(std::min<int64_t>(MAX_BLOCKS, b1 - b));
           for (int64_t r = 0; r < M; r += MAX_ROWS) {
@@ -563,3 +591,27 @@ torch::Tensor int8_linear(const torch::Tensor&, const torch::Tensor&, const torc
 
 bool has_bf16_gemm() { return kHasBf16Gemm; }
 bool has_int8_gemm() { return kHasInt8Gemm; }
+
+// AMX (gemm_amx.h): built for this CPU and granted by the OS; and whether GEMMs take it now.
+bool amx_available() {
+#ifdef TIDE_AMX_BUILT
+  return amx::available();
+#else
+  return false;
+#endif
+}
+bool amx_enabled() {
+#ifdef TIDE_AMX_BUILT
+  return amx::enabled().load();
+#else
+  return false;
+#endif
+}
+// For side-by-side benchmarks only: a row's bits differ between the two paths.
+void set_amx(bool on) {
+#ifdef TIDE_AMX_BUILT
+  amx::enabled().store(on && amx::available());
+#else
+  (void)on;
+#endif
+}
