@@ -227,3 +227,25 @@ def test_off_switch_and_a_failed_build_fall_back_to_torch_ops(tmp_path):
     assert "fused CPU kernels unavailable" in broken.stderr and "build-error.log" in broken.stderr
     again = _probe({"CXX": "/bin/false", "TIDE_CACHE_DIR": str(tmp_path)})  # no second compile attempt
     assert "ops False" in again.stdout and "an earlier build failed" in again.stderr
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_is_torchs_argmax_ties_nans_and_all(ops, dtype):
+    """Greedy decoding's argmax (argmax.cpp): the token plain decoding and every verification emit."""
+    from tide.engine.sampling import greedy_tokens
+
+    if not ops.has_argmax:
+        pytest.skip("argmax_rows needs AVX-512 (greedy_tokens takes torch's argmax)")
+    for r, v in ((1, 49152), (17, 49152), (5, 8192), (3, 37), (2, 1)):  # whole vectors, tails, one entry
+        x = _rows(r, v, dtype, seed=v)
+        assert torch.equal(ops.argmax_rows(x), x.float().argmax(-1)), (r, v)
+    x = _rows(5, 1000, dtype, seed=1)
+    x[0, 300] = x[0, 700] = x[0].max() + 1  # a tie: the first wins
+    x[1, 7] = x[1, 500] = float("nan")  # a NaN beats everything: the first NaN
+    x[2] = float("-inf")
+    x[3] = 0.0
+    x[3, :5] = -0.0  # -0.0 == 0.0: index 0
+    x[4, 999] = float("inf")  # in the scalar tail of a 1000-wide row
+    assert ops.argmax_rows(x).tolist() == x.float().argmax(-1).tolist() == [300, 7, 0, 0, 999]
+    wide = _rows(4, 2 * 49152, dtype, seed=2)[:, ::2]  # strided rows
+    assert torch.equal(greedy_tokens(wide), wide.float().argmax(-1))

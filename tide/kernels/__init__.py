@@ -1,7 +1,8 @@
 """The engine's CPU kernels, built once per machine: cpu_ops.cpp (the small per-token ops: norms,
 silu*up, RoPE with the cache writes, decode attention), gemm.cpp (row-invariant bf16-weight GEMMs
 and int8-weight GEMMs for the projections and the lm_head on AVX512_BF16 or AVX2 + FMA, on AMX
-tiles where the CPU has AMX-BF16: gemm_amx.h) and layer.cpp (a decode layer in one call).
+tiles where the CPU has AMX-BF16: gemm_amx.h), layer.cpp (a decode layer in one call) and argmax.cpp
+(greedy decoding's argmax over the vocabulary).
 
 `ops()` returns the compiled module, or None where it cannot be had; callers then run the same
 math with torch ops. Built at first use with the system C++ compiler through torch's extension
@@ -40,7 +41,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "gemm.cpp", "layer.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "gemm.cpp", "layer.cpp", "argmax.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("pool.h", "gemm_amx.h")]  # included by the sources
 # No -ffast-math (reductions keep the order written) and no FMA contraction (a vectorised body
 # and its scalar tail would otherwise round the same expression differently). -fopenmp: without it

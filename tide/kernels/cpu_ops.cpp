@@ -553,6 +553,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 bool has_bf16_gemm();
 bool has_int8_gemm();
 bool amx_available();
+// argmax.cpp
+torch::Tensor argmax_rows(const torch::Tensor& logits);
+bool has_argmax();
 bool amx_enabled();
 void set_amx(bool on);
 // layer.cpp
@@ -593,6 +596,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_bf16_gemm") = has_bf16_gemm();
   m.attr("has_int8_gemm") = has_int8_gemm();
   m.attr("has_amx") = amx_available();
+  m.attr("has_argmax") = has_argmax();
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) for bf16 / float32 [R, V] (AVX-512)", nogil);
   m.def("amx_enabled", &amx_enabled, "whether the GEMMs take AMX tiles now (gemm_amx.h)");
   m.def("set_amx", &set_amx, "AMX tiles on or off, for side-by-side benchmarks (the bits differ)", nogil);
   m.def("bf16_pack", &bf16_pack, "W [N, K] bf16 -> the layout bf16_linear reads", nogil);
