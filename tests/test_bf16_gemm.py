@@ -32,7 +32,7 @@ def _tensor(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (48, 6), (16, 2), (1040, 130)])
-def test_matches_a_float64_reference_within_rounding(ops, n, k):
+def test_matches_a_float64_reference_within_rounding(ops, tiles, n, k):
     w, x, bias = _tensor(n, k, seed=1, scale=0.05), _tensor(7, k, seed=2, scale=2.0), _tensor(n, seed=3)
     y = ops.bf16_linear(x, ops.bf16_pack(w), bias)
     ref = x.double() @ w.double().T + bias.double()
@@ -42,7 +42,21 @@ def test_matches_a_float64_reference_within_rounding(ops, n, k):
     assert bool(((y.double() - ref).abs() <= bound).all())
 
 
-def test_a_row_gets_the_same_bits_alone_in_any_batch_and_on_any_thread_count(ops):
+@pytest.fixture(params=["amx", "vdpbf16ps"])
+def tiles(ops, request):
+    """Each tile path this CPU has: AMX (gemm_amx.h, where the CPU and OS give it) and the AVX-512 /
+    AVX2 tiles (on an AMX machine only with TIDE_AMX=0 or set_amx(False))."""
+    if request.param == "amx" and not ops.has_amx:
+        pytest.skip("no AMX on this CPU (or the OS did not grant it)")
+    before = ops.amx_enabled()
+    ops.set_amx(request.param == "amx")
+    try:
+        yield request.param
+    finally:
+        ops.set_amx(before)
+
+
+def test_a_row_gets_the_same_bits_alone_in_any_batch_and_on_any_thread_count(ops, tiles):
     w, bias = _tensor(960, 576, seed=4, scale=0.05), _tensor(960, seed=5)
     packed = ops.bf16_pack(w)
     rows = _tensor(97, 576, seed=6, scale=3.0)
@@ -86,7 +100,7 @@ def test_linear_takes_the_kernel_for_bf16_and_falls_back_where_it_cannot(ops):
         assert Linear(_tensor(960, 576, seed=10)).kind != "bf16-kernel"
 
 
-def test_int8_weights_match_their_dequantized_values_and_keep_rows_invariant(ops):
+def test_int8_weights_match_their_dequantized_values_and_keep_rows_invariant(ops, tiles):
     from tide.quant import Int8Linear
 
     if not ops.has_int8_gemm:
@@ -238,3 +252,22 @@ def test_decoding_beside_a_stalled_helper_gives_the_same_tokens(stalled_helpers,
     redone = ops.pool_chunks_redone()
     assert [s.output_ids for s in LLMEngine(tiny_bf16_model, config).generate(prompts, params)] == reference
     assert ops.pool_chunks_redone() > redone  # the decode steps ran on the pool, and past the stalled helper
+
+
+def test_amx_tiles_round_otherwise_but_agree_within_rounding(ops):
+    """Why a machine with AMX takes it for every row count (gemm_amx.h): its bits are not the
+    VDPBF16PS tiles', so mixing the two by row count would break verification's equality."""
+    if not ops.has_amx:
+        pytest.skip("no AMX on this CPU (or the OS did not grant it)")
+    w, x = _tensor(960, 576, seed=20, scale=0.05), _tensor(16, 576, seed=21, scale=3.0)
+    packed = ops.bf16_pack(w)
+    before = ops.amx_enabled()
+    try:
+        ops.set_amx(True)
+        on_amx = ops.bf16_linear(x, packed, None)
+        ops.set_amx(False)
+        on_avx = ops.bf16_linear(x, packed, None)
+    finally:
+        ops.set_amx(before)
+    assert torch.allclose(on_amx.float(), on_avx.float(), rtol=2 ** -7, atol=1e-3)
+    assert not torch.equal(on_amx, on_avx)
