@@ -54,7 +54,8 @@ int64_t row_argmax(const T* x, int64_t V) {
   // Pass 2: the first index holding it (the first NaN where there is one).
   for (int64_t i = 0; i < body; i += W) {
     const __m512 v = load16(x + i);
-    const __mmask16 hit = any_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    const __mmask16 hit = any_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                  : _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
   }
   for (int64_t i = body; i < V; ++i) {

@@ -89,22 +89,23 @@ struct Bf16Blocks {
   const uint16_t* at(int64_t s, int c) const { return w + c * block + s * B_TILE; }
 };
 
+// One B tile of int8 weights (16 pair-rows from `src`, int8_pack's layout) widened to bf16 at `dst`.
+inline void widen_tile(const int8_t* src, uint16_t* dst) {
+  static const Int8Tables tables;
+  for (int64_t p = 0; p < TILE_ROWS; p += 2) {
+    __m512bh first, second;
+    load_two_pair_rows(src + p * 2 * COLS, tables, first, second);
+    _mm512_store_si512(dst + p * 2 * COLS, reinterpret_cast<__m512i>(first));
+    _mm512_store_si512(dst + (p + 1) * 2 * COLS, reinterpret_cast<__m512i>(second));
+  }
+}
+
 struct Int8Blocks {
   const int8_t* w;
   int64_t block;
   uint16_t* buf;  // MAX_BLOCKS B tiles, 64-byte aligned
   void prepare(int64_t s, int cb) {
-    static const Int8Tables tables;
-    for (int c = 0; c < cb; ++c) {
-      const int8_t* src = w + c * block + s * B_TILE;
-      uint16_t* dst = buf + c * B_TILE;
-      for (int64_t p = 0; p < TILE_ROWS; p += 2) {
-        __m512bh first, second;
-        load_two_pair_rows(src + p * 2 * COLS, tables, first, second);
-        _mm512_store_si512(dst + p * 2 * COLS, reinterpret_cast<__m512i>(first));
-        _mm512_store_si512(dst + (p + 1) * 2 * COLS, reinterpret_cast<__m512i>(second));
-      }
-    }
+    for (int c = 0; c < cb; ++c) widen_tile(w + c * block + s * B_TILE, buf + c * B_TILE);
   }
   const uint16_t* at(int64_t, int c) const { return buf + c * B_TILE; }
 };
@@ -191,14 +192,9 @@ void group(const uint16_t* x, int64_t M, int64_t K, const W* w, int64_t block, i
   if constexpr (std::is_same_v<W, int8_t>) {
     if (M > TILE_ROWS) {
       uint16_t* wide = scratch(cb * block);
-      static const Int8Tables tables;
       for (int c = 0; c < cb; ++c)
-        for (int64_t p = 0; p < K / 2; p += 2) {
-          __m512bh first, second;
-          load_two_pair_rows(w + c * block + p * 2 * COLS, tables, first, second);
-          _mm512_store_si512(wide + c * block + p * 2 * COLS, reinterpret_cast<__m512i>(first));
-          _mm512_store_si512(wide + c * block + (p + 1) * 2 * COLS, reinterpret_cast<__m512i>(second));
-        }
+        for (int64_t s = 0; s < K / TILE_K; ++s)
+          widen_tile(w + c * block + s * B_TILE, wide + c * block + s * B_TILE);
       group<uint16_t>(x, M, K, wide, block, cb, y, N, scale, bias);
       return;
     }
