@@ -31,7 +31,7 @@ from services.controller.workers import GrpcWorkerClient
 from tide import streams
 from tide.decisions import Decision
 from tide.grpcutil import GrpcServer
-from tide.policies.costs import step_costs
+from tide.policies.costs import MIN_GAIN, StepCosts, find_profile, step_costs
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ class Controller:
         with self._lock:
             serving = self.stats.serving_version(target)
             draft = next((d for d in self.stats.drafts(target) if d.draft_version == serving), None)
-            self.collection.evaluate(target, Signal(serving, draft, self.stats.emitted(target)), now)
+            signal = Signal(serving, draft, self.stats.emitted(target), self.stats.mean_batch(target, now))
+            self.collection.evaluate(target, signal, now)
             state = self.collection.state(target)
             return self.issuer.issue(target, state.enabled, state.reason, now)
 
@@ -178,6 +179,26 @@ def break_even_rates(settings: ControllerSettings) -> Callable[[str], float]:
     return rate
 
 
+def load_rule(settings: ControllerSettings) -> Callable[[str, float, float], bool]:
+    """(target, running batch, acceptance rate) -> whether a draft at that rate would pay at that batch:
+    its best predicted speed-up over γ (StepCosts at the batch, from the target's latency profile) beats
+    the γ policy's margin. Without a profile (none given, none cached on this machine yet) it pays: no
+    load rule. A found profile is kept; a missing one is looked for again next time."""
+    profiles: dict[str, tuple] = {}
+
+    def pays(target: str, batch: float, rate: float) -> bool:
+        if target not in profiles:
+            found = find_profile(settings.latency_profile, target)
+            if found is None:
+                return True
+            profiles[target] = found
+            log.info("load rule for %s: step costs from %s", target, found[1])
+        profile, source = profiles[target]
+        return StepCosts.from_profile(profile, source, max(1.0, batch)).best_speedup(rate) >= 1.0 + MIN_GAIN
+
+    return pays
+
+
 def build(settings: ControllerSettings, *, worker_client: WorkerClient | None = None) -> ControllerService:
     """Build and start everything (the gRPC server last: SERVING means the loops run)."""
     client = worker_client or GrpcWorkerClient(settings.admin_token, settings.rpc_timeout_s)
@@ -191,7 +212,8 @@ def build(settings: ControllerSettings, *, worker_client: WorkerClient | None = 
     collection = CollectionControl(CollectionConfig(
         settings.collection_mode, settings.shift_epsilon, settings.min_observations, settings.no_gain_runs,
         settings.gain_margin, settings.tokens_needed, settings.collection_learn, settings.min_on_s,
-        settings.shift_hold_s), break_even=break_even_rates(settings))
+        settings.shift_hold_s, settings.reachable_rate, settings.load_hold_s), break_even=break_even_rates(settings),
+        pays_at=load_rule(settings))
     stats = FleetStats(settings.ema_short, settings.ema_long, settings.load_window_s)
     controller = Controller(settings.decision, stats, client=client, collection=collection,
                             rollback=RollbackGuard(registry if settings.auto_rollback else None,

@@ -35,6 +35,17 @@ Mode `auto` (the default):
   a rollback or pin to a draft that does not pay). Without that edge, a shift that training could
   not fix would turn collection straight back on.
 
+The load rule, over all of the above: collection is held OFF ("a draft would not pay at this
+load") while the workers' running batch is one at which even a draft accepting `reachable_rate`
+per drafted token (or the serving draft's own long-run rate, if higher) would not beat plain
+decoding by the γ policy's margin at any γ (StepCosts at that batch, from the workers' latency
+profile): a verified row there costs more than it can return, the γ policy does not draft, and
+training a better draft buys nothing until the load falls (issue 34: on a 2-vCPU AVX2 CPU at 4
+streams a draft needs 0.65 per token at γ = 1; the best draft trained for the reference model
+accepts 0.56, and the loop only taxed serving). The condition must hold for `load_hold_s` to take
+effect and clear for as long to lift (a lull between requests is not a new load). While it holds,
+the state machine above goes on judging; lifted, its state applies again.
+
 Modes `on` / `off` force the state (outcomes are still counted, nothing changes). Every change is
 logged with its reason and counted in `changes[(target, reason)]` (Prometheus reads it).
 """
@@ -59,6 +70,8 @@ NO_GAIN = "no gain after training"
 NO_SHIFT = "no shift"
 LEARN = "learning the traffic"
 WAITING = "waiting for telemetry"
+LOAD = "a draft would not pay at this load"
+LOAD_LIFTED = "load low enough for a draft to pay"
 FORCED_ON = "forced on (TIDE_CONTROLLER_COLLECTION=on)"
 FORCED_OFF = "forced off (TIDE_CONTROLLER_COLLECTION=off)"
 
@@ -74,6 +87,11 @@ class CollectionConfig:
     learn: bool = True  # collect from the first judgement until training stops gaining (see the module doc)
     min_on_s: float = 300.0  # seconds collection stays on before a no-gain verdict may turn it off
     shift_hold_s: float = 30.0  # seconds the shift condition must hold to turn collection on
+    # the load rule (module doc): the acceptance rate per drafted token (0..1) a trained draft could
+    # reach; 0 = no load rule. 0.6: above the best the reference model's drafts reached (0.56:
+    # accept length 2.08 at γ = 3, the 128k-token bootstrap)
+    reachable_rate: float = 0.6
+    load_hold_s: float = 60.0  # seconds the load condition must hold (or clear) to take effect
 
 
 @dataclass(frozen=True)
@@ -83,6 +101,7 @@ class Signal:
     serving_version: str  # draft version of the latest speculative step ("" = no draft)
     draft: DraftStats | None  # statistics of that version (None: no verification seen)
     emitted_tokens: int  # tokens the target emitted so far (all steps)
+    batch: float | None = None  # the target's workers' mean running batch (recent window); None = no steps
 
 
 @dataclass(frozen=True)
@@ -108,16 +127,24 @@ class _Target:
     learned: bool = False  # collection has gone off for no gain at least once (the LEARN rule is spent)
     plateau: bool = False  # no_gain_runs non-gains in a row, waiting for min_on_s to pass
     shift_since: float | None = None  # when the shift condition began to hold (continuously)
+    load_held: bool = False  # the load rule holds collection off
+    load_since: float | None = None  # when the load condition began to differ from load_held (continuously)
+    held_since: float = 0.0  # when load_held last changed
+    held_at: int = 0  # emitted tokens then
 
 
 class CollectionControl:
     """Thread-safe state machine over all targets. `break_even(target)`: the acceptance rate per
-    drafted token below which drafting does not pay (default: the reference CPU's step costs)."""
+    drafted token below which drafting does not pay (default: the reference CPU's step costs).
+    `pays_at(target, batch, rate)`: whether a draft accepting `rate` per drafted token would pay at
+    that running batch (the load rule; None: no load rule)."""
 
     def __init__(self, config: CollectionConfig | None = None,
-                 break_even: Callable[[str], float] | None = None) -> None:
+                 break_even: Callable[[str], float] | None = None,
+                 pays_at: Callable[[str, float, float], bool] | None = None) -> None:
         self.config = config or CollectionConfig()
         self.break_even = break_even or (lambda _target: StepCosts().break_even_rate())
+        self.pays_at = pays_at
         if self.config.mode not in ("auto", "on", "off"):
             raise ValueError(f"collection mode must be auto, on or off, got {self.config.mode!r}")
         self.changes: Counter[tuple[str, str]] = Counter()
@@ -133,8 +160,12 @@ class CollectionControl:
                 return None
             collected = 0
             if t.enabled_at is not None:
-                collected = (t.emitted if t.enabled else (t.disabled_at or t.enabled_at)) - t.enabled_at
-            return CollectionState(t.enabled, t.reason, t.since, max(collected, 0), self.config.tokens_needed)
+                end = t.emitted if t.enabled else (t.disabled_at or t.enabled_at)
+                if self._held(t):  # nothing collected since the load rule held it off
+                    end = min(end, t.held_at)
+                collected = end - t.enabled_at
+            enabled, reason, since = (False, LOAD, t.held_since) if self._held(t) else (t.enabled, t.reason, t.since)
+            return CollectionState(enabled, reason, since, max(collected, 0), self.config.tokens_needed)
 
     def targets(self) -> list[str]:
         with self._lock:
@@ -159,33 +190,41 @@ class CollectionControl:
                 if t.enabled is forced:
                     return False
                 return self._set(target, t, forced, FORCED_ON if forced else FORCED_OFF, now)
-            if t.enabled:  # on until training stops helping, and for min_on_s at least
-                if t.plateau and now - t.since >= cfg.min_on_s:
-                    return self._off_for_no_gain(target, t, now)
+            before = False if self._held(t) else t.enabled
+            self._judge(target, t, sig, now)
+            self._load_rule(target, t, sig, now)
+            return (False if self._held(t) else t.enabled) != before
+
+    def _judge(self, target: str, t: _Target, sig: Signal, now: float) -> bool:
+        """The state machine of the module doc (the load rule aside), lock held."""
+        cfg = self.config
+        if t.enabled:  # on until training stops helping, and for min_on_s at least
+            if t.plateau and now - t.since >= cfg.min_on_s:
+                return self._off_for_no_gain(target, t, now)
+            return False
+        cold, shifted, judged = self._conditions(target, sig)
+        t.shift_since = (t.shift_since if t.shift_since is not None else now) if shifted else None
+        shift = shifted and now - t.shift_since >= cfg.shift_hold_s
+        if t.enabled is False and t.reason == NO_GAIN:
+            if not t.armed:
+                t.armed = not shifted
                 return False
-            cold, shifted, judged = self._conditions(target, sig)
-            t.shift_since = (t.shift_since if t.shift_since is not None else now) if shifted else None
-            shift = shifted and now - t.shift_since >= cfg.shift_hold_s
-            if t.enabled is False and t.reason == NO_GAIN:
-                if not t.armed:
-                    t.armed = not shifted
-                    return False
-                if shift:
-                    return self._set(target, t, True, SHIFT, now)
-                if cold and sig.serving_version != t.off_version:
-                    return self._set(target, t, True, COLD_START, now)
-                return False
-            if cold:
-                return self._set(target, t, True, COLD_START, now)
             if shift:
                 return self._set(target, t, True, SHIFT, now)
-            if judged and cfg.learn and not t.learned:
-                return self._set(target, t, True, LEARN, now)
-            if judged:
-                return self._set(target, t, False, NO_SHIFT, now)
-            if sig.serving_version and t.enabled is None:
-                t.reason = f"waiting for {cfg.min_observations} verifications of {sig.serving_version}"
+            if cold and sig.serving_version != t.off_version:
+                return self._set(target, t, True, COLD_START, now)
             return False
+        if cold:
+            return self._set(target, t, True, COLD_START, now)
+        if shift:
+            return self._set(target, t, True, SHIFT, now)
+        if judged and cfg.learn and not t.learned:
+            return self._set(target, t, True, LEARN, now)
+        if judged:
+            return self._set(target, t, False, NO_SHIFT, now)
+        if sig.serving_version and t.enabled is None:
+            t.reason = f"waiting for {cfg.min_observations} verifications of {sig.serving_version}"
+        return False
 
     def on_outcome(self, outcome: TrainingOutcome, serving_version: str, now: float) -> bool:
         """Count a (new) training outcome; True when it turned collection off."""
@@ -215,6 +254,31 @@ class CollectionControl:
 
     # ---- internals
 
+    def _held(self, t: _Target) -> bool:
+        """The load rule holds collection off (where the state machine would not be off anyway)."""
+        return t.load_held and t.enabled is not False
+
+    def _load_rule(self, target: str, t: _Target, sig: Signal, now: float) -> None:
+        """Hold or lift the load rule once its condition has held or cleared for `load_hold_s`."""
+        cfg, d = self.config, sig.draft
+        condition = False
+        if self.pays_at is not None and cfg.reachable_rate > 0 and sig.batch is not None:
+            own = d.rate_long.value if d is not None and d.verify_steps >= cfg.min_observations else 0.0
+            condition = not self.pays_at(target, sig.batch, max(cfg.reachable_rate, own))
+        if condition == t.load_held:
+            t.load_since = None
+            return
+        t.load_since = t.load_since if t.load_since is not None else now
+        if now - t.load_since < cfg.load_hold_s:
+            return
+        t.load_held, t.load_since, t.held_since, t.held_at = condition, None, now, t.emitted
+        reason = LOAD if condition else LOAD_LIFTED
+        self.changes[(target, reason)] += 1
+        log.info("collection for %s %s: %s (mean running batch %.1f)", target,
+                 "held off" if condition else "no longer held off", reason, sig.batch or 0.0,
+                 extra={"target_model": target, "collection_enabled": False if condition else t.enabled,
+                        "reason": reason})
+
     def _off_for_no_gain(self, target: str, t: _Target, now: float) -> bool:
         t.plateau, t.armed, t.learned = False, False, True
         return self._set(target, t, False, NO_GAIN, now)
@@ -242,6 +306,7 @@ class CollectionControl:
         elif before:
             t.disabled_at = t.emitted
         self.changes[(target, reason)] += 1
-        log.info("collection for %s %s: %s", target, "on" if enabled else "off", reason,
-                 extra={"target_model": target, "collection_enabled": enabled, "reason": reason})
+        held = f" (held off: {LOAD})" if self._held(t) else ""
+        log.info("collection for %s %s: %s%s", target, "on" if enabled else "off", reason, held,
+                 extra={"target_model": target, "collection_enabled": enabled and not held, "reason": reason})
         return before != enabled

@@ -86,7 +86,14 @@ class ControllerSettings(ListenHostMixin, TideSettings):
         "this (0..1); 0 = the γ policy's break-even from the workers' latency profile (TIDE_CONTROLLER_LATENCY_"
         "PROFILE, else the newest EAGLE-3 profile cached on this machine, else the reference CPU's: 0.19)")
     latency_profile: str = Field("", json_schema_extra=shown_default("the newest EAGLE-3 profile cached here, else "
-                                 "the reference CPU's"), description="LatencyProfile JSON for the break-even rate")
+                                 "the reference CPU's"), description="LatencyProfile JSON for the break-even rate "
+                                 "and the load rule")
+    reachable_rate: Annotated[float, check(lambda v: 0 <= v < 1, "in [0, 1)")] = Field(
+        0.6, description="load rule: hold collection off while the workers' running batch is one where even a draft "
+        "accepting this rate per drafted token (or the serving draft's own, if higher) would not pay at any γ (0..1; "
+        "0 = no load rule; needs a latency profile). 0.6: above the best the reference model's drafts reached, 0.56")
+    load_hold_s: Annotated[float, finite_at_least(0)] = Field(
+        60.0, description="seconds the load rule's condition must hold, or clear, before it takes effect")
     collection_learn: Flag = Field(True, description="1 = auto mode also collects a judged draft that is neither "
                                    "weak nor shifted, until training stops gaining (learning the traffic)")
     min_on_s: Annotated[float, finite_at_least(0)] = Field(

@@ -181,13 +181,19 @@ class FleetStats:
         """Recent load of every worker seen in the last window (relative to `now`, default: wall time)."""
         now = time.time() if now is None else now
         out = []
-        with self._lock:
+        with self._lock:  # a read: windows are trimmed as steps arrive (observe), by their record times
             for worker_id, w in sorted(self._workers.items()):
-                self._trim(w, now)
-                if not w.steps:
+                steps = [s for s in w.steps if s[0] >= now - self.window_s]
+                if not steps:
                     continue
-                n = len(w.steps)
-                span = max(now - w.steps[0][0], 1e-3)
-                out.append(LoadStats(worker_id, w.target_model, sum(s[1] for s in w.steps) / n, n / span,
-                                     sum(s[2] for s in w.steps) / span, w.steps[-1][0]))
+                n = len(steps)
+                span = max(now - steps[0][0], 1e-3)
+                out.append(LoadStats(worker_id, w.target_model, sum(s[1] for s in steps) / n, n / span,
+                                     sum(s[2] for s in steps) / span, steps[-1][0]))
         return out
+
+    def mean_batch(self, target_model: str, now: float | None = None) -> float | None:
+        """The running batch of `target_model`'s workers in the last window, averaged over the workers
+        that stepped in it (the load rule's input, collection.py); None when none did."""
+        batches = [w.mean_batch for w in self.load(now) if w.target_model == target_model]
+        return sum(batches) / len(batches) if batches else None

@@ -252,3 +252,97 @@ def test_a_change_of_gamma_is_not_a_shift_but_a_drop_in_acceptance_is():
     assert d.rate_short.value < 0.35 < 0.6 < d.rate_long.value
     assert ctl.evaluate("m", Signal("v1", d, 2000), now=t)
     assert state(ctl) == (True, "shift detected")
+
+
+# Step costs measured on a 2-vCPU AVX2 guest (the worker's latency profile, session 43): a verified
+# row costs almost a plain step's worth at batch 4, and little at batch 1.
+AVX2_B1 = dict(verify=(1.0, 1.30, 1.62, 1.75, 2.20, 2.35), draft=0.113)
+AVX2_B4 = dict(verify=(1.0, 1.47, 1.94, 2.41, 2.82, 3.32), draft=0.102)
+
+
+def test_a_draft_pays_at_batch_1_and_no_reachable_draft_pays_at_batch_4_on_avx2_step_costs():
+    from tide.policies.costs import MIN_GAIN, StepCosts
+
+    b1, b4 = StepCosts(**AVX2_B1), StepCosts(**AVX2_B4)
+    assert b1.best_speedup(0.6) > 1 + MIN_GAIN > b4.best_speedup(0.6)
+    assert b4.best_speedup(0.7) > 1 + MIN_GAIN  # a draft at 0.7 per token would pay even there
+    assert b4.best_speedup(0.6) == pytest.approx(1.6 / (1.47 + 0.102))  # γ = 1 is its best
+    assert b1.best_speedup(0.0) < 1.0  # a draft that accepts nothing never pays
+
+
+def test_from_profile_reads_the_costs_at_the_batch():
+    from tide.policies.costs import StepCosts
+    from tide.policies.profile import LatencyProfile
+
+    profile = LatencyProfile(T_ms={1: {1: 10.0, 2: 11.0, 7: 20.0}, 4: {1: 20.0, 2: 30.0, 7: 80.0}},
+                             D_ms={1: 1.0, 4: 2.0})
+    b1, b4 = StepCosts.from_profile(profile, "p"), StepCosts.from_profile(profile, "p", batch=4)
+    assert b1.verify[1] == pytest.approx(1.1) and b1.draft == pytest.approx(0.1)
+    assert b4.verify[1] == pytest.approx(1.5) and b4.draft == pytest.approx(0.1)
+
+
+def test_load_rule_holds_collection_off_while_no_draft_would_pay_and_lifts_when_the_load_falls():
+    """The load rule holds collection off once its condition has held for load_hold_s, and lifts it
+    only after the condition has cleared for as long; meanwhile the state machine keeps its state."""
+    asked = []
+
+    def pays_at(target, batch, rate):
+        asked.append(rate)
+        return batch < 2  # a draft pays at one stream only
+
+    cfg = dataclasses.replace(CFG, learn=True, load_hold_s=60.0, reachable_rate=0.6)
+    ctl = CollectionControl(cfg, pays_at=pays_at)
+
+    def at(now, batch, emitted=0, rate=0.3):
+        return ctl.evaluate("m", dataclasses.replace(sig(long=rate, emitted=emitted), batch=batch), now=now)
+
+    assert at(0.0, 4.0) and state(ctl) == (True, "learning the traffic")  # not held yet
+    assert not at(59.0, 4.0, emitted=100)
+    assert at(61.0, 4.0, emitted=200) and state(ctl) == (False, "a draft would not pay at this load")
+    assert ctl.state("m").since_unix_s == 61.0
+    assert asked[-1] == 0.6  # the serving draft's 0.3 is below the reachable rate
+    assert not at(100.0, 1.0, emitted=500)  # the load falls ...
+    assert not at(130.0, 4.0, emitted=600)  # ... and comes back within load_hold_s: still held
+    assert not at(180.0, 1.0, emitted=700)
+    assert ctl.state("m").tokens_collected == 200  # nothing counted while held
+    assert not at(239.0, 1.0, emitted=800)
+    assert at(240.0, 1.0, emitted=900) and state(ctl) == (True, "learning the traffic")
+    assert ctl.change_counts()[("m", "a draft would not pay at this load")] == 1
+    assert ctl.change_counts()[("m", "load low enough for a draft to pay")] == 1
+    at(250.0, 4.0, rate=0.8)
+    assert asked[-1] == 0.8  # a draft already better than the reachable rate is judged at its own
+
+
+def test_load_rule_off_without_a_batch_a_cost_model_or_a_reachable_rate():
+    never = lambda target, batch, rate: False  # noqa: E731
+    cfg = dataclasses.replace(CFG, learn=True, load_hold_s=0.0)
+    for ctl, batch in ((CollectionControl(cfg, pays_at=never), None),
+                       (CollectionControl(cfg), 4.0),
+                       (CollectionControl(dataclasses.replace(cfg, reachable_rate=0.0), pays_at=never), 4.0)):
+        ctl.evaluate("m", dataclasses.replace(sig(long=0.3), batch=batch), now=1.0)
+        ctl.evaluate("m", dataclasses.replace(sig(long=0.3), batch=batch), now=2.0)
+        assert state(ctl) == (True, "learning the traffic")
+
+
+def test_controller_feeds_the_workers_running_batch_to_the_load_rule():
+    now = [1000.0]
+    batches = []
+
+    def pays_at(target, batch, rate):
+        batches.append(batch)
+        return batch < 2
+
+    stats = FleetStats(short_horizon=10, long_horizon=200, window_s=30.0)
+    cfg = dataclasses.replace(CFG, learn=True, load_hold_s=10.0)
+    ctl = Controller(StaticDecision(), stats, collection=CollectionControl(cfg, pays_at=pays_at),
+                     clock=lambda: now[0])
+    for i in range(100):
+        stats.observe(dataclasses.replace(step(now[0] - 20 + i * 0.2, accepted=1), batch_size=4))
+    assert ctl.evaluate() and ctl.decision_for("m").collection_enabled is True
+    assert batches[-1] == pytest.approx(4.0)
+    now[0] += 11
+    for i in range(10):
+        stats.observe(dataclasses.replace(step(now[0] - 2 + i * 0.2, accepted=1), batch_size=4))
+    assert ctl.evaluate()
+    held = ctl.decision_for("m")
+    assert held.collection_enabled is False and "a draft would not pay at this load" in held.reason
