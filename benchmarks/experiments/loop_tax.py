@@ -1,6 +1,6 @@
 """Where does the online loop's cost to serving come from: the trainer's compute, or collection? (#34)
 
-    .venv/bin/python -m benchmarks.experiments.loop_tax [--rounds 2] [--window-requests 16] [--json F]
+    .venv/bin/python -m benchmarks.experiments.loop_tax [--rounds 4] [--window-requests 16] [--json F]
 
 Every quick horizon run so far served 5-13 % slower in its online mode from the first minute, before
 any promotion. Three things run there that static lacks: the trainer (SCHED_IDLE, on the other
@@ -14,11 +14,11 @@ This experiment serves the same fixed request list in windows over a 2 x 2 desig
 The stack is the horizon bench's (`tide bench adapt --scenario horizon`): worker on CPU 0, the
 other services and this load generator on the rest, the horizon's starting draft, 4 closed-loop
 clients, greedy, GSM8K train questions. The trainer trains one long run (no promotions, so no hot
-swaps) on chunks collected while priming. Windows go A B C D D C B A per two rounds; each window
-generates identical tokens (greedy, the same requests). Printed per arm: median tokens/s, the
-trainer's CPU share (it was training: ~1 when running), the worker's CPU share and its threads'
-wait for a CPU (time runnable but not running, per second: CPU-time taken from the worker on its
-own CPU, e.g. by the export threads, shows here).
+swaps) on chunks collected while priming. One untimed window puts the windows' prompts in the prefix
+cache; then windows go A B C D D C B A ...; each generates identical tokens (greedy, the same
+requests). Printed per arm: median tokens/s, the trainer's CPU share (it was training: ~1 when
+running), the worker's CPU share and its threads' wait for a CPU (time runnable but not running,
+per second: CPU-time taken from the worker on its own CPU, e.g. by the export threads, shows here).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def summarize(windows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2, help="pairs of A B C D D C B A halves [2]")
+    ap.add_argument("--rounds", type=int, default=4, help="halves: A B C D, then D C B A, ... [4]")
     ap.add_argument("--window-requests", type=int, default=16, help="requests per window [16]")
     ap.add_argument("--prime-tokens", type=int, default=4096, help="collected before the trainer starts [4096]")
     ap.add_argument("--json", type=Path)
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             while cpu_seconds(trainer_pid) - cpu < 0.5 * (time.monotonic() - t) or time.monotonic() - t < 10:
                 time.sleep(1.0)  # until the trainer is training (its run starts within TIDE_TRAINER_AUTO_CHECK_S)
             print(f"primed: {trainer_accepted_tokens(ep)} tokens collected, trainer training", flush=True)
+            run_batch(new_gw, items, hargs.concurrency)  # untimed: the windows' prompts into the prefix cache
             windows = []
             for rnd in range(args.rounds):
                 for trainer, on in ARMS if rnd % 2 == 0 else ARMS[::-1]:
