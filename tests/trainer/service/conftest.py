@@ -66,3 +66,10 @@ def make_trainer(tiny_dir, trainer_storage, tmp_path):
     for svc in started:
         svc.runner.wait(60)
         svc.stop(grace_s=0.2)
+
+
+@pytest.fixture(autouse=True)
+def _own_profile_cache(tmp_path, monkeypatch):
+    """Promotion reads the newest latency profile cached on this machine for the target; a tiny
+    model's profile another test cached (on a slow CPU: drafting does not pay) must not decide here."""
+    monkeypatch.setenv("TIDE_PROFILE_CACHE_DIR", str(tmp_path / "profiles"))
