@@ -173,3 +173,24 @@ def test_aio_channel_sends_token(served):
 def test_check_bearer_rejects_malformed_header():
     assert "malformed" in grpcutil.check_bearer([("authorization", "Basic abc")], TOKEN, "/m")
     assert grpcutil.check_bearer([("authorization", f"Bearer {TOKEN}")], TOKEN, "/m") is None
+
+
+def test_idle_stream_outlives_the_clients_keepalive_pings(monkeypatch):
+    """A long-lived stream that carries no data (a worker's WatchTarget to the registry; Health/Watch
+    here) must not be cut because its client pings: gRPC's default server answers the third ping
+    within 5 minutes on a connection it sends no data on with GOAWAY "too_many_pings", and the stream
+    ends UNAVAILABLE. The pings are sped up 60x (500 ms), and the client is told to keep pinging
+    without data (gRPC clients stop after two unless they send data in between, as a worker does)."""
+    monkeypatch.setattr(grpcutil, "KEEPALIVE_MS", 500)
+    server = grpcutil.GrpcServer()
+    server.start()
+    options = [*grpcutil._channel_options(), ("grpc.http2.max_pings_without_data", 0)]
+    try:
+        with grpc.insecure_channel(server.target, options=options) as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=4.0)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                next(watch)  # nothing more is sent: the stream idles until its deadline
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+    finally:
+        server.stop(grace_s=0)

@@ -36,14 +36,26 @@ DEFAULT_HOST = "127.0.0.1"
 # Draft checkpoints travel through object storage, not gRPC; 64 MiB leaves room for large
 # status/state messages without inviting blobs over RPC.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Keep long-lived streams (Generate, WatchTarget) alive through idle periods; 30 s pings
-    # stay within gRPC servers' default minimum ping interval.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-]
+KEEPALIVE_MS = 30_000  # clients ping a connection with open calls this often (and servers their clients)
+
+
+def _channel_options() -> list[tuple[str, int]]:
+    # Keep long-lived streams (Generate, WatchTarget) alive through idle periods, and notice a dead
+    # peer within keepalive + 10 s.
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", 10_000),
+    ]
+
+
+def _server_options() -> list[tuple[str, int]]:
+    # By default a gRPC server accepts a ping on a connection it sends no data on at most every
+    # 5 minutes, and answers the third early one with GOAWAY "too_many_pings", which ends every
+    # stream on the connection: a worker's idle WatchTarget stream to the registry was cut that way
+    # 3 minutes into a bench run. Accept our own clients' pings (at half their interval: timer jitter).
+    return [*_channel_options(), ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2)]
 
 
 def admin_token_from_env() -> str | None:
@@ -152,7 +164,7 @@ class GrpcServer:
         self.server = grpc.server(
             ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             interceptors=[self.auth, *interceptors],
-            options=_CHANNEL_OPTIONS,
+            options=_server_options(),
         )
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -263,7 +275,7 @@ class _MetadataInterceptor(
 
 def channel(target: str, *, token: str | None = None, actor: str | None = None) -> grpc.Channel:
     """An insecure channel to `target` ("host:port") sending the token/actor on every call."""
-    ch = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+    ch = grpc.insecure_channel(target, options=_channel_options())
     md = call_metadata(token, actor)
     return grpc.intercept_channel(ch, _MetadataInterceptor(md)) if md else ch
 
@@ -305,4 +317,4 @@ def aio_channel(target: str, *, token: str | None = None, actor: str | None = No
     """asyncio variant of `channel()` (for the FastAPI gateway). Create it inside the event loop."""
     md = call_metadata(token, actor)
     interceptors = [_AioMetadataInterceptor(md)] if md else None
-    return grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, options=_channel_options(), interceptors=interceptors)
