@@ -1,0 +1,107 @@
+"""What a better draft can buy in tokens/s when the loop costs nothing: the ceiling of #34's ratio.
+
+    .venv/bin/python -m benchmarks.experiments.draft_ceiling --draft static=DIR --draft tuned=DIR \
+        [--draft starter=tide/starter_drafts/smollm2-135m-instruct] [--prompts 40] [--rounds 2] [--json F]
+
+The horizon scenario's last-third criterion is online tokens/s ≥ 1.15x static's, where online
+serves a draft the loop trained on the new domain and static the chat-bootstrapped one. Here no
+loop runs at all: one engine in this process decodes the scenario's served GSM8K train questions
+(the same chat template, greedy, `--max-tokens` each, one after another: batch 1, the horizon's
+one-client run) with the serving defaults (the adaptive γ policy over the hybrid drafter: copies
+where the context repeats, the draft's chains or trees elsewhere) and each draft in turn, plus
+plain decoding. No trainer beside it, no collection, no hot swap: so `x first draft` is the
+most a draft of that quality could give the online mode on this machine.
+
+Each draft is also judged as the horizon judges it (accept length at fixed γ = 3 on the held-out
+GSM8K chunks, `eval g3`). Arms run in one order and then the reverse, `--rounds` times; tokens/s
+ratios are of sums over all runs (drift lands on every arm). Also printed per arm: accept length
+per speculative step, mean γ, and the share of drafting steps that were copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks import adapt_horizon as horizon
+from benchmarks.engine import decode_all
+from benchmarks.report import cpu_name
+from tide.eagle3.checkpoint import find_checkpoint_dir
+from tide.engine.drafters.eagle3 import Eagle3Drafter
+from tide.engine.drafters.hybrid import HybridDrafter
+from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.llama import LlamaModel
+from tide.engine.profiling import profile_latency
+from tide.policies.registry import make_policy
+from tide.precision import resolve_weights
+from tide.prompts import encode_prompt
+from tide.target import cache_dir, load_tokenizer, resolve_target
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", action="append", required=True, metavar="NAME=DIR",
+                    help="a draft to serve (repeat; the first is the one the others are compared with)")
+    ap.add_argument("--prompts", type=int, default=40, help="served GSM8K train questions, from the start")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="each round: every arm in order, then reversed")
+    ap.add_argument("--seed", type=int, default=0, help="the horizon's seed (which questions are served)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    drafts = dict(d.split("=", 1) for d in args.draft)
+
+    target = resolve_target("ref")
+    dtype, weights = resolve_weights("auto", "auto")
+    model = LlamaModel.load(target, dtype=dtype, weight_format=weights)
+    tok = load_tokenizer(target)
+    served, held, _ = horizon.horizon_prompts(args.seed, 1500)
+    prompts = [encode_prompt(tok, p) for p in served[:args.prompts]]
+    first = next(iter(drafts.values()))
+    heldout, _ = horizon.heldout_chunks(find_checkpoint_dir(first), "ref", held, 128, cache_dir() / "bench-adapt")
+    evals = {name: horizon.evaluate_g3(find_checkpoint_dir(d), heldout, "ref")["eval_accept_length_g3"]
+             for name, d in drafts.items()}
+    eagles = {name: Eagle3Drafter.from_checkpoint(str(find_checkpoint_dir(d)), model, name, 16, 2100)
+              for name, d in drafts.items()}
+    # one latency profile for every arm (the drafts share an architecture, so the same costs)
+    profile = profile_latency(model, next(iter(eagles.values())), [1], list(range(1, 9)), reps=10)
+    cfg = EngineConfig(max_batch=1, max_seq_len=2048)
+    hybrids: dict[str, HybridDrafter] = {}
+
+    def arm(name: str) -> LLMEngine:
+        if name == "plain":
+            return LLMEngine(model, cfg)
+        hybrids[name] = HybridDrafter(eagles[name])
+        return LLMEngine(model, cfg, drafter=hybrids[name], policy=make_policy("adaptive", {}, profile))
+
+    names = ["plain", *drafts]
+    runs: dict[str, list[dict]] = {k: [] for k in names}
+    for _ in range(args.rounds):
+        for order in (names, names[::-1]):
+            for name in order:
+                r = decode_all(arm(name), prompts, args.max_tokens)
+                h = hybrids.get(name)
+                r["copy_share"] = round(h.copied / max(1, h.copied + h.drafted), 3) if h else None
+                runs[name].append(r)
+                print(f"{name:10s} {r['tok_s']:6.1f} tok/s  accept {r['accept_length']:.2f}  mean γ "
+                      f"{r['gamma_mean']}  copies {r['copy_share']}", flush=True)
+    total = {k: sum(r["tok_s"] for r in v) for k, v in runs.items()}
+    base = next(iter(drafts))
+    out = {"cpu": cpu_name(), "drafts": drafts, "prompts": args.prompts, "max_tokens": args.max_tokens,
+           "rounds": args.rounds, "eval_accept_length_g3": evals,
+           "tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
+           "accept_length": {k: [r["accept_length"] for r in v] for k, v in runs.items()},
+           "gamma_mean": {k: [r["gamma_mean"] for r in v] for k, v in runs.items()},
+           "copy_share": {k: [r["copy_share"] for r in v] for k, v in runs.items()},
+           "x_plain": {k: round(total[k] / total["plain"], 3) for k in names},
+           f"x_{base}": {k: round(total[k] / total[base], 3) for k in names},
+           "profile_t1_ms": [round(profile.target_ms(1, n), 2) for n in range(1, 9)],
+           "profile_d1_ms": round(profile.draft_ms(1), 2)}
+    shown = ("eval_accept_length_g3", "x_plain", f"x_{base}", "profile_t1_ms", "profile_d1_ms")
+    print(json.dumps({k: out[k] for k in shown}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
