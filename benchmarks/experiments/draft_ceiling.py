@@ -28,6 +28,7 @@ from benchmarks import adapt_horizon as horizon
 from benchmarks.engine import decode_all
 from benchmarks.report import cpu_name
 from tide.eagle3.checkpoint import find_checkpoint_dir
+from tide.engine.drafters.copy_gate import CopyGate
 from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.engine.drafters.hybrid import HybridDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
@@ -43,6 +44,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", action="append", required=True, metavar="NAME=DIR",
                     help="a draft to serve (repeat; the first is the one the others are compared with)")
+    ap.add_argument("--lookup", action="append", default=[], metavar="NAME=MIN",
+                    help="also serve draft NAME with copies only from MIN+ matching tokens (arm NAME/mMIN; the "
+                         "default hybrid copies from 1)")
+    ap.add_argument("--gate", action="append", default=[], metavar="NAME",
+                    help="also serve draft NAME with the copy gate (tide/engine/drafters/copy_gate.py; arm NAME/gate)")
+    ap.add_argument("--no-plain", action="store_true", help="leave plain decoding out")
     ap.add_argument("--prompts", type=int, default=40, help="served GSM8K train questions, from the start")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="each round: every arm in order, then reversed")
@@ -68,13 +75,18 @@ def main() -> None:
     cfg = EngineConfig(max_batch=1, max_seq_len=2048)
     hybrids: dict[str, HybridDrafter] = {}
 
+    lookups = {f"{k}/m{v}": (k, int(v)) for k, v in (x.split("=", 1) for x in args.lookup)}
+
     def arm(name: str) -> LLMEngine:
         if name == "plain":
             return LLMEngine(model, cfg)
-        hybrids[name] = HybridDrafter(eagles[name])
+        draft, min_match = lookups.get(name, (name, 1))
+        gate = CopyGate() if name.endswith("/gate") else None
+        hybrids[name] = HybridDrafter(eagles[name.removesuffix("/gate") if gate else draft], min_match=min_match,
+                                      gate=gate)
         return LLMEngine(model, cfg, drafter=hybrids[name], policy=make_policy("adaptive", {}, profile))
 
-    names = ["plain", *drafts]
+    names = [*([] if args.no_plain else ["plain"]), *drafts, *lookups, *(f"{g}/gate" for g in args.gate)]
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for _ in range(args.rounds):
         for order in (names, names[::-1]):
@@ -82,6 +94,9 @@ def main() -> None:
                 r = decode_all(arm(name), prompts, args.max_tokens)
                 h = hybrids.get(name)
                 r["copy_share"] = round(h.copied / max(1, h.copied + h.drafted), 3) if h else None
+                if h is not None and h.gate is not None:
+                    r["gate_rates"] = {k: round(h.gate.rate(k), 3) for k in range(4)}  # 0: the draft
+                    print("  gate rates (0: draft, n: copies of n-token matches)", r["gate_rates"])
                 runs[name].append(r)
                 print(f"{name:10s} {r['tok_s']:6.1f} tok/s  accept {r['accept_length']:.2f}  mean γ "
                       f"{r['gamma_mean']}  copies {r['copy_share']}", flush=True)
@@ -93,7 +108,10 @@ def main() -> None:
            "accept_length": {k: [r["accept_length"] for r in v] for k, v in runs.items()},
            "gamma_mean": {k: [r["gamma_mean"] for r in v] for k, v in runs.items()},
            "copy_share": {k: [r["copy_share"] for r in v] for k, v in runs.items()},
-           "x_plain": {k: round(total[k] / total["plain"], 3) for k in names},
+           "draft_ms": {k: [r["draft_ms"] for r in v] for k, v in runs.items()},
+           "verify_ms": {k: [r["verify_ms"] for r in v] for k, v in runs.items()},
+           "gate_rates": {k: [r["gate_rates"] for r in v] for k, v in runs.items() if "gate_rates" in v[0]},
+           "x_plain": {k: round(total[k] / total["plain"], 3) for k in names} if "plain" in total else None,
            f"x_{base}": {k: round(total[k] / total[base], 3) for k in names},
            "profile_t1_ms": [round(profile.target_ms(1, n), 2) for n in range(1, 9)],
            "profile_d1_ms": round(profile.draft_ms(1), 2)}
