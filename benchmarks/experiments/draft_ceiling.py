@@ -1,7 +1,8 @@
 """What a better draft can buy in tokens/s when the loop costs nothing: the ceiling of #34's ratio.
 
-    .venv/bin/python -m benchmarks.experiments.draft_ceiling --draft static=DIR --draft tuned=DIR \
-        [--draft starter=tide/starter_drafts/smollm2-135m-instruct] [--prompts 40] [--rounds 2] [--json F]
+    .venv/bin/python -m benchmarks.experiments.draft_ceiling --draft static=DIR [--tune 600] \
+        [--draft starter=tide/starter_drafts/smollm2-135m-instruct] [--lookup NAME=MIN] [--prompts 40] \
+        [--rounds 2] [--json F]
 
 The horizon scenario's last-third criterion is online tokens/s ≥ 1.15x static's, where online
 serves a draft the loop trained on the new domain and static the chat-bootstrapped one. Here no
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 from pathlib import Path
 
 from benchmarks import adapt_horizon as horizon
 from benchmarks.engine import decode_all
 from benchmarks.report import cpu_name
 from tide.eagle3.checkpoint import find_checkpoint_dir
-from tide.engine.drafters.copy_gate import CopyGate
 from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.engine.drafters.hybrid import HybridDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
@@ -40,6 +42,28 @@ from tide.prompts import encode_prompt
 from tide.target import cache_dir, load_tokenizer, resolve_target
 
 
+def tune(draft: Path, questions: list, heldout: Path, work: Path, budget_s: float) -> Path:
+    """`draft` fine-tuned offline on the target's greedy continuations of `questions` (captured
+    now, chat-templated as served, 128 tokens), the offline reference's recipe (adapt_horizon)."""
+    from services.trainer.settings import TrainerSettings
+    from services.trainer.training.loop import TrainConfig
+    from services.trainer.training.run import train_draft
+    from tools.draft.draft_eval import evaluate_on_prompts
+    from tools.draft.generation import torch_threads
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / "train.jsonl").write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in questions))
+    evaluate_on_prompts(draft, [str(work / "train.jsonl")], "ref", gammas=(3,), max_tokens=128, batch=16,
+                        chunks_dir=work / "chunks", progress=False)
+    f = TrainerSettings.model_fields
+    cfg = TrainConfig(epochs=horizon.OFFLINE_PASSES, max_seconds=budget_s, batch_rows=f["batch_rows"].default,
+                      max_len=f["max_len"].default, lr=f["lr"].default, progress=False)
+    with torch_threads(len(os.sched_getaffinity(0))):
+        train_draft("ref", work / "chunks", work / "tuned", init=draft, cfg=cfg, eval_fraction=0.02)
+    return work / "tuned"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", action="append", required=True, metavar="NAME=DIR",
@@ -47,8 +71,12 @@ def main() -> None:
     ap.add_argument("--lookup", action="append", default=[], metavar="NAME=MIN",
                     help="also serve draft NAME with copies only from MIN+ matching tokens (arm NAME/mMIN; the "
                          "default hybrid copies from 1)")
-    ap.add_argument("--gate", action="append", default=[], metavar="NAME",
-                    help="also serve draft NAME with the copy gate (tide/engine/drafters/copy_gate.py; arm NAME/gate)")
+    ap.add_argument("--tune", type=int, default=0, metavar="N",
+                    help="also serve the first draft fine-tuned offline (arm `tuned`) on the target's greedy "
+                         "continuations of N served questions after the decoded ones, as the horizon's offline "
+                         "reference trains (the trainer's lr, rows and row length, <= 10 passes, --tune-s)")
+    ap.add_argument("--tune-s", type=float, default=600.0, help="the fine-tune's time budget [600]")
+    ap.add_argument("--work-dir", default="/tmp/draft-ceiling", help="the tuned draft and its chunks go here")
     ap.add_argument("--no-plain", action="store_true", help="leave plain decoding out")
     ap.add_argument("--prompts", type=int, default=40, help="served GSM8K train questions, from the start")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -63,9 +91,14 @@ def main() -> None:
     model = LlamaModel.load(target, dtype=dtype, weight_format=weights)
     tok = load_tokenizer(target)
     served, held, _ = horizon.horizon_prompts(args.seed, 1500)
+    if args.tune and args.prompts > 200:
+        ap.error("--tune trains on the questions after the first 200: decode at most 200")
     prompts = [encode_prompt(tok, p) for p in served[:args.prompts]]
     first = next(iter(drafts.values()))
     heldout, _ = horizon.heldout_chunks(find_checkpoint_dir(first), "ref", held, 128, cache_dir() / "bench-adapt")
+    if args.tune:
+        drafts["tuned"] = str(tune(find_checkpoint_dir(first), served[200:200 + args.tune], heldout,
+                                   Path(args.work_dir), args.tune_s))
     evals = {name: horizon.evaluate_g3(find_checkpoint_dir(d), heldout, "ref")["eval_accept_length_g3"]
              for name, d in drafts.items()}
     eagles = {name: Eagle3Drafter.from_checkpoint(str(find_checkpoint_dir(d)), model, name, 16, 2100)
@@ -81,12 +114,10 @@ def main() -> None:
         if name == "plain":
             return LLMEngine(model, cfg)
         draft, min_match = lookups.get(name, (name, 1))
-        gate = CopyGate() if name.endswith("/gate") else None
-        hybrids[name] = HybridDrafter(eagles[name.removesuffix("/gate") if gate else draft], min_match=min_match,
-                                      gate=gate)
+        hybrids[name] = HybridDrafter(eagles[draft], min_match=min_match)
         return LLMEngine(model, cfg, drafter=hybrids[name], policy=make_policy("adaptive", {}, profile))
 
-    names = [*([] if args.no_plain else ["plain"]), *drafts, *lookups, *(f"{g}/gate" for g in args.gate)]
+    names = [*([] if args.no_plain else ["plain"]), *drafts, *lookups]
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for _ in range(args.rounds):
         for order in (names, names[::-1]):
@@ -94,9 +125,6 @@ def main() -> None:
                 r = decode_all(arm(name), prompts, args.max_tokens)
                 h = hybrids.get(name)
                 r["copy_share"] = round(h.copied / max(1, h.copied + h.drafted), 3) if h else None
-                if h is not None and h.gate is not None:
-                    r["gate_rates"] = {k: round(h.gate.rate(k), 3) for k in range(4)}  # 0: the draft
-                    print("  gate rates (0: draft, n: copies of n-token matches)", r["gate_rates"])
                 runs[name].append(r)
                 print(f"{name:10s} {r['tok_s']:6.1f} tok/s  accept {r['accept_length']:.2f}  mean γ "
                       f"{r['gamma_mean']}  copies {r['copy_share']}", flush=True)
@@ -110,7 +138,6 @@ def main() -> None:
            "copy_share": {k: [r["copy_share"] for r in v] for k, v in runs.items()},
            "draft_ms": {k: [r["draft_ms"] for r in v] for k, v in runs.items()},
            "verify_ms": {k: [r["verify_ms"] for r in v] for k, v in runs.items()},
-           "gate_rates": {k: [r["gate_rates"] for r in v] for k, v in runs.items() if "gate_rates" in v[0]},
            "x_plain": {k: round(total[k] / total["plain"], 3) for k in names} if "plain" in total else None,
            f"x_{base}": {k: round(total[k] / total[base], 3) for k in names},
            "profile_t1_ms": [round(profile.target_ms(1, n), 2) for n in range(1, 9)],

@@ -21,7 +21,6 @@ drafts for that sequence (its `lag`), as after speculation was off. Asked for a 
 from __future__ import annotations
 
 from tide.engine.drafters.base import DraftAlgorithm, Proposal
-from tide.engine.drafters.copy_gate import DRAFT, CopyGate
 from tide.engine.drafters.eagle3 import Eagle3Drafter
 from tide.engine.drafters.ngram import NgramDrafter
 from tide.engine.features import FeatureStore
@@ -35,15 +34,12 @@ class HybridDrafter:
     # trainer and telemetry treat it as that draft. `copied` / `drafted` count the proposals.
     algorithm = DraftAlgorithm.EAGLE3
 
-    def __init__(self, eagle: Eagle3Drafter, min_match: int = 1, max_n: int = 3, gate: CopyGate | None = None) -> None:
+    def __init__(self, eagle: Eagle3Drafter, min_match: int = 1, max_n: int = 3) -> None:
         self.eagle = eagle
         self.lookup = NgramDrafter(max_n=max_n, min_n=min_match)
-        self.gate = gate  # None: copy wherever there is a match (copy_gate.py)
         self.copied = 0
         self.drafted = 0
         self._match: dict[str, tuple[int, int]] = {}  # request id -> (tokens, copy_match) at that length
-        # request id -> (source key, tokens) of its last proposal, for the gate to learn from (_settle)
-        self._proposed: dict[str, tuple[int, int]] = {}
 
     @property
     def version(self) -> str:
@@ -58,7 +54,6 @@ class HybridDrafter:
         self.eagle.remove_sequence(seq)
         self.lookup.remove_sequence(seq)
         self._match.pop(seq.request_id, None)
-        self._proposed.pop(seq.request_id, None)
 
     def lag(self, seq: Sequence) -> int:
         return self.eagle.lag(seq)
@@ -81,21 +76,11 @@ class HybridDrafter:
         length = len(seq.token_ids)
         got = self._match.get(seq.request_id)
         if got is None or got[0] != length:
-            self._settle(seq)
             n = self.lookup.copy_match(seq)
             if n and seq.matcher is not None and not self._copy(seq, 1):
                 n = 0  # the grammar refuses the copy's first token: the draft proposes
-            if n and self.gate is not None and not self.gate.allows_copy(n):
-                n = 0  # copies of this match length are worth less than the draft's chain now
             got = self._match[seq.request_id] = (length, n)
         return got[1]
-
-    def _settle(self, seq: Sequence) -> None:
-        """Tell the gate how the sequence's last proposal did: the engine recorded that step's
-        (depth, accepted) as `seq.recent[-1]` before the sequence grew past it."""
-        got = self._proposed.pop(seq.request_id, None)
-        if got is not None and self.gate is not None and seq.recent and len(seq.token_ids) > got[1]:
-            self.gate.observe(got[0], *seq.recent[-1])
 
     def propose(self, seqs: list[Sequence], gammas: list[int], features: FeatureStore | None,
                 generators: list) -> Proposal:
@@ -124,13 +109,8 @@ class HybridDrafter:
 
     def _copies(self, seqs: list[Sequence], depths: list[int]) -> tuple[list[list[int] | None], list[int]]:
         """This step's copy per sequence (None where the draft proposes), and the draft's sequences."""
-        copies = [(self._copy(seq, depth) if self.copy_match(seq) else []) or None
-                  for seq, depth in zip(seqs, depths, strict=True)]
+        copies = [self._copy(seq, depth) or None for seq, depth in zip(seqs, depths, strict=True)]
         drafted = [i for i, copy in enumerate(copies) if copy is None]
-        if self.gate is not None:
-            for seq, copy in zip(seqs, copies, strict=True):
-                key = DRAFT if copy is None else self.copy_match(seq)
-                self._proposed[seq.request_id] = (key, len(seq.token_ids))
         self.copied += len(seqs) - len(drafted)
         self.drafted += len(drafted)
         return copies, drafted
