@@ -42,7 +42,7 @@ from tide.prompts import encode_prompt
 from tide.target import cache_dir, load_tokenizer, resolve_target
 
 
-def tune(draft: Path, questions: list, heldout: Path, work: Path, budget_s: float) -> Path:
+def tune(draft: Path, questions: list, work: Path, budget_s: float) -> Path:
     """`draft` fine-tuned offline on the target's greedy continuations of `questions` (captured
     now, chat-templated as served, 128 tokens), the offline reference's recipe (adapt_horizon)."""
     from services.trainer.settings import TrainerSettings
@@ -97,8 +97,8 @@ def main() -> None:
     first = next(iter(drafts.values()))
     heldout, _ = horizon.heldout_chunks(find_checkpoint_dir(first), "ref", held, 128, cache_dir() / "bench-adapt")
     if args.tune:
-        drafts["tuned"] = str(tune(find_checkpoint_dir(first), served[200:200 + args.tune], heldout,
-                                   Path(args.work_dir), args.tune_s))
+        drafts["tuned"] = str(tune(find_checkpoint_dir(first), served[200:200 + args.tune], Path(args.work_dir),
+                                   args.tune_s))
     evals = {name: horizon.evaluate_g3(find_checkpoint_dir(d), heldout, "ref")["eval_accept_length_g3"]
              for name, d in drafts.items()}
     eagles = {name: Eagle3Drafter.from_checkpoint(str(find_checkpoint_dir(d)), model, name, 16, 2100)
