@@ -186,7 +186,7 @@ def offline_reference(draft_dir: Path, chunks: Path, heldout: Path, target: str,
     from tide.eagle3.checkpoint import find_checkpoint_dir
     from tools.draft.generation import torch_threads
 
-    if not any(chunks.glob("*.chunk")):
+    if not any(chunks.glob("*.chunk")) and not any(chunks.glob("*.safetensors")):  # the stack's or a capture's
         return {"eval_accept_length_g3": None, "tokens": 0, "note": "the online stack collected no chunks"}
     cfg = TrainConfig(epochs=OFFLINE_PASSES, max_seconds=budget_s, batch_rows=batch_rows, max_len=max_len, lr=lr,
                       progress=False)

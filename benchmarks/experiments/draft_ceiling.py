@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -42,14 +41,11 @@ from tide.prompts import encode_prompt
 from tide.target import cache_dir, load_tokenizer, resolve_target
 
 
-def tune(draft: Path, questions: list, work: Path, budget_s: float) -> Path:
+def tune(draft: Path, questions: list, heldout: Path, work: Path, budget_s: float) -> Path:
     """`draft` fine-tuned offline on the target's greedy continuations of `questions` (captured
-    now, chat-templated as served, 128 tokens), the offline reference's recipe (adapt_horizon)."""
+    now, chat-templated as served, 128 tokens) as the horizon's offline reference is trained."""
     from services.trainer.settings import TrainerSettings
-    from services.trainer.training.loop import TrainConfig
-    from services.trainer.training.run import train_draft
     from tools.draft.draft_eval import evaluate_on_prompts
-    from tools.draft.generation import torch_threads
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -57,10 +53,8 @@ def tune(draft: Path, questions: list, work: Path, budget_s: float) -> Path:
     evaluate_on_prompts(draft, [str(work / "train.jsonl")], "ref", gammas=(3,), max_tokens=128, batch=16,
                         chunks_dir=work / "chunks", progress=False)
     f = TrainerSettings.model_fields
-    cfg = TrainConfig(epochs=horizon.OFFLINE_PASSES, max_seconds=budget_s, batch_rows=f["batch_rows"].default,
-                      max_len=f["max_len"].default, lr=f["lr"].default, progress=False)
-    with torch_threads(len(os.sched_getaffinity(0))):
-        train_draft("ref", work / "chunks", work / "tuned", init=draft, cfg=cfg, eval_fraction=0.02)
+    horizon.offline_reference(draft, work / "chunks", heldout, "ref", work / "tuned", budget_s, f["lr"].default,
+                              f["batch_rows"].default, f["max_len"].default)
     return work / "tuned"
 
 
@@ -97,8 +91,8 @@ def main() -> None:
     first = next(iter(drafts.values()))
     heldout, _ = horizon.heldout_chunks(find_checkpoint_dir(first), "ref", held, 128, cache_dir() / "bench-adapt")
     if args.tune:
-        drafts["tuned"] = str(tune(find_checkpoint_dir(first), served[200:200 + args.tune], Path(args.work_dir),
-                                   args.tune_s))
+        drafts["tuned"] = str(tune(find_checkpoint_dir(first), served[200:200 + args.tune], heldout,
+                                   Path(args.work_dir), args.tune_s))
     evals = {name: horizon.evaluate_g3(find_checkpoint_dir(d), heldout, "ref")["eval_accept_length_g3"]
              for name, d in drafts.items()}
     eagles = {name: Eagle3Drafter.from_checkpoint(str(find_checkpoint_dir(d)), model, name, 16, 2100)
