@@ -41,7 +41,7 @@ from tide.prompts import encode_prompt
 from tide.target import cache_dir, load_tokenizer, resolve_target
 
 
-def tune(draft: Path, questions: list, heldout: Path, work: Path, budget_s: float) -> Path:
+def tune(draft: Path, questions: list, heldout: Path, work: Path, budget_s: float) -> tuple[Path, float]:
     """`draft` fine-tuned offline on the target's greedy continuations of `questions` (captured
     now, chat-templated as served, 128 tokens) as the horizon's offline reference is trained."""
     from services.trainer.settings import TrainerSettings
@@ -53,9 +53,9 @@ def tune(draft: Path, questions: list, heldout: Path, work: Path, budget_s: floa
     evaluate_on_prompts(draft, [str(work / "train.jsonl")], "ref", gammas=(3,), max_tokens=128, batch=16,
                         chunks_dir=work / "chunks", progress=False)
     f = TrainerSettings.model_fields
-    horizon.offline_reference(draft, work / "chunks", heldout, "ref", work / "tuned", budget_s, f["lr"].default,
-                              f["batch_rows"].default, f["max_len"].default)
-    return work / "tuned"
+    ref = horizon.offline_reference(draft, work / "chunks", heldout, "ref", work / "tuned", budget_s,
+                                    f["lr"].default, f["batch_rows"].default, f["max_len"].default)
+    return work / "tuned", ref["eval_accept_length_g3"]  # its eval on `heldout`, done there
 
 
 def main() -> None:
@@ -89,12 +89,14 @@ def main() -> None:
         ap.error("--tune trains on the questions after the first 200: decode at most 200")
     prompts = [encode_prompt(tok, p) for p in served[:args.prompts]]
     first = next(iter(drafts.values()))
-    heldout, _ = horizon.heldout_chunks(find_checkpoint_dir(first), "ref", held, 128, cache_dir() / "bench-adapt")
+    heldout, start = horizon.heldout_chunks(find_checkpoint_dir(first), "ref", held, 128, cache_dir() / "bench-adapt")
+    evals = {name: start["eval_accept_length_g3"] if d == first else
+             horizon.evaluate_g3(find_checkpoint_dir(d), heldout, "ref")["eval_accept_length_g3"]
+             for name, d in drafts.items()}  # the first draft's eval comes with the held-out chunks
     if args.tune:
-        drafts["tuned"] = str(tune(find_checkpoint_dir(first), served[200:200 + args.tune], heldout,
-                                   Path(args.work_dir), args.tune_s))
-    evals = {name: horizon.evaluate_g3(find_checkpoint_dir(d), heldout, "ref")["eval_accept_length_g3"]
-             for name, d in drafts.items()}
+        tuned, evals["tuned"] = tune(find_checkpoint_dir(first), served[200:200 + args.tune], heldout,
+                                     Path(args.work_dir), args.tune_s)
+        drafts["tuned"] = str(tuned)
     eagles = {name: Eagle3Drafter.from_checkpoint(str(find_checkpoint_dir(d)), model, name, 16, 2100)
               for name, d in drafts.items()}
     # one latency profile for every arm (the drafts share an architecture, so the same costs)
