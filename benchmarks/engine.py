@@ -58,7 +58,8 @@ TREE_DRAFTERS = ("eagle3", "hybrid")  # the drafters that grow draft trees (prop
 def decode_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
     """Greedy decoding of every prompt with the engine's batch (max_batch in flight, continuous
     batching; batch 1: one after another): tok/s over the whole run, accept length over the
-    speculative steps (bonus token included), mean γ, and the mean draft / verify ms of a step."""
+    speculative steps (bonus token included), mean γ, the mean draft / verify ms of a step, and per
+    source of drafts (the hybrid's copies and draft chains) its drafting steps and accept length."""
     steps: list = []
 
     def on_step(rec) -> None:
@@ -73,11 +74,18 @@ def decode_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     out = sum(s.num_output for s in seqs)
     spec = sum(s.verify_steps for s in seqs)
     gammas = [g for rec in steps for g in rec.gammas]
+    by_source: dict[str, list[int]] = {}  # drafting requests' accept lengths per source of their drafts
+    for rec in steps:
+        for g, a, src in zip(rec.gammas, rec.accepted, rec.sources or [rec.drafter] * len(rec.gammas), strict=False):
+            if g > 0:
+                by_source.setdefault(src, []).append(a + 1)
     return {"tok_s": round(out / dt, 2), "output_tokens": out,
             "accept_length": round((sum(s.accepted_tokens for s in seqs) + spec) / spec, 3) if spec else 1.0,
             "gamma_mean": round(statistics.fmean(gammas), 2) if gammas else 0.0,
             "draft_ms": round(statistics.fmean(r.draft_ms for r in steps), 3) if steps else 0.0,
-            "verify_ms": round(statistics.fmean(r.verify_ms for r in steps), 3) if steps else 0.0}
+            "verify_ms": round(statistics.fmean(r.verify_ms for r in steps), 3) if steps else 0.0,
+            "by_source": {k: {"steps": len(v), "accept_length": round(statistics.fmean(v), 3)}
+                          for k, v in sorted(by_source.items())}}
 
 
 def spec_sweep(model: LlamaModel, eagle: Eagle3Drafter, prompts: list[list[int]], batches: list[int],

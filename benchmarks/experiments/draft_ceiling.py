@@ -8,7 +8,8 @@ The horizon scenario's last-third criterion is online tokens/s ≥ 1.15x static'
 serves a draft the loop trained on the new domain and static the chat-bootstrapped one. Here no
 loop runs at all: one engine in this process decodes the scenario's served GSM8K train questions
 (the same chat template, greedy, `--max-tokens` each, one after another: batch 1, the horizon's
-one-client run) with the serving defaults (the adaptive γ policy over the hybrid drafter: copies
+one-client run; `--batch 4`: four in flight, as its four closed-loop clients) with the serving
+defaults (the adaptive γ policy over the hybrid drafter: copies
 where the context repeats, the draft's chains or trees elsewhere) and each draft in turn, plus
 plain decoding. No trainer beside it, no collection, no hot swap: so `x first draft` is the
 most a draft of that quality could give the online mode on this machine.
@@ -64,7 +65,7 @@ def main() -> None:
                     help="a draft to serve (repeat; the first is the one the others are compared with)")
     ap.add_argument("--lookup", action="append", default=[], metavar="NAME=MIN",
                     help="also serve draft NAME with copies only from MIN+ matching tokens (arm NAME/mMIN; the "
-                         "default hybrid copies from 1)")
+                         "default hybrid copies from 1; above 3, the longest match looked up: never)")
     ap.add_argument("--tune", type=int, default=0, metavar="N",
                     help="also serve the first draft fine-tuned offline (arm `tuned`) on the target's greedy "
                          "continuations of N served questions after the decoded ones, as the horizon's offline "
@@ -74,6 +75,8 @@ def main() -> None:
     ap.add_argument("--no-plain", action="store_true", help="leave plain decoding out")
     ap.add_argument("--prompts", type=int, default=40, help="served GSM8K train questions, from the start")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences in flight (continuous batching; 4 = the horizon's 4 closed-loop clients) [1]")
     ap.add_argument("--rounds", type=int, default=2, help="each round: every arm in order, then reversed")
     ap.add_argument("--seed", type=int, default=0, help="the horizon's seed (which questions are served)")
     ap.add_argument("--json")
@@ -100,8 +103,9 @@ def main() -> None:
     eagles = {name: Eagle3Drafter.from_checkpoint(str(find_checkpoint_dir(d)), model, name, 16, 2100)
               for name, d in drafts.items()}
     # one latency profile for every arm (the drafts share an architecture, so the same costs)
-    profile = profile_latency(model, next(iter(eagles.values())), [1], list(range(1, 9)), reps=10)
-    cfg = EngineConfig(max_batch=1, max_seq_len=2048)
+    buckets = sorted({1, *(2 ** i for i in range(args.batch.bit_length()) if 2 ** i <= args.batch), args.batch})
+    profile = profile_latency(model, next(iter(eagles.values())), buckets, list(range(1, 9)), reps=10)
+    cfg = EngineConfig(max_batch=args.batch, max_seq_len=2048)
     hybrids: dict[str, HybridDrafter] = {}
 
     lookups = {f"{k}/m{v}": (k, int(v)) for k, v in (x.split("=", 1) for x in args.lookup)}
@@ -123,10 +127,11 @@ def main() -> None:
                 r["copy_share"] = round(h.copied / max(1, h.copied + h.drafted), 3) if h else None
                 runs[name].append(r)
                 print(f"{name:10s} {r['tok_s']:6.1f} tok/s  accept {r['accept_length']:.2f}  mean γ "
-                      f"{r['gamma_mean']}  copies {r['copy_share']}", flush=True)
+                      f"{r['gamma_mean']}  copies {r['copy_share']}  by source {r['by_source']}", flush=True)
     total = {k: sum(r["tok_s"] for r in v) for k, v in runs.items()}
     base = next(iter(drafts))
     out = {"cpu": cpu_name(), "drafts": drafts, "prompts": args.prompts, "max_tokens": args.max_tokens,
+           "batch": args.batch,
            "rounds": args.rounds, "eval_accept_length_g3": evals,
            "tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
            "accept_length": {k: [r["accept_length"] for r in v] for k, v in runs.items()},
@@ -134,11 +139,14 @@ def main() -> None:
            "copy_share": {k: [r["copy_share"] for r in v] for k, v in runs.items()},
            "draft_ms": {k: [r["draft_ms"] for r in v] for k, v in runs.items()},
            "verify_ms": {k: [r["verify_ms"] for r in v] for k, v in runs.items()},
+           "by_source": {k: [r["by_source"] for r in v] for k, v in runs.items()},
            "x_plain": {k: round(total[k] / total["plain"], 3) for k in names} if "plain" in total else None,
            f"x_{base}": {k: round(total[k] / total[base], 3) for k in names},
            "profile_t1_ms": [round(profile.target_ms(1, n), 2) for n in range(1, 9)],
-           "profile_d1_ms": round(profile.draft_ms(1), 2)}
-    shown = ("eval_accept_length_g3", "x_plain", f"x_{base}", "profile_t1_ms", "profile_d1_ms")
+           "profile_d1_ms": round(profile.draft_ms(1), 2),
+           f"profile_t{args.batch}_ms": [round(profile.target_ms(args.batch, n), 2) for n in range(1, 9)]}
+    shown = ("eval_accept_length_g3", "x_plain", f"x_{base}", "profile_t1_ms", "profile_d1_ms",
+             f"profile_t{args.batch}_ms")
     print(json.dumps({k: out[k] for k in shown}))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
