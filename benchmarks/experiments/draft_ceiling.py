@@ -66,9 +66,6 @@ def main() -> None:
     ap.add_argument("--lookup", action="append", default=[], metavar="NAME=MIN",
                     help="also serve draft NAME with copies only from MIN+ matching tokens (arm NAME/mMIN; the "
                          "default hybrid copies from 1; above 3, the longest match looked up: never)")
-    ap.add_argument("--copy-trees", action="append", default=[], metavar="NAME",
-                    help="also serve draft NAME with the policy's copy trees (arm NAME/ct: a copy verified as one "
-                         "branch of the draft's tree, AdaptivePolicy(copy_trees=True))")
     ap.add_argument("--tune", type=int, default=0, metavar="N",
                     help="also serve the first draft fine-tuned offline (arm `tuned`) on the target's greedy "
                          "continuations of N served questions after the decoded ones, as the horizon's offline "
@@ -113,17 +110,14 @@ def main() -> None:
 
     lookups = {f"{k}/m{v}": (k, int(v)) for k, v in (x.split("=", 1) for x in args.lookup)}
 
-    copy_trees = {f"{k}/ct": k for k in args.copy_trees}
-
     def arm(name: str) -> LLMEngine:
         if name == "plain":
             return LLMEngine(model, cfg)
-        draft, min_match = lookups.get(name, (copy_trees.get(name, name), 1))
+        draft, min_match = lookups.get(name, (name, 1))
         hybrids[name] = HybridDrafter(eagles[draft], min_match=min_match)
-        params = {"copy_trees": True} if name in copy_trees else {}
-        return LLMEngine(model, cfg, drafter=hybrids[name], policy=make_policy("adaptive", params, profile))
+        return LLMEngine(model, cfg, drafter=hybrids[name], policy=make_policy("adaptive", {}, profile))
 
-    names = [*([] if args.no_plain else ["plain"]), *drafts, *lookups, *copy_trees]
+    names = [*([] if args.no_plain else ["plain"]), *drafts, *lookups]
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for _ in range(args.rounds):
         for order in (names, names[::-1]):
@@ -131,11 +125,9 @@ def main() -> None:
                 r = decode_all(arm(name), prompts, args.max_tokens)
                 h = hybrids.get(name)
                 r["copy_share"] = round(h.copied / max(1, h.copied + h.drafted), 3) if h else None
-                r["copy_tree_share"] = round(h.merged / max(1, h.copied), 3) if h else None
                 runs[name].append(r)
                 print(f"{name:10s} {r['tok_s']:6.1f} tok/s  accept {r['accept_length']:.2f}  mean γ "
-                      f"{r['gamma_mean']}  copies {r['copy_share']} (in trees {r['copy_tree_share']})  "
-                      f"by source {r['by_source']}", flush=True)
+                      f"{r['gamma_mean']}  copies {r['copy_share']}  by source {r['by_source']}", flush=True)
     total = {k: sum(r["tok_s"] for r in v) for k, v in runs.items()}
     base = next(iter(drafts))
     out = {"cpu": cpu_name(), "drafts": drafts, "prompts": args.prompts, "max_tokens": args.max_tokens,
@@ -145,7 +137,6 @@ def main() -> None:
            "accept_length": {k: [r["accept_length"] for r in v] for k, v in runs.items()},
            "gamma_mean": {k: [r["gamma_mean"] for r in v] for k, v in runs.items()},
            "copy_share": {k: [r["copy_share"] for r in v] for k, v in runs.items()},
-           "copy_tree_share": {k: [r["copy_tree_share"] for r in v] for k, v in runs.items()},
            "draft_ms": {k: [r["draft_ms"] for r in v] for k, v in runs.items()},
            "verify_ms": {k: [r["verify_ms"] for r in v] for k, v in runs.items()},
            "by_source": {k: [r["by_source"] for r in v] for k, v in runs.items()},

@@ -399,26 +399,6 @@ def test_no_trees_where_each_row_is_dear_or_the_drafter_cannot_grow_them():
         assert not any(isinstance(a, TreeShape) for a in played) and max(played) > 0
 
 
-def test_copies_grow_trees_with_copy_trees_where_the_draft_beside_them_adds_tokens():
-    """`copy_trees`: a copy's requests get the draft's tree beside the copy where rows are cheap and
-    the union accepts more than the copy's chain (learnt); priced with the copy's rows and the draft's
-    levels, which a copy's chain does not pay."""
-    cheap = LatencyProfile(T_ms={1: {n: 50.0 for n in range(1, 17)}}, D0_ms=2.0)
-    pol = AdaptivePolicy(cheap, explore=0.0, alpha_prior=0.6, copy_trees=True)
-    played = _tree_steps(pol, 300, chain_accept=0.6, tree_bonus=1, source="ngram")
-    assert all(isinstance(a, TreeShape) for a in played[-100:])
-    assert pol.tree_gain_of("ngram", played[-1]) > 1.15
-    shape = TreeShape(3, 2, 5)
-    verify, draft, _ = pol.raw_times(1, (3,), [0], ["ngram"], (shape,))
-    assert verify == cheap.tree_target_ms(1, 5 + 3)  # the draft's 5 nodes, the copy's 3 beside them
-    assert draft == pytest.approx(cheap.draft_ms(1) + 2 * cheap.draft_ms(2))
-    # Rows priced like a decode step each: the copy's extra rows and the draft's tree never pay.
-    dear = LatencyProfile(T_ms={1: {n: 50.0 * n for n in range(1, 17)}}, D0_ms=0.5)
-    pol = AdaptivePolicy(dear, explore=0.0, alpha_prior=0.9, copy_trees=True)
-    played = _tree_steps(pol, 200, chain_accept=0.9, tree_bonus=1, source="ngram")
-    assert not any(isinstance(a, TreeShape) for a in played) and max(played) > 0
-
-
 def test_tree_steps_teach_the_tree_gain_not_the_chain_acceptance():
     profile = LatencyProfile(T_ms={1: {n: 50.0 for n in range(1, 17)}}, D0_ms=2.0)
     pol = AdaptivePolicy(profile, explore=0.0, alpha_prior=0.5)

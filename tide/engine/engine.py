@@ -139,10 +139,9 @@ class LLMEngine:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
-        # A tree's verification feeds its nodes and root (ModelRunner.run_tree) and a copy's branch
-        # beside them (HybridDrafter.propose_tree: at most the tree's depth more), a chain γ + 1 rows.
+        # A tree's verification feeds its nodes and root (ModelRunner.run_tree), a chain γ + 1 rows.
         self.runner = ModelRunner(model, config.max_batch, config.max_seq_len,
-                                  max(config.prefill_chunk, config.max_tree_tokens + config.max_gamma + 1))
+                                  max(config.prefill_chunk, config.max_gamma + 1, config.max_tree_tokens + 1))
         # How much of a finished sequence's cache a later prompt may reuse, exactly: every fed token
         # where decoding leaves the entries a prompt chunk would; else its prompt, at any token where
         # prompts are split-invariant, or in whole chunks (tide.engine.prefix_cache).

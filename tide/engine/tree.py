@@ -78,22 +78,6 @@ class DraftTree:
         """Nodes from the root to `node`, both included."""
         return list(self.paths[node])
 
-    def with_path(self, drafts: list[int]) -> DraftTree:
-        """This tree with the chain `drafts` below the root added: the nodes its prefix shares with
-        the tree are reused, the rest appended in order (after every node already there, so parents
-        still precede children and the tree's own nodes keep their rows). The hybrid drafter puts a
-        copy of the context beside the draft's tree this way."""
-        tokens, parents = list(self.tokens), list(self.parents)
-        node = 0
-        for token in drafts:
-            child = self.child_with(node, token) if node < len(self.tokens) else None
-            if child is None:
-                tokens.append(token)
-                parents.append(node)
-                child = len(tokens) - 1
-            node = child
-        return self if len(tokens) == len(self.tokens) else DraftTree(tuple(tokens), tuple(parents))
-
     def child_with(self, node: int, token: int) -> int | None:
         for c in self.children[node]:
             if self.tokens[c] == token:

@@ -93,7 +93,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from itertools import accumulate, product
+from itertools import accumulate
 
 from tide.policies.base import Action, Estimate, RequestView, StepContext, StepFeedback, TreeShape
 from tide.policies.costs import MIN_GAIN
@@ -135,12 +135,6 @@ def source_key(view: RequestView) -> str:
 def is_free(key: str) -> bool:
     """A source that takes no draft forward (a copy), whatever its match length."""
     return key.split("/", 1)[0] in COPY_SOURCES
-
-
-def tree_rows(source: str, shape: TreeShape) -> int:
-    """Verify rows of one request's tree: its nodes and root, and for a copy's tree (the copy a
-    branch beside the draft's nodes) the copy's nodes at most, as if it shared none of them."""
-    return shape.tokens + 1 + (shape.depth if is_free(source) else 0)
 
 
 class _ReqState:
@@ -222,11 +216,6 @@ class AdaptivePolicy:
         trees: bool = True,
         tree_topk: int = 2,
         tree_extra: tuple[int, ...] = (1, 3),
-        # True: a free source's requests (copies) may also be grown a tree: the draft's tree with the
-        # copy as one more branch (HybridDrafter.propose_tree), priced as the tree plus the copy's
-        # rows, the draft's levels and the copies' catch-up, credited with a gain learnt per (source,
-        # shape) over the copy chain's expected tokens.
-        copy_trees: bool = False,
         seed: int = 0,
     ) -> None:
         self.name = "adaptive"
@@ -249,7 +238,6 @@ class AdaptivePolicy:
         self.alpha_decay, self.alpha_prior = alpha_decay, alpha_prior
         self.per_source, self.by_match = per_source, by_match
         self.trees, self.tree_topk, self.tree_extra = trees, tree_topk, tuple(tree_extra)
-        self.copy_trees = copy_trees
         # (source, shape) -> [tokens emitted, tokens its chain was expected to emit], fading per step played
         self.tree_gain: dict[tuple[str, TreeShape], list[float]] = {}
         self.sources: dict[str, _SourceState] = {}  # by RequestView.drafter; see `source`
@@ -370,8 +358,6 @@ class AdaptivePolicy:
         tokens_at = {s: [sum(c * cum[(src, a)][m] for (src, a), c in groups.items() if src == s)
                          for m in range(gmax + 1)] for s in kinds}
         paid = [k for k, s in enumerate(kinds) if s in costly]
-        free_lag = {s: max((r.lag for r, name in zip(ctx.requests, names, strict=True) if name == s), default=0)
-                    for s in kinds if s not in costly}
 
         def goodput(depths: tuple[int, ...]) -> float:
             pairs = tuple(zip(kinds, depths, strict=True))
@@ -401,35 +387,29 @@ class AdaptivePolicy:
             best = off  # a predicted gain within the model's error: drafting would as likely lose
 
         def tree_arms(depths: tuple[int, ...]) -> dict[tuple[str, TreeShape], float]:
-            """Goodput of growing one source's requests a tree at its depth in `depths` (a costly
-            source; with `copy_trees` a copy too, the copy a branch of the draft's tree): a tree step
-            verifies every sequence padded to its rows (ModelRunner.run_tree)."""
+            """Goodput of growing one costly source's requests a tree at its depth in `depths`
+            (a tree step verifies every sequence padded to its rows: ModelRunner.run_tree)."""
             if not (self.trees and ctx.trees and self.tree_extra) or depths == off:
                 return {}
             out = {}
-            for k in (range(k_sources) if self.copy_trees else paid):
+            for k in paid:
                 s, m = kinds[k], depths[k]
                 if m < 1:
                     continue
                 others = [depths[j] for j in range(k_sources) if j != k]
                 tokens = sum(tokens_at[kinds[j]][depths[j]] for j in range(k_sources) if j != k)
                 chain_draft = max((depths[j] for j in paid if j != k), default=0) * d
-                # a copy's requests catch the draft up on the rows it skipped; a costly source's lag
-                # is in `switch` already
-                catchup = 0.0 if k in paid else self.catchup_ratio(bucket) * self.profile.catchup_ms(free_lag[s], b)
-                # a copy's chain costs no draft, so its depth is deep where the draft's levels are
-                # not free: its tree is tried at every depth up to the chain's (the copy cut there)
-                for depth, w in product(range(1, m + 1) if k not in paid else (m,), self.tree_extra):
-                    shape = TreeShape(depth, self.tree_topk, depth + w)
+                for w in self.tree_extra:
+                    shape = TreeShape(m, self.tree_topk, m + w)
                     if shape.tokens > shape.drafted:
                         continue
-                    rows = max(tree_rows(s, shape), 1 + max(others, default=0))
+                    rows = max(shape.tokens + 1, 1 + max(others, default=0))
                     verify = (max(self.verify_ratio(bucket, rows), plain_ratio)
                               * self.profile.tree_target_ms(b, rows - 1))
                     grow = self.kd.get(bucket, 1.0) * (self.profile.draft_ms(b)
-                                                       + (depth - 1) * self.profile.draft_ms(b * self.tree_topk))
-                    got = tokens + tokens_at[s][depth] * self.tree_gain_of(s, shape)
-                    out[(s, shape)] = got / (verify + chain_draft + grow + switch + catchup)
+                                                       + (m - 1) * self.profile.draft_ms(b * self.tree_topk))
+                    got = tokens + tokens_at[s][m] * self.tree_gain_of(s, shape)
+                    out[(s, shape)] = got / (verify + chain_draft + grow + switch)
             return out
 
         trees = tree_arms(best)
@@ -478,10 +458,8 @@ class AdaptivePolicy:
 
     def tree_gain_of(self, source: str, shape: TreeShape) -> float:
         """Tokens a step of `shape` emits over what its chain of the same depth was expected to
-        (E_i(depth) at decision time), learnt from the tree steps played, on top of a prior (a
-        copy's tree: every draft node is beside the copy's chain)."""
-        extra = shape.tokens if is_free(source) else shape.tokens - shape.depth
-        prior = TREE_PRIOR_TOKENS * (1.0 + TREE_GAIN_PRIOR * extra)
+        (E_i(depth) at decision time), learnt from the tree steps played, on top of a prior."""
+        prior = TREE_PRIOR_TOKENS * (1.0 + TREE_GAIN_PRIOR * (shape.tokens - shape.depth))
         got, expected = self.tree_gain.get((source, shape), (0.0, 0.0))
         return (got + prior) / (expected + TREE_PRIOR_TOKENS)
 
@@ -506,14 +484,11 @@ class AdaptivePolicy:
         then holds the ordinary catch-up, as D(b) was profiled). Requests of a free source (a copy)
         add neither. With trees (`shapes`, per request or ()), the step verified every sequence
         padded to the largest tree's rows, and the trees' levels drafted beside the chains."""
-        sources = sources if sources is not None else ["none"] * len(gammas)
-        # a copy grown a tree runs the draft (and catches it up) as a costly source's request does
-        paid = [not is_free(s) or (bool(shapes) and shapes[i] is not None) for i, s in enumerate(sources)]
+        paid = [not is_free(s) for s in sources] if sources is not None else [True] * len(gammas)
         grown = [sh for sh in shapes if sh is not None]
         chained = [g if (not shapes or shapes[i] is None) else 0 for i, g in enumerate(gammas)]
         spec = [lag for lag, g, p in zip(lags, gammas, paid, strict=False) if g > 0 and p]
-        draft = max((g for g, p, s in zip(chained, paid, sources, strict=False) if p and not is_free(s)),
-                    default=0) * self.profile.draft_ms(b)
+        draft = max((g for g, p in zip(chained, paid, strict=False) if p), default=0) * self.profile.draft_ms(b)
         if grown:
             top = max(grown, key=lambda sh: sh.depth)
             draft += self.profile.draft_ms(b) + (top.depth - 1) * self.profile.draft_ms(b * top.topk)
@@ -521,8 +496,7 @@ class AdaptivePolicy:
         if spec and max(spec) <= REGULAR_LAG:
             draft, catchup = draft + catchup, 0.0
         if grown:
-            rows = max(max(tree_rows(s, sh) for s, sh in zip(sources, shapes, strict=False) if sh is not None),
-                       1 + max(chained, default=0))
+            rows = max(max(sh.tokens for sh in grown) + 1, 1 + max(chained, default=0))
             return self.profile.tree_target_ms(b, rows - 1), draft, catchup
         return self.profile.target_ms(b, self.verify_n(b, gammas)), draft, catchup
 
@@ -552,7 +526,7 @@ class AdaptivePolicy:
         verify, draft, catchup = self.raw_times(b, feedback.gammas, p["lags"], names, shapes)
         if feedback.verify_ms > 0 and verify > 0:
             ratio = feedback.verify_ms / verify
-            grown = [tree_rows(s, sh) for s, sh in zip(names, shapes, strict=False) if sh is not None]
+            grown = [sh.tokens + 1 for sh in shapes if sh is not None]
             played = max(max(grown), 1 + max(feedback.gammas)) if grown else round(self.verify_n(b, feedback.gammas))
             self._ema(self.kv, (bucket, played), ratio)
             self._ema(self.kv_bucket, bucket, ratio)

@@ -68,8 +68,8 @@ def test_greedy_output_equals_plain_and_both_sources_propose(tiny_model, batch):
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_output_equals_plain_with_trees_from_both_sources(tiny_model, batch):
-    """Under a tree policy the hybrid grows the draft's tree for every request and adds a copy, where
-    the context repeats, as one more branch of it; one forward verifies both side by side."""
+    """Under a tree policy the hybrid proposes a copy as a branchless tree and grows the draft's
+    trees elsewhere; one forward verifies both kinds side by side."""
     prompts = _mixed_prompts(10 + batch, batch)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     config = EngineConfig(max_batch=8, max_seq_len=256)
@@ -79,7 +79,7 @@ def test_greedy_output_equals_plain_with_trees_from_both_sources(tiny_model, bat
     engine = LLMEngine(tiny_model, config, drafter=drafter, policy=FixedTree(3, 2, 5))
     engine.step_listeners.append(records.append)
     assert [s.output_ids for s in engine.generate(prompts, params)] == plain
-    assert drafter.copied > 0 and drafter.drafted > 0 and drafter.merged == drafter.copied
+    assert drafter.copied > 0 and drafter.drafted > 0
     assert {s for r in records for s in r.sources} == {"ngram", "eagle3"}
 
 
@@ -157,20 +157,3 @@ def test_greedy_output_equals_plain_when_the_adaptive_policy_grows_trees(tiny_mo
                            policy=policy)
         assert [s.output_ids for s in engine.generate(prompts, params)] == plain
         assert policy.trees_played > 0 and drafter.copied > 0
-
-
-def test_greedy_output_equals_plain_when_copies_grow_trees_too(tiny_model):
-    """With `copy_trees` the adaptive policy may give a copy's requests a tree as well (the copy a
-    branch of the draft's tree, HybridDrafter.propose_tree): the output is still plain decoding's."""
-    prompts = _mixed_prompts(11, 4, cycle=3, repeats=6)
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
-    plain = [s.output_ids for s in LLMEngine(tiny_model, EngineConfig(max_batch=4, max_seq_len=256)).generate(
-        prompts, params)]
-    flat = LatencyProfile(T_ms={b: {n: 50.0 for n in range(1, 33)} for b in (1, 2, 4)}, D0_ms=0.5)
-    for batch in (1, 4):
-        drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=9), min_match=2)
-        policy = _SeesShapes(flat, alpha_prior=0.9, tree_extra=(3,), copy_trees=True)
-        engine = LLMEngine(tiny_model, EngineConfig(max_batch=batch, max_seq_len=256), drafter=drafter,
-                           policy=policy)
-        assert [s.output_ids for s in engine.generate(prompts, params)] == plain
-        assert drafter.merged > 0

@@ -94,16 +94,3 @@ def test_draft_tree_structure():
         DraftTree((1, 2, 2), (-1, 0, 0))  # siblings with one token
     with pytest.raises(ValueError):
         DraftTree((1, 2, 3), (-1, 2, 0))  # a parent after its child
-
-
-def test_a_path_added_to_a_tree_shares_its_prefix_and_keeps_the_rows():
-    """HybridDrafter's copy beside the draft's tree: nodes the tree already has are reused, the
-    rest appended below them, so every old node keeps its row and parents still come first."""
-    grown = TREE.with_path([11, 22, 7, 8])  # 11 -> 22 exist (nodes 1, 5); 7, 8 are new below node 5
-    assert grown.tokens[:len(TREE.tokens)] == TREE.tokens and grown.parents[:len(TREE.parents)] == TREE.parents
-    assert grown.tokens[len(TREE.tokens):] == (7, 8)
-    assert [grown.tokens[n] for n in grown.path(len(grown.tokens) - 1)] == [50, 11, 22, 7, 8]
-    assert TREE.with_path([11, 22, 31]) is TREE  # already a path of the tree: nothing added
-    assert DraftTree.chain(9, []).with_path([4, 4]) == DraftTree.chain(9, [4, 4])  # a chain from the root alone
-    fresh = TREE.with_path([6])
-    assert fresh.children[0] == (*TREE.children[0], len(TREE.tokens))  # a new sibling of the root's children

@@ -14,9 +14,8 @@ and a copied proposal is deterministic (q one-hot, `probs` None), as the n-gram 
 For a constrained request a copy is cut to what the grammar allows; where nothing is left the
 EAGLE-3 draft, whose steps follow the grammar, proposes.
 The EAGLE-3 draft catches up on the target features of the steps it skipped the next time it
-drafts for that sequence (its `lag`), as after speculation was off. Asked for draft trees
-(`propose_tree`), the draft grows every sequence's tree and a copy becomes one more branch of it:
-where verified rows are nearly free (AMX, GPUs) both are tried in one step.
+drafts for that sequence (its `lag`), as after speculation was off. Asked for a draft tree
+(`propose_tree`), a copy is a branchless tree and the draft grows the others.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ class HybridDrafter:
         self.lookup = NgramDrafter(max_n=max_n, min_n=min_match)
         self.copied = 0
         self.drafted = 0
-        self.merged = 0  # tree steps whose copy was verified beside the draft's tree (propose_tree)
         self._match: dict[str, tuple[int, int]] = {}  # request id -> (tokens, copy_match) at that length
 
     @property
@@ -98,15 +96,16 @@ class HybridDrafter:
 
     def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape], features: FeatureStore | None,
                      generators: list) -> list[DraftTree]:
-        """The EAGLE-3 draft's tree of each shape (Eagle3Drafter.propose_tree), and where `source`
-        says copy, the copy (cut to the shape's depth) added as one more branch from the root
-        (`DraftTree.with_path`, sharing whatever prefix the draft also proposed): asked for a tree,
-        the copy and the draft are verified side by side and the longer accepted path wins, so a
-        copy that fails at its first token no longer costs the step its drafts."""
-        copies, _ = self._copies(seqs, [shape.depth for shape in shapes])
-        self.merged += sum(c is not None for c in copies)
-        trees = self.eagle.propose_tree(seqs, shapes, features, generators)
-        return [t.with_path(c) if c else t for t, c in zip(trees, copies, strict=True)]
+        """A copy where `source` says so, as a branchless tree of the shape's depth (one path is all a
+        copy proposes); else the EAGLE-3 draft's tree (Eagle3Drafter.propose_tree)."""
+        copies, drafted = self._copies(seqs, [shape.depth for shape in shapes])
+        trees = [DraftTree.chain(seq.token_ids[-1], c) if c else None for seq, c in zip(seqs, copies, strict=True)]
+        if drafted:
+            grown = self.eagle.propose_tree([seqs[i] for i in drafted], [shapes[i] for i in drafted], features,
+                                            [generators[i] for i in drafted])
+            for j, i in enumerate(drafted):
+                trees[i] = grown[j]
+        return trees
 
     def _copies(self, seqs: list[Sequence], depths: list[int]) -> tuple[list[list[int] | None], list[int]]:
         """This step's copy per sequence (None where the draft proposes), and the draft's sequences."""
