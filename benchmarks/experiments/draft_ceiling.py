@@ -2,22 +2,23 @@
 
     .venv/bin/python -m benchmarks.experiments.draft_ceiling --draft static=DIR [--tune 600] \
         [--draft starter=tide/starter_drafts/smollm2-135m-instruct] [--lookup NAME=MIN] [--prompts 40] \
-        [--rounds 2] [--json F]
+        [--batch 1] [--rounds 2] [--json F]
 
 The horizon scenario's last-third criterion is online tokens/s ≥ 1.15x static's, where online
 serves a draft the loop trained on the new domain and static the chat-bootstrapped one. Here no
 loop runs at all: one engine in this process decodes the scenario's served GSM8K train questions
 (the same chat template, greedy, `--max-tokens` each, one after another: batch 1, the horizon's
 one-client run; `--batch 4`: four in flight, as its four closed-loop clients) with the serving
-defaults (the adaptive γ policy over the hybrid drafter: copies
-where the context repeats, the draft's chains or trees elsewhere) and each draft in turn, plus
-plain decoding. No trainer beside it, no collection, no hot swap: so `x first draft` is the
-most a draft of that quality could give the online mode on this machine.
+defaults (the adaptive γ policy over the hybrid drafter: copies where the context repeats, the
+draft's chains or trees elsewhere) and each draft in turn, plus plain decoding. No trainer beside
+it, no collection, no hot swap: so `x first draft` is the most a draft of that quality could give
+the online mode on this machine.
 
 Each draft is also judged as the horizon judges it (accept length at fixed γ = 3 on the held-out
 GSM8K chunks, `eval g3`). Arms run in one order and then the reverse, `--rounds` times; tokens/s
 ratios are of sums over all runs (drift lands on every arm). Also printed per arm: accept length
-per speculative step, mean γ, and the share of drafting steps that were copies.
+per speculative step, mean γ, the share of drafting steps that were copies, and per source (the
+draft's chains and trees, the copies) its drafting steps and their accept length.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def main() -> None:
     eagles = {name: Eagle3Drafter.from_checkpoint(str(find_checkpoint_dir(d)), model, name, 16, 2100)
               for name, d in drafts.items()}
     # one latency profile for every arm (the drafts share an architecture, so the same costs)
-    buckets = sorted({1, *(2 ** i for i in range(args.batch.bit_length()) if 2 ** i <= args.batch), args.batch})
+    buckets = sorted({2 ** i for i in range(args.batch.bit_length())} | {args.batch})  # the policy's, and B
     profile = profile_latency(model, next(iter(eagles.values())), buckets, list(range(1, 9)), reps=10)
     cfg = EngineConfig(max_batch=args.batch, max_seq_len=2048)
     hybrids: dict[str, HybridDrafter] = {}
