@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.experiments.draft_ceiling --draft static=DIR [--tune 600] \
         [--draft starter=tide/starter_drafts/smollm2-135m-instruct] [--lookup NAME=MIN] [--prompts 40] \
-        [--batch 1] [--rounds 2] [--json F]
+        [--fixed NAME=GAMMA] [--adaptive NAME=JSON] [--batch 1] [--rounds 2] [--json F]
 
 The horizon scenario's last-third criterion is online tokens/s ≥ 1.15x static's, where online
 serves a draft the loop trained on the new domain and static the chat-bootstrapped one. Here no
@@ -18,7 +18,10 @@ Each draft is also judged as the horizon judges it (accept length at fixed γ = 
 GSM8K chunks, `eval g3`). Arms run in one order and then the reverse, `--rounds` times; tokens/s
 ratios are of sums over all runs (drift lands on every arm). Also printed per arm: accept length
 per speculative step, mean γ, the share of drafting steps that were copies, and per source (the
-draft's chains and trees, the copies) its drafting steps and their accept length.
+draft's chains and trees, the copies) its drafting steps and their accept length. `--fixed NAME=G`
+adds an arm serving draft NAME at the fixed depth G (copies and chains alike) instead of the
+adaptive policy's: what the policy's choice of depth is worth for that draft; `--adaptive NAME=JSON`
+one serving it under the adaptive policy built with other arguments.
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ def main() -> None:
     ap.add_argument("--lookup", action="append", default=[], metavar="NAME=MIN",
                     help="also serve draft NAME with copies only from MIN+ matching tokens (arm NAME/mMIN; the "
                          "default hybrid copies from 1; above 3, the longest match looked up: never)")
+    ap.add_argument("--fixed", action="append", default=[], metavar="NAME=GAMMA",
+                    help="also serve draft NAME at a fixed depth GAMMA (the `static` policy) instead of the "
+                         "adaptive one (arm NAME/gGAMMA): is the policy's depth worth what it costs?")
+    ap.add_argument("--adaptive", action="append", default=[], metavar="NAME=JSON",
+                    help="also serve draft NAME under the adaptive policy with these constructor arguments, "
+                         "e.g. 'static={\"switch_horizon\": 64}' (arms NAME/a1, NAME/a2, ... in order given)")
     ap.add_argument("--tune", type=int, default=0, metavar="N",
                     help="also serve the first draft fine-tuned offline (arm `tuned`) on the target's greedy "
                          "continuations of N served questions after the decoded ones, as the horizon's offline "
@@ -110,15 +119,26 @@ def main() -> None:
     hybrids: dict[str, HybridDrafter] = {}
 
     lookups = {f"{k}/m{v}": (k, int(v)) for k, v in (x.split("=", 1) for x in args.lookup)}
+    fixed = {f"{k}/g{v}": (k, int(v)) for k, v in (x.split("=", 1) for x in args.fixed)}
+    tuned_policy = {f"{k}/a{i}": (k, json.loads(v))
+                    for i, (k, v) in enumerate((x.split("=", 1) for x in args.adaptive), 1)}
 
     def arm(name: str) -> LLMEngine:
         if name == "plain":
             return LLMEngine(model, cfg)
-        draft, min_match = lookups.get(name, (name, 1))
+        policy = make_policy("adaptive", {}, profile)
+        if name in fixed:
+            draft, min_match = fixed[name][0], 1
+            policy = make_policy("static", {"gamma": fixed[name][1]})
+        elif name in tuned_policy:
+            draft, min_match = tuned_policy[name][0], 1
+            policy = make_policy("adaptive", tuned_policy[name][1], profile)
+        else:
+            draft, min_match = lookups.get(name, (name, 1))
         hybrids[name] = HybridDrafter(eagles[draft], min_match=min_match)
-        return LLMEngine(model, cfg, drafter=hybrids[name], policy=make_policy("adaptive", {}, profile))
+        return LLMEngine(model, cfg, drafter=hybrids[name], policy=policy)
 
-    names = [*([] if args.no_plain else ["plain"]), *drafts, *lookups]
+    names = [*([] if args.no_plain else ["plain"]), *drafts, *lookups, *fixed, *tuned_policy]
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for _ in range(args.rounds):
         for order in (names, names[::-1]):
