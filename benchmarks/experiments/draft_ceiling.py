@@ -126,15 +126,13 @@ def main() -> None:
     def arm(name: str) -> LLMEngine:
         if name == "plain":
             return LLMEngine(model, cfg)
-        policy = make_policy("adaptive", {}, profile)
         if name in fixed:
-            draft, min_match = fixed[name][0], 1
-            policy = make_policy("static", {"gamma": fixed[name][1]})
-        elif name in tuned_policy:
-            draft, min_match = tuned_policy[name][0], 1
-            policy = make_policy("adaptive", tuned_policy[name][1], profile)
+            (draft, gamma), min_match = fixed[name], 1
+            policy = make_policy("static", {"gamma": gamma})
         else:
-            draft, min_match = lookups.get(name, (name, 1))
+            draft, params = tuned_policy.get(name, (name, {}))
+            draft, min_match = lookups.get(name, (draft, 1))
+            policy = make_policy("adaptive", params, profile)
         hybrids[name] = HybridDrafter(eagles[draft], min_match=min_match)
         return LLMEngine(model, cfg, drafter=hybrids[name], policy=policy)
 

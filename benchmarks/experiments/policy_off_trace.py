@@ -35,6 +35,7 @@ from tide.policies.registry import make_policy
 from tide.precision import resolve_weights
 from tide.prompts import encode_prompt
 from tide.target import load_tokenizer, resolve_target
+from tide.telemetry import COPY_SOURCES
 
 
 def _median(values: list[int]) -> float | None:
@@ -50,7 +51,7 @@ def trace_run(engine: LLMEngine, policy, prompts: list[list[int]], batch: int) -
         actions = decide(ctx)
         if ctx.batch_size == batch:
             depths = [a.depth if isinstance(a, TreeShape) else a for a in actions]
-            lags = [r.lag for r in ctx.requests if r.drafter != "ngram"]
+            lags = [r.lag for r in ctx.requests if r.drafter not in COPY_SOURCES]
             steps.append((max(depths, default=0) == 0, max(lags) if lags else None))
         return actions
 
