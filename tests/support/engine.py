@@ -214,9 +214,15 @@ def repetitive_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def sample_many(engine, prompt: list[int], params, n: int = 1000) -> list:
-    """n sampled requests of one prompt, seeds 0..n-1, 64 at a time: their sequences."""
+    """n sampled requests of one prompt, 64 at a time: their sequences. With the engine's unseeded
+    requests coupled, seeds 0..n-1 (coupled draws keyed by them); with rejection sampling unseeded
+    (a seeded request always couples), their generators seeded by the engine's fixed seed."""
+    from tide.engine.sampling import SamplingScheme
+
+    seeded = engine.config.unseeded_sampling is SamplingScheme.COUPLED
     seqs = []
     for start in range(0, n, 64):
-        batch = [type(params)(**{**params.__dict__, "seed": i}) for i in range(start, min(n, start + 64))]
+        batch = [type(params)(**{**params.__dict__, "seed": i if seeded else None})
+                 for i in range(start, min(n, start + 64))]
         seqs += engine.generate([prompt] * len(batch), batch)
     return seqs

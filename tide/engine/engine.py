@@ -23,12 +23,17 @@ from tide.engine.logits import has_penalties, needs_processing, process
 from tide.engine.model_runner import ModelRunner
 from tide.engine.prefix_cache import Admission, PrefixCache
 from tide.engine.sampling import (
+    SamplingScheme,
+    coupled_draws,
     greedy_tokens,
+    position_uniform,
     sample,
     target_probs,
     token_logprobs,
+    verify_coupled,
     verify_greedy,
     verify_sampling,
+    verify_tree_coupled,
     verify_tree_greedy,
     verify_tree_sampling,
 )
@@ -71,6 +76,8 @@ class EngineConfig:
     prefix_cache: bool = True  # a prompt reuses the cache entries a finished request left (tide.engine.prefix_cache)
     prefix_cache_host_mb: int = 0  # host memory for entries evicted from free slots (0: slots only)
     seed: int = 0  # RNG for sampled requests without their own seed
+    # How sampled requests without a seed draw (seeded ones always couple: their seed is the key).
+    unseeded_sampling: SamplingScheme = SamplingScheme.COUPLED
     worker_id: str = "local"
     target_model: str = ""
 
@@ -207,10 +214,12 @@ class LLMEngine:
         if has_penalties(params):
             self._counts[request_id] = Counter()
         if not params.greedy:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(params.seed if params.seed is not None else
-                            int(torch.randint(0, 2**62, (1,), generator=self._default_rng)))
-            self._generators[request_id] = gen
+            seed = params.seed if params.seed is not None else int(
+                torch.randint(0, 2**62, (1,), generator=self._default_rng))
+            if params.seed is not None or self.config.unseeded_sampling is SamplingScheme.COUPLED:
+                seq.sample_seed = seed
+            else:
+                self._generators[request_id] = torch.Generator(device="cpu").manual_seed(seed)
         if self.tokenizer is not None:
             self._texts[request_id] = IncrementalText(self.tokenizer, params.stop)
             if params.logprobs is not None:
@@ -346,6 +355,8 @@ class LLMEngine:
                 last = process(last, seq.params, self._counts.get(seq.request_id), [], seq.matcher)
             if seq.params.greedy:
                 token = int(greedy_tokens(last)[0])
+            elif seq.sample_seed is not None:
+                token = coupled_draws(target_probs(last.cpu(), seq.params), [position_uniform(seq.sample_seed, 0)])[0]
             else:
                 token = sample(target_probs(last.cpu(), seq.params)[0], self._generators[seq.request_id])
             seq.status = SequenceStatus.RUNNING
@@ -386,6 +397,9 @@ class LLMEngine:
                 # Tree requests have no logits processing (_decide_actions routes those to chains).
                 if seq.params.greedy:
                     path, nxt = verify_tree_greedy(greedy_rows[lo:hi], tree)
+                elif seq.sample_seed is not None:
+                    probs = target_probs(out.logits[lo:hi].cpu(), seq.params)
+                    path, nxt = verify_tree_coupled(probs, tree, self._uniforms(seq, tree.depth + 1))
                 else:
                     probs = target_probs(out.logits[lo:hi].cpu(), seq.params)
                     path, nxt = verify_tree_sampling(probs, tree, self._generators[seq.request_id])
@@ -400,6 +414,9 @@ class LLMEngine:
             if seq.params.greedy:
                 rows = greedy_tokens(logits).tolist() if processed else greedy_rows[lo:hi]
                 k, nxt = verify_greedy(rows, drafts[i])
+            elif seq.sample_seed is not None:
+                probs = target_probs(logits.cpu(), seq.params)
+                k, nxt = verify_coupled(probs, drafts[i], self._uniforms(seq, len(drafts[i]) + 1))
             else:
                 # Sampling runs on the CPU, where the per-request generators live (small rows).
                 probs = target_probs(logits.cpu(), seq.params)
@@ -421,6 +438,11 @@ class LLMEngine:
             self._emit(d.seq, d.emitted, outputs, logprobs)
         t2 = time.perf_counter()
         return results, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    @staticmethod
+    def _uniforms(seq: Sequence, rows: int) -> list[float]:
+        """The coupled draws' uniforms of the next `rows` output positions of `seq`."""
+        return [position_uniform(seq.sample_seed, seq.num_output + j) for j in range(rows)]
 
     def _propose(self, seqs: list[Sequence], actions: list[Action]):
         """Draft per the actions: (chain drafts per sequence, their q rows or None, trees or None).

@@ -8,15 +8,33 @@ the bonus from p. The emitted tokens are distributed exactly as sampling from p 
 `p` is the target's distribution after temperature / top-k / top-p; `q` the drafter's proposal
 distribution over the target vocabulary (one-hot for deterministic drafters such as n-gram).
 Draft trees (tide.engine.tree): `verify_tree_greedy` and `verify_tree_sampling` below.
+
+Coupled sampling (`verify_coupled`, `verify_tree_coupled`): the token at output position n is
+drawn by inverse CDF from the target's distribution with a uniform that is a pure function of
+(seed, n) (`position_uniform`), in plain decoding and in verification alike. The draw is exact
+(P(token v) = p(v)), and since it depends on nothing else, a seeded request gives the same tokens
+whatever γ, tree, drafter, draft version, batch or load; verifying a draft only checks whether it
+guessed the token the target draws there, as greedy verification does. For a deterministic draft
+token x the acceptance probability is p(x), as rejection sampling's; a drafter that draws its own
+guess from its q with the same uniform (`coupled_draws`) accepts where p and q agree.
 """
 
 from __future__ import annotations
+
+import enum
 
 import torch
 
 from tide import kernels
 from tide.engine.sequence import SamplingParams, TokenLogprob
 from tide.engine.tree import DraftTree
+
+
+class SamplingScheme(enum.Enum):
+    """How a sampled request draws its tokens and verifies drafts."""
+
+    COUPLED = "coupled"  # inverse CDF with position_uniform(seed, position): reproducible per seed
+    REJECTION = "rejection"  # the request's torch generator; drafts by speculative (rejection) sampling
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -49,6 +67,40 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+_MASK64 = 2**64 - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15  # SplitMix64's increment (2^64 / the golden ratio, odd)
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function (Steele, Lea, Flood 2014): a bijection of 64-bit words."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_uniform(seed: int, index: int) -> float:
+    """The uniform in [0, 1) that draws output token `index` (0 = the first) of a request sampled
+    with `seed` (taken mod 2^64): output `index` of a SplitMix64 generator whose state starts at
+    the mixed seed, read at its counter directly, 53 bits (a double's mantissa)."""
+    state = (_mix64(seed & _MASK64) + (index + 1) * _GOLDEN64) & _MASK64
+    return (_mix64(state) >> 11) * 2.0**-53
+
+
+def coupled_draws(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """Row j of probs [R, V] (any non-negative weights with a positive sum) drawn by inverse CDF
+    with uniforms[j]: the first token whose cumulative weight exceeds uniforms[j] * total, in
+    vocabulary order. Tokens of weight 0 are never drawn. float64 sums keep the draw a function of
+    the row's values alone (the same row, the same token, in decoding and in verification)."""
+    cdf = probs.to(torch.float64).cumsum(-1)
+    x = torch.tensor(uniforms, dtype=torch.float64, device=cdf.device) * cdf[:, -1]
+    tokens = torch.searchsorted(cdf, x[:, None], right=True)[:, 0].tolist()
+    vocab = probs.shape[-1]
+    for j, t in enumerate(tokens):
+        if t >= vocab:  # x rounded up to the total (u within 2^-53 of 1): the last token with weight
+            tokens[j] = int(torch.nonzero(probs[j] > 0).max())
+    return tokens
 
 
 def verify_greedy(target_argmax: list[int], drafts: list[int]) -> tuple[int, int]:
@@ -88,6 +140,20 @@ def verify_sampling(
             residual = probs[j]
         return j, sample(residual, generator)
     return n, sample(probs[n], generator)
+
+
+def verify_coupled(probs: torch.Tensor, drafts: list[int], uniforms: list[float]) -> tuple[int, int]:
+    """Coupled verification of a chain: probs [len(drafts) + 1, V] the target's distributions,
+    uniforms[j] the uniform of the output position row j draws (position_uniform). The target's
+    own draws decide, as greedy verification's argmax does. Returns (accepted count k, next token)."""
+    return verify_greedy(coupled_draws(probs, uniforms[:len(drafts) + 1]), drafts)
+
+
+def verify_tree_coupled(probs: torch.Tensor, tree: DraftTree, uniforms: list[float]) -> tuple[list[int], int]:
+    """Coupled verification of a tree: row j draws with the uniform of its depth's output position
+    (uniforms[depth of node j]: every node at one depth stands for the same position); then the
+    walk of verify_tree_greedy over those draws. Returns (accepted path, root included; next token)."""
+    return verify_tree_greedy(coupled_draws(probs, [uniforms[d] for d in tree.depths]), tree)
 
 
 def verify_tree_greedy(target_argmax: list[int], tree: DraftTree) -> tuple[list[int], int]:

@@ -145,6 +145,9 @@ class Sequence:
     # With params.grammar: its tide.engine.constraints.GrammarMatcher at the output so far (set by the
     # engine; the EAGLE-3 drafter walks it to mask its proposals and rolls it back).
     matcher: object | None = None
+    # A sampled request that draws coupled (tide.engine.sampling.position_uniform): the key of its
+    # draws, its seed or one the engine chose. None: greedy, or rejection sampling.
+    sample_seed: int | None = None
 
     RECENT_STEPS = 16  # how many steps of history a policy sees per request
 

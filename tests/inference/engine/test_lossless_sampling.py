@@ -15,7 +15,7 @@ from support.engine import RandomDrafter, chi_square_p_value, exact_first_two, s
 
 from tide.engine.drafters import NgramDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
-from tide.engine.sampling import verify_sampling
+from tide.engine.sampling import SamplingScheme, verify_sampling
 from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma
 
@@ -41,20 +41,21 @@ def test_verifier_first_token_follows_p(proposal):
     assert chi_square_p_value(counts, p) > ALPHA
 
 
+@pytest.mark.parametrize("scheme", list(SamplingScheme))
 @pytest.mark.parametrize("drafter_kind,params", [
     ("random-q", SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),
     ("ngram", SamplingParams(max_tokens=3, temperature=0.8, top_k=20, ignore_eos=True)),
     ("eagle3", SamplingParams(max_tokens=3, temperature=1.3, top_p=0.9, ignore_eos=True)),
 ])
-def test_engine_sampling_matches_target_distribution(tiny_model, drafter_kind, params):
+def test_engine_sampling_matches_target_distribution(tiny_model, drafter_kind, params, scheme):
     # Every vocabulary id occurs in the prompt, so the n-gram drafter always finds a match to copy.
     prompt = list(range(3, tiny_model.cfg.vocab_size)) + [5, 17, 5]
     p1, p2 = exact_first_two(tiny_model, prompt, params)
     drafter = {"random-q": lambda: RandomDrafter(tiny_model.cfg.vocab_size, seed=3, sharpness=1.0),
                "ngram": NgramDrafter,
                "eagle3": lambda: tiny_eagle3_drafter(tiny_model, max_batch=64)}[drafter_kind]()
-    engine = LLMEngine(tiny_model, EngineConfig(max_batch=64, max_seq_len=128), drafter=drafter,
-                       policy=FixedGamma(3))
+    engine = LLMEngine(tiny_model, EngineConfig(max_batch=64, max_seq_len=128, unseeded_sampling=scheme),
+                       drafter=drafter, policy=FixedGamma(3))
     seqs = sample_many(engine, prompt, params)
     assert sum(s.draft_tokens for s in seqs) > 0
     if drafter_kind != "ngram":  # the copied n-gram is unlikely under this random target: mostly rejected

@@ -20,7 +20,7 @@ from support.engine import (
 )
 
 from tide.engine.engine import EngineConfig, LLMEngine
-from tide.engine.sampling import verify_tree_sampling
+from tide.engine.sampling import SamplingScheme, verify_tree_sampling
 from tide.engine.sequence import SamplingParams
 from tide.engine.tree import DraftTree
 from tide.policies import FixedTree
@@ -100,15 +100,16 @@ class _OracleTreeDrafter(ScriptedDrafter):
     ("oracle", SamplingParams(max_tokens=3, temperature=0.5, ignore_eos=True)),
     ("oracle", SamplingParams(max_tokens=3, temperature=0.6, top_k=20, ignore_eos=True)),
 ])
-def test_engine_tree_sampling_matches_target_distribution(tiny_model, drafter_kind, params):
+@pytest.mark.parametrize("scheme", list(SamplingScheme))
+def test_engine_tree_sampling_matches_target_distribution(tiny_model, drafter_kind, params, scheme):
     prompt = list(range(3, tiny_model.cfg.vocab_size)) + [5, 17, 5]
     p1, p2 = exact_first_two(tiny_model, prompt, params)
     if drafter_kind == "eagle3":
         drafter = tiny_eagle3_drafter(tiny_model, max_batch=64)
     else:
         drafter = _OracleTreeDrafter(tiny_model, params)
-    engine = LLMEngine(tiny_model, EngineConfig(max_batch=64, max_seq_len=128), drafter=drafter,
-                       policy=FixedTree(2, 8, 10))
+    engine = LLMEngine(tiny_model, EngineConfig(max_batch=64, max_seq_len=128, unseeded_sampling=scheme),
+                       drafter=drafter, policy=FixedTree(2, 8, 10))
     seqs = sample_many(engine, prompt, params)
     assert sum(s.draft_tokens for s in seqs) > 0
     assert sum(s.accepted_tokens for s in seqs) > 0

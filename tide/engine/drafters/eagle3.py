@@ -44,6 +44,7 @@ from tide.eagle3.model import fused_step_kernels
 from tide.engine.drafters.base import DraftAlgorithm, Proposal
 from tide.engine.features import FeatureStore
 from tide.engine.llama import LlamaModel
+from tide.engine.sampling import coupled_draws, position_uniform, target_probs
 from tide.engine.sequence import Sequence
 from tide.engine.tree import DraftTree
 from tide.policies import TreeShape
@@ -76,6 +77,9 @@ class Eagle3Drafter:
         self._d2t_ids = torch.arange(cfg.draft_vocab_size, device=p.device) + draft.d2t
         self._d2t_cpu = self._d2t_ids.cpu()  # indexes grammar masks (built on the CPU)
         self.mask_to_grammar = True  # False: unmasked drafts (benchmarks/features.py measures the gain)
+        # Coupled requests draft by drawing from q with the target's uniform; False: the argmax
+        # (benchmarks/sampling.py measures the two against rejection sampling).
+        self.coupled_drafts = True
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, target: LlamaModel, version: str, max_batch: int,
@@ -116,7 +120,7 @@ class Eagle3Drafter:
                 for i in constrained:
                     if i not in stopped and not self._mask_to_grammar(seqs[i], logits[i]):
                         stopped.add(i)
-                chosen = self._choose(seqs, logits, generators, probs, stopped)
+                chosen = self._choose(seqs, logits, generators, probs, stopped, j)
                 for i in range(B):
                     if j < gammas[i] and i not in stopped:
                         tokens[i].append(int(chosen[i]))
@@ -251,13 +255,25 @@ class Eagle3Drafter:
         row.masked_fill_(~allowed.to(row.device), float("-inf"))
         return True
 
-    def _choose(self, seqs, logits, generators, probs, skip: set[int]) -> torch.Tensor:
-        """Next draft token per sequence (target ids): argmax for greedy requests; sampled from
-        q = softmax(logits / T) for sampled ones, whose q (over the target vocab) is recorded.
-        Sequences in `skip` (constrained chains that stopped) draw nothing."""
+    def _choose(self, seqs, logits, generators, probs, skip: set[int], depth: int) -> torch.Tensor:
+        """Next draft token per sequence (target ids), the `depth`-th of its chain (0 = the first):
+        argmax for greedy requests; for coupled ones (seq.sample_seed) the draw from q (the draft's
+        distribution under the request's temperature, top-k and top-p) with the uniform the target
+        draws this position with, so it is accepted wherever p and q put the uniform on one token
+        (deterministic: no q row); for the others sampled from q = softmax(logits / T), whose q
+        (over the target vocab) is recorded. Sequences in `skip` (constrained chains that stopped)
+        draw nothing."""
         chosen = self._d2t_ids[logits.argmax(-1)]
         for i, seq in enumerate(seqs):
             if seq.params.greedy or i in skip:
+                continue
+            if seq.sample_seed is not None:
+                if not self.coupled_drafts:
+                    continue  # the argmax
+                q = target_probs(logits[i:i + 1].cpu(), seq.params)[0]
+                full = torch.zeros(self.draft.cfg.vocab_size, dtype=torch.float32).index_copy_(0, self._d2t_cpu, q)
+                u = position_uniform(seq.sample_seed, seq.num_output + depth)
+                chosen[i] = coupled_draws(full[None], [u])[0]
                 continue
             # On the CPU, like the target's sampling: the request's generator lives there.
             q = torch.softmax(logits[i].cpu() / seq.params.temperature, dim=-1)
