@@ -7,7 +7,7 @@ last chunk) with `text` instead of `delta`.
 
 `logprobs: N` (0..5) gives each choice `logprobs: {"text_offset", "token_logprobs", "tokens",
 "top_logprobs"}` over the tokens of its text (top_logprobs: the N most likely tokens' text ->
-logprob); `echo: true` puts the prompt before the completion, in the text and (with logprobs) in
+logprob, and the token's own, so `logprobs: 0` gives the sampled token's: OpenAI's up to N + 1); `echo: true` puts the prompt before the completion, in the text and (with logprobs) in
 those lists, the first prompt token's logprob and top_logprobs null. Streamed, each chunk carries
 its tokens' lists (offsets continuing), the prompt's with the choice's first chunk.
 """
@@ -53,9 +53,11 @@ class OpenAIServingCompletion(OpenAIServing):
             out.text_offset.append(offset)
             out.tokens.append(text)
             out.token_logprobs.append(None if logprob is None else self.logprob_value(logprob))
-            out.top_logprobs.append(
-                None if top is None else {self.token_text(t)[0]: self.logprob_value(v) for t, v in top}
-            )
+            alternatives = None
+            if top is not None:  # the N most likely, and the token itself (OpenAI: up to N + 1 entries)
+                alternatives = {self.token_text(t)[0]: self.logprob_value(v) for t, v in top}
+                alternatives.setdefault(text, self.logprob_value(logprob))
+            out.top_logprobs.append(alternatives)
             offset += len(text)
 
         if first_prompt_token is not None:

@@ -120,6 +120,16 @@ def test_sampled_tokens_have_logprobs(oai):
     assert all(e.logprob <= 0 for e in r.choices[0].logprobs.content)
 
 
+def test_completion_logprobs_0_gives_the_sampled_tokens_logprob(oai):
+    """`logprobs: 0`: top_logprobs holds the sampled token alone, with its logprob (OpenAI, vLLM)."""
+    r = oai.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=8, temperature=0.9, seed=5,
+                               logprobs=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 8 and "".join(lp.tokens) == r.choices[0].text
+    assert lp.top_logprobs == [{tok: value} for tok, value in zip(lp.tokens, lp.token_logprobs, strict=True)]
+    assert all(v <= 0 for v in lp.token_logprobs)
+
+
 def test_completion_logprobs_and_echo(oai):
     prompt = "Once upon a time"
     kwargs = dict(model=MODEL_NAME, max_tokens=8, temperature=0, logprobs=3)
@@ -141,7 +151,10 @@ def test_completion_logprobs_and_echo(oai):
     assert len(e.logprobs.tokens) == n_prompt + 8 and "".join(e.logprobs.tokens) == e.text
     assert e.logprobs.token_logprobs[0] is None and e.logprobs.top_logprobs[0] is None
     assert all(v is not None and v <= 0 for v in e.logprobs.token_logprobs[1:])
-    assert all(len(t) == 3 for t in e.logprobs.top_logprobs[1:])
+    # The 3 most likely and the prompt's own token (OpenAI: up to logprobs + 1 entries).
+    for tok, top, value in zip(e.logprobs.tokens[1:], e.logprobs.top_logprobs[1:], e.logprobs.token_logprobs[1:],
+                               strict=True):
+        assert len(top) in (3, 4) and abs(top[tok] - value) < 1e-6 and (len(top) == 3 or top[tok] <= min(top.values()))
     assert e.logprobs.tokens[n_prompt:] == lp.tokens
 
 
