@@ -64,7 +64,7 @@ E_i(m) at decision time; prior +3 % per extra node, worth a few steps). A tree i
 beats the chain by `min_gain`, tried by exploration where it comes within `explore_margin`. Tree
 steps teach only the gain: a tree's acceptance is not its chain's, so α̂ and r_j learn from chains.
 Where every verified row costs about a decode step (the AVX2 CPUs: docs/results/speculation,
-session 40) trees never pay and are not played; where rows are nearly free (GPUs) they are.
+"An AVX2 CPU (Zen 3)") trees never pay and are not played; where rows are nearly free (GPUs) they are.
 
 Padded verification (`padded_verify`, default: the profile's ``meta["verify_padding"]``, which
 tide.engine.profiling sets for our engine): when the engine pads every sequence of a verify
@@ -120,7 +120,7 @@ MAX_CORRECTION = 16.0
 # worth TREE_PRIOR_TOKENS of its chains' expected tokens as evidence (a few steps). Measured on the
 # starter draft, held-out mix, batch 1: the EAGLE-3 draft's tree of depth 3 with 1 node more than its
 # chain accepted 1.53 against 1.44 (+6 %), depth 4 with 3 more 1.60 against 1.47 (+9 %)
-# (docs/results/speculation, session 40).
+# (docs/results/speculation, "An AVX2 CPU (Zen 3)").
 TREE_GAIN_PRIOR = 0.03
 TREE_PRIOR_TOKENS = 16.0
 
@@ -206,8 +206,8 @@ class AdaptivePolicy:
         # sources were told apart; the ablation in benchmarks/experiments/lookup_ab.py).
         per_source: bool = True,
         # True: a copy's state is split by its match length too (`source_key`). Measured at batch 1
-        # on the held-out mix: 1.47x plain against 1.53x unsplit (docs/results/speculation, session
-        # 39): the split halves each copy state's evidence and did not pay; off.
+        # on the held-out mix: 1.47x plain against 1.53x unsplit (docs/results/speculation, Ice Lake
+        # server): the split halves each copy state's evidence and did not pay; off.
         by_match: bool = False,
         # EAGLE-2 trees for a source that pays a draft forward, where the drafter grows them
         # (StepContext.trees): at a source's chosen depth m, TreeShape(m, tree_topk, m + w) for each w
