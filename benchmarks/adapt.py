@@ -29,7 +29,7 @@ Both start from the same draft, registered and promoted in the fresh registry be
 prompts no phase serves: Spec-Bench and Alpaca less the phases' prompts (Spec-Bench's chat
 categories, and its math_reasoning, which is GSM8K's test set). A draft bootstrapped on the served
 prompts memorises the very sequences greedy decoding regenerates
-(docs/results/sessions/session-16-bootstrap-finetune-adapt-rollback: 3.06 at γ = 3 on them against
+(docs/results/adapt, "The first full run on Zen 4": 3.06 at γ = 3 on them against
 1.39 on held-out chat); that inflated the static mode's chat phase and made the trainer's held-out
 chunks favour the base draft. Cached under
 $TIDE_CACHE_DIR/drafts/bootstrap-start-<key>/.
@@ -444,7 +444,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="starting EAGLE-3 checkpoint dir (default: the cached bootstrap on prompts "
                                         "no phase serves)")
     # 5 minutes left a 2-CPU machine at 100 tok/s with 5 training steps: accept length 1.02, no draft at
-    # all; 15 gave 1.35 on held-out chat (docs/results/sessions/session-09-online-adapt-loop)
+    # all; 15 gave 1.35 on held-out chat (docs/results/adapt, "The trainer on its own core")
     parser.add_argument("--bootstrap-minutes", type=float, default=15.0,
                         help="budget of the starting draft's bootstrap when it is not cached [15]")
     parser.add_argument("--phase-s", type=float, default=None, help="seconds per phase [quick 150, full 300]")
@@ -459,7 +459,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-steps", type=int, default=24,
                         help="online trainer: TIDE_TRAINER_STEPS, optimizer steps per cycle (batches of 4 x 512) [24]")
     # 24 steps on one cycle's ≈ 2k new + 2k replayed tokens are ≈ 10 passes: candidates memorised them and
-    # 14 of 16 were not better (docs/results/sessions/session-18-adapt-bench-b1-b5); a window of the
+    # 14 of 16 were not better (docs/results/adapt, run b1); a window of the
     # newest chunks, 3 passes
     parser.add_argument("--max-epochs", type=float, default=None,
                         help="online trainer: TIDE_TRAINER_MAX_EPOCHS, passes over a cycle's data at most (with "

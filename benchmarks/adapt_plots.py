@@ -9,7 +9,7 @@ loop.png   the online loop's plumbing over time: chunk MB written by the workers
 policy.png the workers' γ policy in both modes: its global acceptance estimate α̂ (top) and its
            draft-cost correction κ_d per batch bucket (bottom, log scale: measured / profiled draft
            ms; above ≈ 2 at batch 2 on the reference CPU drafting stops paying), so a policy that
-           stopped speculating shows why (docs/results/sessions/session-18-adapt-bench-b1-b5, run b4).
+           stopped speculating shows why (docs/results/adapt, run b4).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ means separate cores: the worker gets `TIDE_CPUS`, the trainer `TIDE_TRAINER_CPU
 steals the other's time. `pin_process` applies a CPU set (and a nice increment) to every thread of
 the calling process, so call it before the model is loaded; torch's intra-op pool is sized to the
 set, because OpenMP threads that outnumber their cores spin against each other (two processes of
-2 threads each on 2 cores generated at 29 tok/s instead of 169 alone: results, session 4).
+2 threads each on 2 cores generated at 29 tok/s instead of 169 alone: docs/results/bootstrap, History).
 
 A worker's CPUs are its alone: `tide up` starts every other process (Redis, S3, registry, controller,
 gateway, a trainer without CPUs of its own) on `cpus_left(worker CPUs)` through `started_on`. Left

@@ -1,4 +1,5 @@
-"""The fixed-step A/B harness of session 14: `python -m services.trainer.training` with prototype
+"""The fixed-step A/B harness of docs/results/bootstrap (run by docs/results/bootstrap/fixed-step-ab.sh; the table
+"Fixed-step A/Bs on boot19's data"): `python -m services.trainer.training` with prototype
 variants switched on by environment variables (they were prototyped here before the product code had
 them; the product's versions are `--aux-norm` and `--ttt-ramp`, run these with `--aux-norm false`).
 

@@ -6,8 +6,8 @@ SPEC is BATCHxMAX_TOKENS (prompts in the seeded shuffle's order, groups of 2 x B
 bootstrap forms them) or BATCHxMAX_TOKENSwN (grouped by length within windows of N groups,
 `generation.length_sorted_groups`). Each setting generates greedily, capturing chunks as the
 bootstrap does, and counts the generated tokens of its first SECONDS (then the sequences
-running are cut, as at the bootstrap's generation deadline). Session 10:
-`150 32x256 32x256w8 64x256w8 128x256w8 64x256w2`, one process each run.
+running are cut, as at the bootstrap's generation deadline). docs/results/bootstrap (boot13 and boot14,
+"Generation: bigger batches") ran `150 32x256 32x256w8 64x256w8 128x256w8 64x256w2`, one process each run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Copy a bootstrap's data to a new --out with its training reset (session 12's training-only reruns).
+"""Copy a bootstrap's data to a new --out with its training reset (the training-only reruns of
+docs/results/bootstrap: boot17g/h/i, boot18a/n).
 
     python resetdata.py SRC DST [--keep-train N --generate-s S] [fixed_key=json ...]
 

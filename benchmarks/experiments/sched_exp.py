@@ -1,4 +1,5 @@
-"""Does a busy CPU 1 slow a worker pinned to CPU 0 through the scheduler? (#6, session 18)
+"""Does a busy CPU 1 slow a worker pinned to CPU 0 through the scheduler? (#6; the table "The worker's CPU is
+its alone" in docs/results/adapt)
 
     TIDE_CPUS=0 TIDE_TRAINER_CPUS=1 .venv/bin/tide up --port 8000 --no-collection &   # wait for "stack ready"
     .venv/bin/python benchmarks/experiments/sched_exp.py 50 idle,spin,spin+pin,idle+pin,spin,spin+pin,mem,mem+pin

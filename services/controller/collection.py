@@ -13,7 +13,7 @@ Mode `auto` (the default):
   token is below its long EMA by more than `shift_epsilon`, continuously for `shift_hold_s`
   (stats.py: the rate does not move with γ, so the adaptive policy's γ changes and probes do not
   read as shifts. The accept length would: at a per-token acceptance of 0.5 it is 1.875 at γ = 3
-  and 1.5 at γ = 1, a fall of 0.375, and in session 9 collection that had gone off for no gain
+  and 1.5 at γ = 1, a fall of 0.375, and in `bench adapt` (docs/results/adapt) collection that had gone off for no gain
   came straight back on. A short EMA over 50 verifications also dips for a few seconds of hard
   prompts: in the quick horizon run such dips re-opened collection twice within 30 s of a no-gain).
 - ON "learning the traffic" (`learn`, the default): judged, neither cold nor shifted, and collection

@@ -12,7 +12,7 @@ to the previous version (which workers follow through WatchTarget). Not worse �
 version stays.
 
 Why the test as well as the margin: two windows of 200 verifications at 2 clients are ≈ 8 s of
-traffic each, a handful of requests. In `bench adapt` (docs/results/sessions/session-18-adapt-bench-b1-b5)
+traffic each, a handful of requests. In `bench adapt` (docs/results/adapt, run b2)
 a draft that evaluated better (1.550 vs 1.518 on held-out chunks) was rolled back at 0.322 vs 0.372
 on ≈ 210 checked tokens each: 0.05 is 1.1 standard errors there. A draft that is really worse, like the
 deliberately bad one of the tests (0 vs 0.67), is many standard errors below at once.
@@ -20,13 +20,13 @@ deliberately bad one of the tests (0 vs 0.67), is many standard errors below at 
 The previous version's recent rate, not its long EMA: traffic shifts between domains, and the long
 EMA (1000 observations) remembers the domain before the shift. In `bench adapt` a draft promoted
 40 s into the HumanEval phase was rolled back against its predecessor's GSM8K rate (0.216 vs 0.352;
-docs/results/sessions/session-17-adapt-gamma-policy-rollback), and q2's two rollbacks came the same
+docs/results/adapt, run f1), and run q2's two rollbacks came the same
 way. Adjacent windows of equal size compare the two versions on the same traffic. (The previous
 version has served fewer than `window` verifications since the controller started: all of them.)
 
 The rate, not the accept length: the accept length grows with γ, which the adaptive policy moves
 all the time (stats.py), so a version that served at a larger γ would set a bar that its successor
-misses at a smaller one (docs/results/sessions/session-16-bootstrap-finetune-adapt-rollback: in
+misses at a smaller one (docs/results/adapt, "The first full run on Zen 4": in
 `bench adapt` a draft that evaluated +0.125 better was rolled back that way, against its
 predecessor's 2.644 tokens/step over one minute).
 

@@ -254,7 +254,7 @@ def test_a_change_of_gamma_is_not_a_shift_but_a_drop_in_acceptance_is():
     assert state(ctl) == (True, "shift detected")
 
 
-# Step costs measured on a 2-vCPU AVX2 guest (the worker's latency profile, session 43): a verified
+# Step costs measured on a 2-vCPU AVX2 guest (the worker's latency profile; docs/results/horizon, Zen 3): a verified
 # row costs almost a plain step's worth at batch 4, and little at batch 1.
 AVX2_B1 = dict(verify=(1.0, 1.30, 1.62, 1.75, 2.20, 2.35), draft=0.113)
 AVX2_B4 = dict(verify=(1.0, 1.47, 1.94, 2.41, 2.82, 3.32), draft=0.102)

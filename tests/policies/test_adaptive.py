@@ -210,7 +210,7 @@ def test_a_plain_step_cost_learnt_in_a_busy_spell_does_not_keep_speculation_on_f
     """Drafting at α 0.05 does not pay here, and the policy mostly decodes plainly. When the plain
     steps it last ran were slow (a busy host: 2x), their κ used to stay 2 for as long as it kept
     speculating, which it then did for good: plain decoding looked twice as dear and was never
-    tried again to find out (bench b6, docs/results/sessions/session-20-adapt-bench-b6-b7). The
+    tried again to find out (bench b6 on a Zen 3 guest, docs/results/adapt). The
     unplayed width's κ now follows the bucket's level."""
     seeds = range(4)
     calm = [_drafted_share_after_a_busy_plain_spell(AdaptivePolicy(PROFILE), 1.0, 0.05, s) for s in seeds]

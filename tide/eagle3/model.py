@@ -231,7 +231,7 @@ def serving_format(draft: Eagle3Draft, weights: dict[str, torch.Tensor], asked: 
     """The format ServingLinears packs the draft's projections (`weights`) in. "auto": "int8" where
     tide.kernels' int8 GEMM takes every one of this bf16 CPU draft's — the same accept length as
     bf16 and half the bytes a draft step reads (0.15-0.5 ms less a proposal on a Zen 4 guest;
-    docs/results/speculation, session 41) — else "float"."""
+    docs/results/speculation, "A Zen 4 CPU") — else "float"."""
     if asked != "auto":
         return asked
     kern = use_for(draft.fc.weight)

@@ -25,7 +25,7 @@ Online corrections (all exponentially forgetting, so they follow drift):
   A catch-up step still bounds κ_d from above (its whole draft ms over γ·D(b)): while speculation
   is off, ordinary draft steps never run, and a κ_d inflated by a stall used to keep it off for
   good, learning only from the probes, which all catch up (bench b4 in
-  docs/results/sessions/session-18-adapt-bench-b1-b5: 550 s of plain decoding at 0.88x the
+  docs/results/adapt, on a Zen 4 guest: 550 s of plain decoding at 0.88x the
   speculative rate). Every κ observation is clipped to
   [1/MAX_CORRECTION, MAX_CORRECTION].
 * r_j: the depth-j acceptance relative to the geometric model — accepted tokens at depth j over
@@ -64,7 +64,7 @@ E_i(m) at decision time; prior +3 % per extra node, worth a few steps). A tree i
 beats the chain by `min_gain`, tried by exploration where it comes within `explore_margin`. Tree
 steps teach only the gain: a tree's acceptance is not its chain's, so α̂ and r_j learn from chains.
 Where every verified row costs about a decode step (the AVX2 CPUs: docs/results/speculation,
-session 40) trees never pay and are not played; where rows are nearly free (GPUs) they are.
+"An AVX2 CPU (Zen 3)") trees never pay and are not played; where rows are nearly free (GPUs) they are.
 
 Padded verification (`padded_verify`, default: the profile's ``meta["verify_padding"]``, which
 tide.engine.profiling sets for our engine): when the engine pads every sequence of a verify
@@ -120,7 +120,7 @@ MAX_CORRECTION = 16.0
 # worth TREE_PRIOR_TOKENS of its chains' expected tokens as evidence (a few steps). Measured on the
 # starter draft, held-out mix, batch 1: the EAGLE-3 draft's tree of depth 3 with 1 node more than its
 # chain accepted 1.53 against 1.44 (+6 %), depth 4 with 3 more 1.60 against 1.47 (+9 %)
-# (docs/results/speculation, session 40).
+# (docs/results/speculation, "An AVX2 CPU (Zen 3)").
 TREE_GAIN_PRIOR = 0.03
 TREE_PRIOR_TOKENS = 16.0
 
@@ -180,7 +180,7 @@ class AdaptivePolicy:
         # 4 pseudo-observations and α̂_g over ≈ 20 steps, a run of 6 rejections (26 % likely at
         # α = 0.2, above the break-even 0.15 of the reference CPU) switched speculation off, and
         # adaptive ran at 0.91x static-1 over 30 s at batch 1; with 16 / 8 / ≈ 200 steps, 1.02x
-        # (docs/results/sessions/session-07-objective-fix-policy-tuning/README.md). α̂_g still follows a
+        # (docs/results/policies, Intel AMX guest, "Estimator settings"). α̂_g still follows a
         # shift within ≈ 200 steps.
         history: int = 16,
         prior_weight: float = 8.0,
@@ -206,8 +206,8 @@ class AdaptivePolicy:
         # sources were told apart; the ablation in benchmarks/experiments/lookup_ab.py).
         per_source: bool = True,
         # True: a copy's state is split by its match length too (`source_key`). Measured at batch 1
-        # on the held-out mix: 1.47x plain against 1.53x unsplit (docs/results/speculation, session
-        # 39): the split halves each copy state's evidence and did not pay; off.
+        # on the held-out mix: 1.47x plain against 1.53x unsplit (docs/results/speculation, Ice Lake
+        # server): the split halves each copy state's evidence and did not pay; off.
         by_match: bool = False,
         # EAGLE-2 trees for a source that pays a draft forward, where the drafter grows them
         # (StepContext.trees): at a source's chosen depth m, TreeShape(m, tree_topk, m + w) for each w
@@ -573,7 +573,7 @@ class AdaptivePolicy:
         """κ(B, n) of the verify widths this step did not play drift toward the bucket's level κ(B)
         (`stale_relax` per step of the bucket). Learnt only from the width played, the κ of an arm not
         played stays whatever it was when last played: in bench b6
-        (docs/results/sessions/session-20-adapt-bench-b6-b7) a spell of slow plain steps left κ(2, 1)
+        (docs/results/adapt, on a Zen 3 guest) a spell of slow plain steps left κ(2, 1)
         at 1.97 while speculating steps ran at 1.3, and the policy kept drafting at α̂ ≈ 0.19, below
         break-even, for 600 s: plain decoding looked 1.5x dearer than it was and was never tried
         again to find out."""

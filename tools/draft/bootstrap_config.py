@@ -17,9 +17,9 @@ class BootstrapConfig:
     # by optimizer steps more than by distinct tokens: on one machine and one data source, a 30-minute
     # run with generation cut at 0.5 / 0.4 / 0.3 of the budget reached served accept@3 1.855 / 1.922 /
     # 1.972 (2.1 / 4.2 / 7.0 passes over the data;
-    # docs/results/sessions/session-12-bootstrap-training-budget/README.md). A clean-clone run with 0.3
+    # docs/results/bootstrap, boot17, on an AMD avx512_bf16 guest). A clean-clone run with 0.3
     # gave 1.940: runs of one setting differ by ~0.03
-    # (docs/results/sessions/session-13-bootstrap-noise-weight-decay/README.md).
+    # (docs/results/bootstrap, boot18).
     gen_fraction: float = 0.3
     gen_tokens: int | None = None  # stop generating once the training set holds this many output tokens
     prompt_limit: int | None = None  # prompts read per file
@@ -29,7 +29,7 @@ class BootstrapConfig:
     # since generation is cut at its deadline they cost training no time. But the float32 KV cache
     # grows with them (128 slots x 769 positions: 7.9 GB resident), and in a 30-minute run 128 slots'
     # 1.3x the tokens ended at the same held-out acceptance as 32
-    # (docs/results/sessions/session-11-bootstrap-training-levers/README.md).
+    # (docs/results/bootstrap, boot15 and boot16).
     batch: int = 32
     max_tokens: int = 256  # output tokens per prompt
     max_prompt_tokens: int = 768  # longer prompts are skipped
@@ -39,9 +39,9 @@ class BootstrapConfig:
     max_epochs: float = 20.0  # cap on passes over the training data
     evals: int = 8  # evaluations on the held-out chunks during training (the curve; see bootstrap_train.EVAL_SHARE)
     # A from-scratch draft in a ~15-minute training budget is limited by optimizer steps, not by
-    # tokens: on 292k output tokens (session 6), 2 rows x 512 at lr 1e-3 reached held-out served
+    # tokens: on 292k output tokens (boot6's data), 2 rows x 512 at lr 1e-3 reached held-out served
     # accept@3 1.64 in 4.3 min of training, where 8 rows at 3e-4 had 1.40 after 2.9 min and 2 rows
-    # at 3e-4 1.63 after 6.4 min (docs/results/sessions/session-06-bootstrap-finetune-policies/README.md).
+    # at 3e-4 1.63 after 6.4 min (docs/results/bootstrap, boot6, on an AMD avx512_bf16 guest).
     lr: float = 1e-3
     batch_rows: int = 2
     learn_prompt_rows: bool = False  # see training.data.load_dataset
@@ -50,7 +50,7 @@ class BootstrapConfig:
     ttt_mask: str = "specforge"  # see training.objective.TTTAttention
     # The unroll grows from 1 to ttt_steps over this share of the schedule (training.loop.TrainConfig).
     # At equal compute on boot19's data (1,440 steps with it, 1,200 without): held-out served
-    # accept@3 2.017 against 1.912 (docs/results/sessions/session-14-bootstrap-training-ab/README.md).
+    # accept@3 2.017 against 1.912 (docs/results/bootstrap, "Fixed-step A/Bs on boot19's data").
     ttt_ramp: float = 0.4
     warmup_steps: int = 20
     freeze_head: bool = False  # see training.loop.TrainConfig

@@ -8,7 +8,7 @@ Training therefore runs fc on the states divided per layer by a power of two nea
 RMS: the trained weight is `W * s` and `fc_train(aux / s) == fc(aux)` for the model's `W`. Powers of
 two make both conversions exact in floating point, so checkpoints (always in the model's units)
 resume bit for bit. A from-scratch fc starts from PyTorch's init in training units (run.build_draft).
-Measured on boot19's data, 1,200 steps each (docs/results/sessions/session-14-bootstrap-training-ab):
+Measured on boot19's data, 1,200 steps each (docs/results/bootstrap, "Fixed-step A/Bs on boot19's data"):
 held-out served acceptance at γ = 3 1.800 without, 1.912 with (a prototype scaling by the exact RMS;
 the powers of two do as well).
 """

@@ -37,7 +37,7 @@ class TrainConfig:
     # With `steps`: at most this many passes over the data (None = no cap). A fixed step budget on
     # the few thousand tokens an online cycle gets memorises them: 24 steps of 4 rows (≈ 9 passes
     # over 5 chunks) took train-batch top-1 from 0.29 to 0.58 while held-out acceptance fell, 1.388
-    # -> 1.365 at γ = 3 (docs/results/sessions/session-18-adapt-bench-b1-b5).
+    # -> 1.365 at γ = 3 (docs/results/adapt, run b1, on an Intel AMX guest).
     max_epochs: float | None = None
     schedule_steps: int | None = None  # length of the LR schedule; None = `steps` (lets a run stop early and resume)
     # Stop after the first step that ends this many seconds after training began (None: no limit).

@@ -50,7 +50,7 @@ def build_draft(head: TargetHead, data: Dataset, init=None, draft_vocab_size: in
     (training.aux_scale), i.e. divided by the per-layer scales here. Kept in model units instead, the
     same init is 4-16x larger in training units on the reference target and learns far slower: served
     accept@3 1.727 against 1.839 after 720 steps on boot19's data
-    (docs/results/sessions/session-14-bootstrap-training-ab)."""
+    (docs/results/bootstrap, "Why boot20 fell short of the A/B")."""
     if init is not None:
         return load_checkpoint(init, head.embed, head.config, dtype=torch.float32)
     vd = min(draft_vocab_size, head.vocab_size)
