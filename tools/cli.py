@@ -45,15 +45,16 @@ def _up(args) -> int:
 
 
 def add_bench_parser(subparsers) -> None:
-    """`tide bench engine|policies|adapt|serve`: benchmarks that print a short table and write JSON (each
-    benchmark module gives its arguments, `add_arguments`, and its handler, `run_cli`)."""
-    from benchmarks import adapt, engine, policies, serve, weights
+    """`tide bench engine|policies|sampling|adapt|serve|weights`: benchmarks that print a short table and
+    write JSON (each benchmark module gives its arguments, `add_arguments`, and its handler, `run_cli`)."""
+    from benchmarks import adapt, engine, policies, sampling, serve, weights
 
     bench = subparsers.add_parser("bench", help="benchmarks that print JSON and a short table")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for name, module, help_text in (
             ("engine", engine, "latency table, speculative tokens/s, overheads"),
             ("policies", policies, "every γ policy on the real engine over a load trace"),
+            ("sampling", sampling, "accept length of sampled requests: coupled against rejection sampling"),
             ("adapt", adapt, "static draft vs the online loop over domain shifts, via the gateway"),
             ("serve", serve, "TTFT, ITL, throughput of any OpenAI-compatible endpoint over a concurrency "
                              "sweep or request rates"),

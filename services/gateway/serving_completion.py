@@ -7,9 +7,10 @@ last chunk) with `text` instead of `delta`.
 
 `logprobs: N` (0..5) gives each choice `logprobs: {"text_offset", "token_logprobs", "tokens",
 "top_logprobs"}` over the tokens of its text (top_logprobs: the N most likely tokens' text ->
-logprob, and the token's own, so `logprobs: 0` gives the sampled token's: OpenAI's up to N + 1); `echo: true` puts the prompt before the completion, in the text and (with logprobs) in
-those lists, the first prompt token's logprob and top_logprobs null. Streamed, each chunk carries
-its tokens' lists (offsets continuing), the prompt's with the choice's first chunk.
+logprob, and the token's own, so `logprobs: 0` gives the sampled token's: OpenAI's up to N + 1);
+`echo: true` puts the prompt before the completion, in the text and (with logprobs) in those
+lists, the first prompt token's logprob and top_logprobs null. Streamed, each chunk carries its
+tokens' lists (offsets continuing), the prompt's with the choice's first chunk.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from tide.engine.profiling import (
     random_draft,
     wants_profile,
 )
+from tide.engine.sampling import SamplingScheme
 from tide.grpcutil import GrpcServer
 from tide.policies.profile import LatencyProfile
 from tide.precision import weights_label
@@ -196,7 +197,8 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
                           max_tokens_per_step=settings.max_tokens_per_step, max_gamma=settings.max_gamma,
                           forced_gamma=settings.forced_gamma, seed=settings.seed, worker_id=settings.worker_id,
                           target_model=model_id, prefix_cache=settings.prefix_cache,
-                          prefix_cache_host_mb=settings.prefix_cache_host_mb)
+                          prefix_cache_host_mb=settings.prefix_cache_host_mb,
+                          unseeded_sampling=SamplingScheme(settings.unseeded_sampling))
     engine = LLMEngine(model, config, tokenizer=tokenizer)
     names = streams.StreamNames(settings.storage.stream_prefix)
     rclient = settings.storage.redis_client(socket_connect_timeout=1.0, socket_timeout=2.0)

@@ -37,6 +37,7 @@ from tide.settings import (
 )
 
 DRAFTERS = ("ngram", "none", "eagle3")
+SAMPLING_SCHEMES = ("coupled", "rejection")  # tide.engine.sampling.SamplingScheme's values (torch-free here)
 PROFILE_AT_START = ("auto", "", "1", "0", "true", "false", "yes", "no", "on", "off")
 
 
@@ -124,6 +125,12 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     telemetry_buffer: Count = Field(10_000, description="step records kept while Redis is unreachable (oldest "
                                     "dropped)")
     seed: int = Field(0, description="RNG seed for sampled requests without their own seed")
+    # Seeded requests always draw coupled (their seed keys the draws, so they reproduce under
+    # speculation); for the others both schemes are exact (docs/results/sampling compares them).
+    unseeded_sampling: Annotated[str, one_of(SAMPLING_SCHEMES)] = Field(
+        "coupled", description="how sampled requests without a seed draw: coupled (inverse-CDF draws keyed by a "
+        "seed the worker picks and the position, as seeded ones) or rejection (speculative sampling with the "
+        "request's generator)")
     admin_token: Secret = Field(None, validation_alias=ADMIN_TOKEN_ENV,
                                 description="bearer token for ApplyDecision (unset: admin calls refused)")
     storage: StorageSettings = Field(default_factory=StorageSettings, description="S3 (chunks, drafts) and Redis")
