@@ -192,3 +192,12 @@ def test_stop_strings_logprobs_and_json_mode_keep_the_text(oai, ref_tokenizer):
     for p in (PROMPTS[28], PROMPTS[3]):
         kw = dict(response_format={"type": "json_object"})
         assert chat(oai, p, True, **kw) == chat(oai, p, False, **kw) == chat(oai, p, True, True, **kw)
+    # A forced tool call's arguments (the constrained JSON, in Japanese) and a seeded one.
+    tools = [{"type": "function", "function": {"name": "translate", "parameters": {
+        "type": "object", "properties": {"japanese": {"type": "string"}}, "required": ["japanese"]}}}]
+    def call(speculative, **kw):
+        r = oai.chat.completions.create(model=MODEL_NAME, messages=_messages(PROMPTS[0]), max_tokens=48, tools=tools,
+                                        tool_choice="required", extra_body={"speculative": speculative}, **kw)
+        return [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []]
+    for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 9}):
+        assert call(True, **kw) == call(False, **kw) != []
