@@ -89,7 +89,7 @@ class RequestOutput:
     `logprobs` (requests with params.logprobs): entries of the tokens whose text is out, in order.
     With a tokenizer an entry is released once text of its token has been emitted (so a token held
     back as a possible stop string keeps its entry back too), and at the end the tokens whose text
-    is not returned (EOS, the part of a matched stop string, an incomplete character) have none;
+    is not returned (EOS, the part of a matched stop string) have none;
     without one, every new token's entry. `prompt_logprobs`: once, with the first token."""
 
     request_id: str
