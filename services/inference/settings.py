@@ -128,9 +128,9 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     # Seeded requests always draw coupled (their seed keys the draws, so they reproduce under
     # speculation); for the others both schemes are exact (docs/results/sampling compares them).
     unseeded_sampling: Annotated[str, one_of(SAMPLING_SCHEMES)] = Field(
-        "coupled", description="how sampled requests without a seed draw: coupled (inverse-CDF draws keyed by a "
-        "seed the worker picks and the position, as seeded ones) or rejection (speculative sampling with the "
-        "request's generator)")
+        "rejection", description="how sampled requests without a seed draw: rejection (speculative sampling with "
+        "the request's generator; accepts more drafts, docs/results/sampling) or coupled (inverse-CDF draws keyed "
+        "by a seed the worker picks and the position, as seeded requests draw)")
     admin_token: Secret = Field(None, validation_alias=ADMIN_TOKEN_ENV,
                                 description="bearer token for ApplyDecision (unset: admin calls refused)")
     storage: StorageSettings = Field(default_factory=StorageSettings, description="S3 (chunks, drafts) and Redis")

@@ -77,7 +77,9 @@ class EngineConfig:
     prefix_cache_host_mb: int = 0  # host memory for entries evicted from free slots (0: slots only)
     seed: int = 0  # RNG for sampled requests without their own seed
     # How sampled requests without a seed draw (seeded ones always couple: their seed is the key).
-    unseeded_sampling: SamplingScheme = SamplingScheme.COUPLED
+    # Rejection sampling accepts more EAGLE-3 drafts: 1.50 against 1.30 tokens a step at
+    # temperature 1 (docs/results/sampling).
+    unseeded_sampling: SamplingScheme = SamplingScheme.REJECTION
     worker_id: str = "local"
     target_model: str = ""
 
