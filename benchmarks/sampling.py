@@ -101,7 +101,9 @@ def run(args) -> dict:
     tok = load_tokenizer(target)
     prompts = [encode_prompt(tok, p) for f in args.prompts for p in load_prompts(f, limit=args.limit)]
     shape = tuple(int(x) for x in args.tree.split(",")) if args.tree else args.gamma
-    res = {"target": target.model_id, "draft": str(args.draft), "cpu": cpu_name(), "prompts": args.prompts,
+    draft = Path(args.draft).resolve()
+    shown = draft.relative_to(STARTER.parents[2]) if draft.is_relative_to(STARTER.parents[2]) else draft
+    res = {"target": target.model_id, "draft": str(shown), "cpu": cpu_name(), "prompts": args.prompts,
            "n_prompts": len(prompts), "max_tokens": args.max_tokens, "prompt_lookup": args.lookup,
            "gamma" if not args.tree else "tree": args.gamma if not args.tree else args.tree, "rows": []}
     for temperature in args.temperatures:
