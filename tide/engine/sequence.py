@@ -62,6 +62,14 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's extensions. `min_tokens`: EOS (unless ignore_eos) and stop_token_ids are masked while the
+    # output has fewer tokens. `repetition_penalty` (CTRL / HF / vLLM): the logit of every token in the
+    # prompt or the output so far is divided by it when positive, multiplied when negative; 1 = off.
+    # `min_p`: after temperature, tokens less probable than min_p * the most probable one's
+    # probability are dropped (sampling only: greedy's argmax keeps the most probable token anyway).
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
     grammar: GrammarSpec | None = None  # None = unconstrained
 
     def __post_init__(self) -> None:
@@ -85,6 +93,12 @@ class SamplingParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and abs(value) <= MAX_PENALTY):
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
