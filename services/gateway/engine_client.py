@@ -44,6 +44,9 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
+    min_tokens: int = 0  # EOS and stop_token_ids masked while the output is shorter
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    min_p: float = 0.0  # [0, 1]; 0 = off
     constraint: Constraint | None = None  # the language the output must belong to; None = any text
 
 
@@ -197,6 +200,10 @@ def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
         sampling.logit_bias[token] = bias
     sampling.presence_penalty = s.presence_penalty
     sampling.frequency_penalty = s.frequency_penalty
+    sampling.min_tokens = s.min_tokens
+    if s.repetition_penalty != 1.0:
+        sampling.repetition_penalty = s.repetition_penalty
+    sampling.min_p = s.min_p
     if s.constraint is not None:
         kind = s.constraint.kind
         setattr(sampling, kind, True if kind == "json_object" else s.constraint.value)

@@ -12,7 +12,8 @@ Request fields are handled as OpenAI handles them:
 - anything else is a 400 "Unrecognized request argument supplied: <name>" naming it, except the
   TIDE extensions (sent with the client's `extra_body`), declared once in `TideExtensions`:
   `speculative` (false = plain decode), `workload` (a tag carried into telemetry), `top_k`,
-  `ignore_eos`, `stop_token_ids`.
+  `ignore_eos`, `stop_token_ids`, and vLLM's extensions that OpenAI-compatible clients send, declared
+  in `VllmExtensions` (`min_tokens`, `repetition_penalty`, `min_p`) with vLLM's meaning.
 
 Every number that reaches the worker's protobuf request (tide.v1.SamplingParams, TokenIds) is
 bounded here to what its field holds (uint32 token ids, max_tokens and top_k; the seed taken mod
@@ -96,7 +97,29 @@ class TideExtensions(BaseModel):
 TIDE_EXTENSIONS = tuple(TideExtensions.model_fields)
 
 
-class _Request(TideExtensions):
+class VllmExtensions(BaseModel):
+    """vLLM's sampling parameters beyond OpenAI's (sent with `extra_body`), on both endpoints, with
+    vLLM's meaning and defaults; the one declared list of them (`VLLM_EXTENSIONS`)."""
+
+    min_tokens: int = Field(
+        default=0, ge=0, le=U32_MAX,
+        description="vLLM: EOS and stop_token_ids cannot end the output before it has this many tokens",
+    )
+    repetition_penalty: float = Field(  # bounds: tide.engine.sequence's, which keep the logits finite
+        default=1.0, ge=1e-3, le=1e3,
+        description="vLLM: 0.001..1000; the logit of every token in the prompt or the output so far is divided by it "
+        "when positive, multiplied by it when negative; 1 = off",
+    )
+    min_p: float = Field(
+        default=0.0, ge=0, le=1,
+        description="vLLM: drop tokens less probable than min_p times the most probable one (after temperature)",
+    )
+
+
+VLLM_EXTENSIONS = tuple(VllmExtensions.model_fields)
+
+
+class _Request(TideExtensions, VllmExtensions):
     """Common request behaviour: declared fields only (`unknown()`), unsupported ones refused."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_request_schema)

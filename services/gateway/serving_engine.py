@@ -225,6 +225,9 @@ class OpenAIServing:
         seed = None if request.seed is None else (request.seed + choice) % _U64
         self.tokenizer.check_ids(request.stop_token_ids, "stop_token_ids")
         logprobs, prompt_logprobs = self.logprob_counts(request)
+        if max_tokens and request.min_tokens > max_tokens:  # (max_tokens 0: up to the context, the worker checks)
+            raise invalid_request(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens}).",
+                                  "min_tokens", "invalid_value")
         return SamplingOptions(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -239,6 +242,9 @@ class OpenAIServing:
             logit_bias=tuple(sorted((request.logit_bias or {}).items())),
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
+            min_tokens=request.min_tokens,
+            repetition_penalty=request.repetition_penalty,
+            min_p=request.min_p,
             constraint=constraint,
         )
 

@@ -21,6 +21,9 @@ class TokenLogprob:
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's logit_bias range is [-100, 100]
 MAX_PENALTY = 2.0  # OpenAI's presence / frequency penalty range is [-2, 2]
+# repetition_penalty's range. vLLM takes any value > 0; the bounds keep the penalised logits finite in
+# float32 (a logit of 100 divided by 1e-3 is 1e5, not inf, which would make softmax NaN).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 1e3
 
 
 class GrammarKind(enum.Enum):
@@ -95,8 +98,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:  # (False for NaN)
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 

@@ -25,7 +25,7 @@ def test_params_are_validated():
         SamplingParams(max_tokens=4, min_tokens=5)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=-1)
-    for bad in (0.0, -1.0, float("nan"), float("inf")):
+    for bad in (0.0, -1.0, 1e-4, 1e4, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="repetition_penalty"):
             SamplingParams(repetition_penalty=bad)
     for bad in (-0.1, 1.5, float("nan")):
