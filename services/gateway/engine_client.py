@@ -99,6 +99,7 @@ class GenerationFinal:
     total_ms: float = 0.0
     worker: str = ""
     cached_prompt_tokens: int = 0  # of prompt_tokens, served by the worker's prefix cache
+    stop_string: str | None = None  # the stop string that ended the output (not in its text)
 
 
 class ErrorKind(enum.Enum):
@@ -237,6 +238,7 @@ def from_final(final: inference_pb2.GenerateFinal, worker: str) -> GenerationFin
         final.total_ms,
         worker,
         final.cached_prompt_tokens,
+        final.stop_string if final.WhichOneof("matched_stop") == "stop_string" else None,
     )
 
 

@@ -13,7 +13,8 @@ Request fields are handled as OpenAI handles them:
   TIDE extensions (sent with the client's `extra_body`), declared once in `TideExtensions`:
   `speculative` (false = plain decode), `workload` (a tag carried into telemetry), `top_k`,
   `ignore_eos`, `stop_token_ids`, and vLLM's extensions that OpenAI-compatible clients send, declared
-  in `VllmExtensions` (`min_tokens`, `repetition_penalty`, `min_p`) with vLLM's meaning.
+  in `VllmExtensions` (`min_tokens`, `repetition_penalty`, `min_p`, `include_stop_str_in_output`, ...)
+  with vLLM's meaning; `skip_special_tokens` and `spaces_between_special_tokens` take only `true`.
 
 Every number that reaches the worker's protobuf request (tide.v1.SamplingParams, TokenIds) is
 bounded here to what its field holds (uint32 token ids, max_tokens and top_k; the seed taken mod
@@ -114,6 +115,11 @@ class VllmExtensions(BaseModel):
         default=0.0, ge=0, le=1,
         description="vLLM: drop tokens less probable than min_p times the most probable one (after temperature)",
     )
+    include_stop_str_in_output: bool = Field(False, description="vLLM: the matched stop string ends the text")
+    # The worker decodes with skip_special_tokens=True and no spaces added between special tokens
+    # (what vLLM's defaults give for the target's tokenizers); only those values are taken.
+    skip_special_tokens: bool = Field(True, description="vLLM: only true (special tokens are left out of the text)")
+    spaces_between_special_tokens: bool = Field(True, description="vLLM: only true")
 
 
 VLLM_EXTENSIONS = tuple(VllmExtensions.model_fields)
@@ -138,6 +144,9 @@ class _Request(TideExtensions, VllmExtensions):
         for name, (harmless, why, _) in self.unsupported_params.items():
             if name in self.model_fields_set and not harmless(getattr(self, name)):
                 return unsupported_parameter(name, why)
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not getattr(self, name):
+                return unsupported_parameter(name, f"only {name}=true is supported (the workers' decoding)")
         return None
 
     def stops(self) -> list[str]:

@@ -328,8 +328,9 @@ class OpenAIServing:
                 delta_choice,
                 finish_choice,
                 role_choice,
+                request.include_stop_str_in_output,
             )
-        states = await self.collect(requests, constraint_param)
+        states = await self.collect(requests, constraint_param, request.include_stop_str_in_output)
         usage, speculation = self.totals(response_id, prompt_tokens, [s.final for s in states])
         choices = [choice(i, s) for i, s in enumerate(states)]
         return self.response(response_cls, response_id, created, choices, usage, speculation)
@@ -380,9 +381,10 @@ class OpenAIServing:
             raise
 
     async def collect(
-        self, requests: list[GenerationRequest], constraint_param: str | None = None
+        self, requests: list[GenerationRequest], constraint_param: str | None = None, include_stop: bool = False
     ) -> list[ChoiceState]:
-        """Run every choice to the end (non-streaming)."""
+        """Run every choice to the end (non-streaming); `include_stop`: the matched stop string ends
+        the text (vLLM's include_stop_str_in_output)."""
         states = [ChoiceState() for _ in requests]
         try:
             async with contextlib.aclosing(merged(self.engine, requests)) as events:
@@ -395,6 +397,8 @@ class OpenAIServing:
                             state.prompt_logprobs = event.prompt_logprobs
                     else:
                         states[index].final = event
+                        if include_stop and event.stop_string:
+                            states[index].text += event.stop_string
         except EngineError as err:
             raise to_openai_error(err, constraint_param) from None
         return states
@@ -457,11 +461,12 @@ class OpenAIServing:
         delta_choice: Callable[[int, TokenDelta], Any],
         finish_choice: Callable[[int, str], Any],
         role_choice: Callable[[int], Any] | None = None,
+        include_stop: bool = False,
     ) -> AsyncIterator[str]:
-        """The SSE lines of a stream: a `role_choice` chunk per choice (when given), text deltas, one
-        finish chunk per choice, the usage chunk when asked, [DONE]; or an error event (and no
-        [DONE]) if anything fails. `chunk(choices, usage=None, speculation=None)` renders one chunk
-        of the endpoint's type."""
+        """The SSE lines of a stream: a `role_choice` chunk per choice (when given), text deltas (with
+        `include_stop`, the matched stop string as a last one), one finish chunk per choice, the usage
+        chunk when asked, [DONE]; or an error event (and no [DONE]) if anything fails.
+        `chunk(choices, usage=None, speculation=None)` renders one chunk of the endpoint's type."""
         finals: dict[int, GenerationFinal] = {}
         try:
             if role_choice is not None:
@@ -476,6 +481,9 @@ class OpenAIServing:
                             yield chunk([choice])
                     continue
                 finals[index] = event
+                if include_stop and event.stop_string:
+                    for choice in _choices(delta_choice(index, TokenDelta((), event.stop_string))):
+                        yield chunk([choice])
                 *before, last = _choices(finish_choice(index, event.finish_reason))
                 for choice in before:
                     yield chunk([choice])

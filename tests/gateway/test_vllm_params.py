@@ -1,6 +1,7 @@
-"""vLLM's sampling extensions (`min_tokens`, `repetition_penalty`, `min_p`) through the official `openai`
-client's `extra_body` against the real stack (real worker, real gateway): each accepted and applied, on
-both endpoints, greedy output identical with speculation on and off; bad values a 400 naming the parameter.
+"""vLLM's extensions (`min_tokens`, `repetition_penalty`, `min_p`, `include_stop_str_in_output`,
+`skip_special_tokens`, ...) through the official `openai` client's `extra_body` against the real stack
+(real worker, real gateway): each accepted and applied, on both endpoints, greedy output identical with
+speculation on and off; bad values a 400 naming the parameter.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import openai
 import pytest
 
 from gateway.harness import MODEL_NAME
-from gateway.test_openai_params import chat, oai, token_ids  # noqa: F401 - oai is a fixture
+from gateway.test_openai_params import MESSAGES, chat, oai, token_ids  # noqa: F401 - oai is a fixture
 from services.gateway.protocol import VLLM_EXTENSIONS
 
 
@@ -71,8 +72,39 @@ def test_bad_values_are_a_400_naming_the_parameter(oai, extra, param):  # noqa: 
     assert err.value.param == param and err.value.code == "invalid_value"
 
 
+def test_include_stop_str_in_output(oai):  # noqa: F811
+    text = chat(oai, max_tokens=32).choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = text[:text.index(stop)]
+    assert chat(oai, max_tokens=32, stop=[stop]).choices[0].message.content == cut
+    kept = chat(oai, max_tokens=32, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == cut + stop and kept.choices[0].finish_reason == "stop"
+    streamed = oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=32, temperature=0,
+                                           stop=[stop], stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut + stop
+    args = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=32, temperature=0)
+    full = oai.completions.create(**args).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    done = oai.completions.create(**args, stop=stop, extra_body={"include_stop_str_in_output": True})
+    assert done.choices[0].text == full[:full.index(stop)] + stop
+    pieces = oai.completions.create(**args, stop=stop, stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == full[:full.index(stop)] + stop
+    # no stop string matched (max_tokens ended it): nothing added
+    assert chat(oai, max_tokens=4, extra_body={"include_stop_str_in_output": True}).choices[0].message.content \
+        == chat(oai, max_tokens=4).choices[0].message.content
+
+
+@pytest.mark.parametrize("name", ["skip_special_tokens", "spaces_between_special_tokens"])
+def test_special_token_decoding_takes_only_true(oai, name):  # noqa: F811
+    assert chat(oai, extra_body={name: True}).choices[0].message.content == chat(oai).choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(oai, extra_body={name: False})
+    assert err.value.param == name and err.value.code == "unsupported_parameter"
+
+
 def test_every_vllm_extension_is_accepted_on_both_endpoints(oai):  # noqa: F811
-    extensions = {"min_tokens": 1, "repetition_penalty": 1.1, "min_p": 0.05}
+    extensions = {"min_tokens": 1, "repetition_penalty": 1.1, "min_p": 0.05, "include_stop_str_in_output": True,
+                  "skip_special_tokens": True, "spaces_between_special_tokens": True}
     assert set(extensions) == set(VLLM_EXTENSIONS)
     assert chat(oai, extra_body=extensions).choices[0].message.content
     assert oai.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body=extensions).choices
