@@ -98,6 +98,17 @@ class TideExtensions(BaseModel):
 TIDE_EXTENSIONS = tuple(TideExtensions.model_fields)
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a JSON Schema, a regex, a list of choices, a grammar, or any JSON object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON Schema (object or JSON text)")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class VllmExtensions(BaseModel):
     """vLLM's sampling parameters beyond OpenAI's (sent with `extra_body`), on both endpoints, with
     vLLM's meaning and defaults; the one declared list of them (`VLLM_EXTENSIONS`)."""
@@ -120,6 +131,16 @@ class VllmExtensions(BaseModel):
     # (what vLLM's defaults give for the target's tokenizers); only those values are taken.
     skip_special_tokens: bool = Field(True, description="vLLM: only true (special tokens are left out of the text)")
     spaces_between_special_tokens: bool = Field(True, description="vLLM: only true")
+    # vLLM's structured outputs, as the engine's output constraints (at most one per request).
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM: a JSON Schema the output follows")
+    guided_regex: str | None = Field(None, description="vLLM: a regular expression the whole output matches")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM: the output is one of these")
+    guided_grammar: str | None = Field(
+        None, description="vLLM: a context-free grammar (the engine's dialect: llguidance's Lark syntax)"
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description='vLLM: one of {"json", "regex", "choice", "grammar", "json_object"}'
+    )
 
 
 VLLM_EXTENSIONS = tuple(VllmExtensions.model_fields)

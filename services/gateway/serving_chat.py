@@ -50,7 +50,7 @@ from services.gateway.protocol import (
     ToolCall,
     TopLogprob,
 )
-from services.gateway.serving_engine import ChoiceState, OpenAIServing
+from services.gateway.serving_engine import ChoiceState, OpenAIServing, guided_constraint
 from services.gateway.tool_calls import (
     CallArguments,
     CallStart,
@@ -64,7 +64,19 @@ from services.gateway.tool_calls import (
 
 
 def constraint_of(request: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:
-    """The output constraint a request asks for, and the parameter it comes from."""
+    """The output constraint a request asks for, and the parameter it comes from: its tools'
+    or response_format's, or vLLM's guided_* ones (a 400 when both are asked for)."""
+    constraint, param = _openai_constraint(request)
+    guided, guided_param = guided_constraint(request)
+    if guided is None:
+        return constraint, param
+    if constraint is not None:
+        raise invalid_request(f"{guided_param} cannot be combined with {param}'s output constraint.",
+                              guided_param, "invalid_value")
+    return guided, guided_param
+
+
+def _openai_constraint(request: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:
     mode = request.tool_mode()
     if mode in ("required", "named"):
         tools = request.tools or []

@@ -28,7 +28,7 @@ from services.gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from services.gateway.serving_engine import ChoiceState, OpenAIServing
+from services.gateway.serving_engine import ChoiceState, OpenAIServing, guided_constraint
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -129,6 +129,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """A full response, or (stream=True) an iterator of SSE lines (see the chat endpoint)."""
         arrival = time.perf_counter()
         self.check_common(request)
+        constraint, constraint_param = guided_constraint(request)
         limit = self.models.max_model_len
         prompts = await self._tokenize(request, limit)
         max_tokens = [self.check_length(len(p), request.max_tokens, "prompt", "max_tokens", limit) for p in prompts]
@@ -145,10 +146,11 @@ class OpenAIServingCompletion(OpenAIServing):
             request,
             CompletionResponse,
             response_id,
-            self.fan_out(response_id, request, prompts, max_tokens),
+            self.fan_out(response_id, request, prompts, max_tokens, constraint),
             sum(len(p) for p in prompts),
             arrival,
             choice=lambda i, s: self.choice(request, i, s, echoed[i // request.n]),
             delta_choice=delta_choice,
             finish_choice=finish_choice,
+            constraint_param=constraint_param,
         )

@@ -61,6 +61,58 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf: lower logprobs are reported as this
 _CONSTRAINT_WORDS = re.compile(r"schema|grammar|constraint|regex|json", re.IGNORECASE)
 
 
+_REGEX_META = re.compile(r"[\\.^$|?*+()\[\]{}]")
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of `choices` (vLLM's guided_choice): their alternation, each with
+    the regex metacharacters escaped (only those: the constraint engine's regex syntax need not accept
+    other escapes)."""
+    return "(" + "|".join(_REGEX_META.sub(lambda m: "\\" + m.group(), c) for c in choices) + ")"
+
+
+def guided_constraint(request) -> tuple[Constraint | None, str | None]:
+    """vLLM's guided_json / guided_regex / guided_choice / guided_grammar / structured_outputs as an
+    output constraint, and the parameter it came from; a 400 when more than one is set."""
+    so = request.structured_outputs
+    given = [
+        (param, kind, value)
+        for param, kind, value in (
+            ("guided_json", "json_schema", request.guided_json),
+            ("guided_regex", "regex", request.guided_regex),
+            ("guided_choice", "choice", request.guided_choice),
+            ("guided_grammar", "grammar", request.guided_grammar),
+            ("structured_outputs.json", "json_schema", so and so.json_),
+            ("structured_outputs.regex", "regex", so and so.regex),
+            ("structured_outputs.choice", "choice", so and so.choice),
+            ("structured_outputs.grammar", "grammar", so and so.grammar),
+            ("structured_outputs.json_object", "json_object", so and so.json_object or None),
+        )
+        if value is not None
+    ]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        names = ", ".join(p for p, _, _ in given)
+        raise invalid_request(f"At most one output constraint may be set, got {names}.", given[1][0], "invalid_value")
+    param, kind, value = given[0]
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid_request(f"{param} must be a JSON Schema: an object or its JSON text.", param,
+                                      "invalid_value") from None
+        if not isinstance(value, dict):
+            raise invalid_request(f"{param} must be a JSON Schema object.", param, "invalid_value")
+        return Constraint("json_schema", json.dumps(value, ensure_ascii=False)), param
+    if kind == "choice":
+        return Constraint("regex", choice_regex(value)), param
+    if kind == "json_object":
+        return Constraint("json_object"), param
+    return Constraint(kind, value), param
+
+
 @lru_cache(maxsize=1)
 def build_version() -> str:
     try:

@@ -6,13 +6,16 @@ speculation on and off; bad values a 400 naming the parameter.
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 
+import jsonschema_rs
 import openai
 import pytest
 
 from gateway.harness import MODEL_NAME
-from gateway.test_openai_params import MESSAGES, chat, oai, token_ids  # noqa: F401 - oai is a fixture
+from gateway.test_openai_params import ANSWER, MESSAGES, chat, oai, token_ids  # noqa: F401 - oai is a fixture
 from services.gateway.protocol import VLLM_EXTENSIONS
 
 
@@ -102,9 +105,59 @@ def test_special_token_decoding_takes_only_true(oai, name):  # noqa: F811
     assert err.value.param == name and err.value.code == "unsupported_parameter"
 
 
+CHOICES = ["yes", "no (really)", "maybe.", "a|b"]  # regex metacharacters are matched literally
+
+
+def test_guided_choice_regex_json_and_grammar(oai):  # noqa: F811
+    for seed in range(4):
+        r = chat(oai, temperature=1.0, seed=seed, n=4, max_tokens=16, extra_body={"guided_choice": CHOICES})
+        assert all(c.message.content in CHOICES and c.finish_reason == "stop" for c in r.choices)
+    on, off = (chat(oai, s, max_tokens=16, extra_body={"guided_choice": CHOICES}) for s in (True, False))
+    assert on.choices[0].message.content == off.choices[0].message.content in CHOICES
+    regex = r"[a-c]{2,4}-[0-9]{2}"
+    text = chat(oai, max_tokens=16, extra_body={"guided_regex": regex}).choices[0].message.content
+    assert re.fullmatch(regex, text), text
+    for schema in (ANSWER, json.dumps(ANSWER)):  # an object or its JSON text
+        text = chat(oai, max_tokens=64, extra_body={"guided_json": schema}).choices[0].message.content
+        assert jsonschema_rs.is_valid(ANSWER, json.loads(text))
+    text = chat(oai, max_tokens=16, extra_body={"guided_grammar": 'start: "x" ("y" | "z")+'}).choices[0].message.content
+    assert re.fullmatch("x[yz]+", text), text
+    for so, check in (({"choice": CHOICES}, lambda t: t in CHOICES),
+                      ({"regex": regex}, lambda t: re.fullmatch(regex, t)),
+                      ({"json": ANSWER}, lambda t: jsonschema_rs.is_valid(ANSWER, json.loads(t))),
+                      ({"json_object": True}, lambda t: isinstance(json.loads(t), dict))):
+        text = chat(oai, max_tokens=64, extra_body={"structured_outputs": so}).choices[0].message.content
+        assert check(text), (so, text)
+    for stream in (False, True):
+        r = oai.completions.create(model=MODEL_NAME, prompt="Is it?", max_tokens=16, temperature=0, stream=stream,
+                                   extra_body={"guided_choice": CHOICES})
+        text = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
+        assert text in CHOICES
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        (dict(extra_body={"guided_regex": "a", "guided_choice": ["b"]}), "guided_choice"),
+        (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs.choice"),
+        (dict(extra_body={"guided_regex": "a"}, response_format={"type": "json_object"}), "guided_regex"),
+        (dict(extra_body={"guided_json": "[1, 2]"}), "guided_json"),
+        (dict(extra_body={"guided_json": "not json"}), "guided_json"),
+        (dict(extra_body={"guided_choice": []}), "guided_choice"),
+        (dict(extra_body={"guided_regex": "(unclosed"}), "guided_regex"),
+        (dict(extra_body={"guided_grammar": "start: undefined_rule"}), "guided_grammar"),
+    ],
+)
+def test_bad_constraints_are_a_400_naming_the_parameter(oai, kwargs, param):  # noqa: F811
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(oai, **kwargs)
+    assert err.value.param == param, err.value.message
+
+
 def test_every_vllm_extension_is_accepted_on_both_endpoints(oai):  # noqa: F811
     extensions = {"min_tokens": 1, "repetition_penalty": 1.1, "min_p": 0.05, "include_stop_str_in_output": True,
                   "skip_special_tokens": True, "spaces_between_special_tokens": True}
-    assert set(extensions) == set(VLLM_EXTENSIONS)
+    guided = {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
+    assert set(extensions) | guided == set(VLLM_EXTENSIONS)  # (the constraints are exclusive: tested above)
     assert chat(oai, extra_body=extensions).choices[0].message.content
     assert oai.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body=extensions).choices
