@@ -146,6 +146,19 @@ class VllmExtensions(BaseModel):
 VLLM_EXTENSIONS = tuple(VllmExtensions.model_fields)
 
 
+class VllmChatExtensions(BaseModel):
+    """vLLM's chat-only parameters: how the chat template renders the messages (`VLLM_CHAT_EXTENSIONS`)."""
+
+    add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the assistant's turn opening")
+    continue_final_message: bool = Field(
+        False, description="vLLM: leave the last (assistant) message open, for the model to continue it"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM: more variables for the chat template")
+
+
+VLLM_CHAT_EXTENSIONS = tuple(VllmChatExtensions.model_fields)
+
+
 class _Request(TideExtensions, VllmExtensions):
     """Common request behaviour: declared fields only (`unknown()`), unsupported ones refused."""
 
@@ -353,7 +366,7 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, VllmChatExtensions):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     model: str
     audio: Any = None

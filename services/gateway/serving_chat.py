@@ -51,6 +51,7 @@ from services.gateway.protocol import (
     TopLogprob,
 )
 from services.gateway.serving_engine import ChoiceState, OpenAIServing, guided_constraint
+from services.gateway.tokenizer import ChatTemplateOptions
 from services.gateway.tool_calls import (
     CallArguments,
     CallStart,
@@ -92,6 +93,34 @@ def _openai_constraint(request: ChatCompletionRequest) -> tuple[Constraint | Non
             return Constraint("json_object"), "response_format"
         return Constraint("json_schema", json.dumps(schema, ensure_ascii=False)), "response_format"
     return None, None
+
+
+# apply_chat_template's own arguments: not template variables (chat_template_kwargs must not set them)
+_RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def template_options(request: ChatCompletionRequest) -> ChatTemplateOptions:
+    """vLLM's chat template fields, checked: continuing the final message needs an assistant's last and
+    no generation prompt (which it turns off unless set explicitly)."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_ARGS & set(kwargs))
+    if reserved:
+        raise invalid_request(f"chat_template_kwargs cannot set {', '.join(reserved)}.", "chat_template_kwargs",
+                              "invalid_value")
+    add_prompt = request.add_generation_prompt
+    if request.continue_final_message:
+        if "add_generation_prompt" in request.model_fields_set and add_prompt:
+            raise invalid_request("continue_final_message and add_generation_prompt cannot both be true.",
+                                  "continue_final_message", "invalid_value")
+        if request.messages[-1].role != "assistant":
+            raise invalid_request("continue_final_message needs the last message to be an assistant's.",
+                                  "continue_final_message", "invalid_value")
+        add_prompt = False
+    return ChatTemplateOptions(add_prompt, request.continue_final_message, kwargs)
 
 
 class _ToolStream:
@@ -213,7 +242,7 @@ class OpenAIServingChat(OpenAIServing):
         constraint, constraint_param = constraint_of(request)
         messages = render_messages(request.messages, request.tools if mode != "none" else None)
         limit = self.models.max_model_len
-        prompt = await self.tokenizer.aencode_chat(messages, limit, self.tokenize_timeout_s)
+        prompt = await self.tokenizer.aencode_chat(messages, limit, self.tokenize_timeout_s, template_options(request))
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         max_tokens = self.check_length(len(prompt), requested, "messages", param, limit)

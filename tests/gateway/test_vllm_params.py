@@ -17,6 +17,7 @@ import pytest
 from gateway.harness import MODEL_NAME
 from gateway.test_openai_params import ANSWER, MESSAGES, chat, oai, token_ids  # noqa: F401 - oai is a fixture
 from services.gateway.protocol import VLLM_EXTENSIONS
+from services.gateway.tokenizer import ChatTemplateOptions, TargetTokenizer
 
 
 def test_min_tokens_holds_back_stop_tokens(oai, tokenizer):  # noqa: F811
@@ -161,3 +162,37 @@ def test_every_vllm_extension_is_accepted_on_both_endpoints(oai):  # noqa: F811
     assert set(extensions) | guided == set(VLLM_EXTENSIONS)  # (the constraints are exclusive: tested above)
     assert chat(oai, extra_body=extensions).choices[0].message.content
     assert oai.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body=extensions).choices
+
+
+# ---------------------------------------------------------------------------------- chat template options
+
+
+def test_generation_prompt_and_continued_final_message(oai, tokenizer):  # noqa: F811
+    convo = [*MESSAGES, {"role": "assistant", "content": "Once upon a time, the cat"}]
+    opened = tokenizer.encode_chat(convo)
+    closed = tokenizer.encode_chat(convo, template=ChatTemplateOptions(add_generation_prompt=False))
+    open_last = tokenizer.encode_chat(convo, template=ChatTemplateOptions(False, True))
+    assert len(closed) < len(opened) and opened[:len(closed)] == closed
+    assert tokenizer.tokenizer.decode(open_last).endswith("the cat")  # no end-of-turn after it
+    for body, expected in (({}, opened), ({"add_generation_prompt": False}, closed),
+                           ({"continue_final_message": True}, open_last),
+                           ({"continue_final_message": True, "add_generation_prompt": False}, open_last)):
+        r = chat(oai, messages=convo, max_tokens=4, extra_body=body)
+        assert r.usage.prompt_tokens == len(expected), body
+    for body in ({"continue_final_message": True, "add_generation_prompt": True},  # both: a 400
+                 {"chat_template_kwargs": {"tokenize": True}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(oai, messages=convo, extra_body=body)
+        assert err.value.param == next(iter(body)), body
+    with pytest.raises(openai.BadRequestError) as err:  # the last message is the user's
+        chat(oai, extra_body={"continue_final_message": True})
+    assert err.value.param == "continue_final_message"
+    assert chat(oai, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message.content
+
+
+def test_chat_template_kwargs_reach_the_template(chat_target):
+    tok = TargetTokenizer.load(str(chat_target))
+    tok.tokenizer.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    options = ChatTemplateOptions(kwargs={"greeting": "Hi"})
+    ids = tok.encode_chat([{"role": "user", "content": " world"}], template=options)
+    assert tok.tokenizer.decode(ids) == "Hi world"
