@@ -131,6 +131,10 @@ class VllmExtensions(BaseModel):
     # (what vLLM's defaults give for the target's tokenizers); only those values are taken.
     skip_special_tokens: bool = Field(True, description="vLLM: only true (special tokens are left out of the text)")
     spaces_between_special_tokens: bool = Field(True, description="vLLM: only true")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=U32_MAX,
+        description="vLLM: keep only the last k prompt tokens; -1: as many as the context holds",
+    )
     # vLLM's structured outputs, as the engine's output constraints (at most one per request).
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM: a JSON Schema the output follows")
     guided_regex: str | None = Field(None, description="vLLM: a regular expression the whole output matches")
@@ -141,6 +145,14 @@ class VllmExtensions(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(
         None, description='vLLM: one of {"json", "regex", "choice", "grammar", "json_object"}'
     )
+
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, value):
+        if value == 0:
+            raise ValueError("must be -1 or at least 1")
+        return value
 
 
 VLLM_EXTENSIONS = tuple(VllmExtensions.model_fields)

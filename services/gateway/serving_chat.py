@@ -242,7 +242,11 @@ class OpenAIServingChat(OpenAIServing):
         constraint, constraint_param = constraint_of(request)
         messages = render_messages(request.messages, request.tools if mode != "none" else None)
         limit = self.models.max_model_len
-        prompt = await self.tokenizer.aencode_chat(messages, limit, self.tokenize_timeout_s, template_options(request))
+        # A prompt to be truncated may be longer than the context: only the body size bounds it then.
+        size_limit = limit if request.truncate_prompt_tokens is None else None
+        prompt = await self.tokenizer.aencode_chat(messages, size_limit, self.tokenize_timeout_s,
+                                                   template_options(request))
+        prompt = self.truncated(prompt, request)
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         max_tokens = self.check_length(len(prompt), requested, "messages", param, limit)

@@ -112,18 +112,22 @@ class OpenAIServingCompletion(OpenAIServing):
             raise invalid_request(f"At most {MAX_PROMPTS} prompts per request.", "prompt", "invalid_value")
         if len(prompts) * request.n > self.max_n * MAX_PROMPTS:
             raise invalid_request("Too many choices in one request.", "n", "invalid_value")
+        truncate = request.truncate_prompt_tokens is not None
+        # A prompt to be truncated may be longer than the context: only the body size bounds it then.
+        size_limit = None if truncate else limit
         for p in prompts:
             if not isinstance(p, str):
-                self.check_length(len(p), None, "prompt", "max_tokens", limit)
+                if not truncate:
+                    self.check_length(len(p), None, "prompt", "max_tokens", limit)
                 self.tokenizer.check_ids(p, "prompt")
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             encoded = iter(
                 await self.tokenizer.run(
-                    lambda: [self.tokenizer.encode(t, limit) for t in texts], self.tokenize_timeout_s
+                    lambda: [self.tokenizer.encode(t, size_limit) for t in texts], self.tokenize_timeout_s
                 )
             )
-        return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+        return [self.truncated(next(encoded) if isinstance(p, str) else list(p), request) for p in prompts]
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """A full response, or (stream=True) an iterator of SSE lines (see the chat endpoint)."""
@@ -138,7 +142,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             texts = request.prompts()
             echoed = [
-                (t if isinstance(t, str) else self.tokenizer.tokenizer.decode(ids), ids)
+                # a truncated prompt is echoed as what was kept
+                (t if isinstance(t, str) and request.truncate_prompt_tokens is None
+                 else self.tokenizer.tokenizer.decode(ids), ids)
                 for t, ids in zip(texts, prompts, strict=True)
             ]
         delta_choice, finish_choice = self.stream_choices(request, echoed)

@@ -242,6 +242,15 @@ class OpenAIServing:
                 "stream_options is only allowed when stream is true.", "stream_options", "invalid_value"
             )
 
+    def truncated(self, ids: list[int], request) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last k tokens of a prompt (-1: the context's size - 1,
+        the most a prompt may have); unchanged when unset."""
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = self.models.max_model_len - 1 if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
     def check_length(
         self, prompt_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str, limit: int | None = None
     ) -> int:

@@ -14,7 +14,7 @@ import jsonschema_rs
 import openai
 import pytest
 
-from gateway.harness import MODEL_NAME
+from gateway.harness import MAX_MODEL_LEN, MODEL_NAME
 from gateway.test_openai_params import ANSWER, MESSAGES, chat, oai, token_ids  # noqa: F401 - oai is a fixture
 from services.gateway.protocol import VLLM_EXTENSIONS
 from services.gateway.tokenizer import ChatTemplateOptions, TargetTokenizer
@@ -157,7 +157,7 @@ def test_bad_constraints_are_a_400_naming_the_parameter(oai, kwargs, param):  # 
 
 def test_every_vllm_extension_is_accepted_on_both_endpoints(oai):  # noqa: F811
     extensions = {"min_tokens": 1, "repetition_penalty": 1.1, "min_p": 0.05, "include_stop_str_in_output": True,
-                  "skip_special_tokens": True, "spaces_between_special_tokens": True}
+                  "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": 64}
     guided = {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
     assert set(extensions) | guided == set(VLLM_EXTENSIONS)  # (the constraints are exclusive: tested above)
     assert chat(oai, extra_body=extensions).choices[0].message.content
@@ -196,3 +196,27 @@ def test_chat_template_kwargs_reach_the_template(chat_target):
     options = ChatTemplateOptions(kwargs={"greeting": "Hi"})
     ids = tok.encode_chat([{"role": "user", "content": " world"}], template=options)
     assert tok.tokenizer.decode(ids) == "Hi world"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(oai, tokenizer):  # noqa: F811
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    args = dict(model=MODEL_NAME, max_tokens=6, temperature=0)
+    tail = oai.completions.create(prompt=ids[-5:], **args)
+    cut = oai.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 5}, **args)
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == tail.choices[0].text
+    text = oai.completions.create(prompt=tokenizer.tokenizer.decode(ids), extra_body={"truncate_prompt_tokens": 5},
+                                  echo=True, **args)
+    assert text.usage.prompt_tokens == 5 and text.choices[0].text.startswith(tokenizer.tokenizer.decode(ids[-5:]))
+    # longer than the context: kept whole it is a 400, truncated it is served
+    long = ids * (MAX_MODEL_LEN // len(ids) + 1)
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(prompt=long, **args)
+    served = oai.completions.create(prompt=long, extra_body={"truncate_prompt_tokens": -1}, max_tokens=1,
+                                    model=MODEL_NAME, temperature=0)
+    assert served.usage.prompt_tokens == MAX_MODEL_LEN - 1
+    prompt = tokenizer.encode_chat(MESSAGES)
+    r = chat(oai, max_tokens=4, extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3 and len(prompt) > 3
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(oai, extra_body={"truncate_prompt_tokens": 0})
+    assert err.value.param == "truncate_prompt_tokens"
