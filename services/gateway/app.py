@@ -33,6 +33,7 @@ from services.gateway.router import BODIES, router
 from services.gateway.serving_chat import OpenAIServingChat
 from services.gateway.serving_completion import OpenAIServingCompletion
 from services.gateway.serving_models import OpenAIServingModels
+from services.gateway.serving_tokenization import OpenAIServingTokenization
 from services.gateway.settings import GatewaySettings
 from services.gateway.status import StatusSources
 from services.gateway.tokenizer import TargetTokenizer
@@ -50,6 +51,7 @@ class GatewayState:
     models: OpenAIServingModels
     chat: OpenAIServingChat
     completion: OpenAIServingCompletion
+    tokenization: OpenAIServingTokenization
     metrics: GatewayMetrics
     status: StatusSources
     body_limit: int  # the largest accepted request body, in bytes
@@ -108,15 +110,15 @@ def openapi_schema(app: FastAPI, model_name: str, max_n: int) -> dict:
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request_model)}}}
         properties = components[request_model.__name__]["properties"]
         properties["model"]["enum"] = [model_name]
-        next(p for p in properties["n"]["anyOf"] if p.get("type") == "integer")["maximum"] = max_n
+        if "n" in properties:
+            next(p for p in properties["n"]["anyOf"] if p.get("type") == "integer")["maximum"] = max_n
+        ok = {"description": "The answer", "content": {"application/json": {"schema": ref(response_model,
+                                                                                          "serialization")}}}
+        if "stream" in properties:  # the completion endpoints
+            ok["description"] = "The completion, or with `stream: true` its server-sent events"
+            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
         operation["responses"] = {
-            "200": {
-                "description": "The completion, or with `stream: true` its server-sent events",
-                "content": {
-                    "application/json": {"schema": ref(response_model, "serialization")},
-                    "text/event-stream": {"schema": {"type": "string"}},
-                },
-            },
+            "200": ok,
             **{status: error for status in ("400", "401", "404", "413", "502", "503")},
             "default": error,
         }
@@ -141,6 +143,7 @@ def create_app(
         models=models,
         chat=OpenAIServingChat(engine_client, models, tokenizer, settings.max_n, **serving),
         completion=OpenAIServingCompletion(engine_client, models, tokenizer, settings.max_n, **serving),
+        tokenization=OpenAIServingTokenization(models, tokenizer, settings.tokenize_timeout_s),
         metrics=metrics,
         status=StatusSources(
             services={"registry": settings.registry_addr, "trainer": settings.trainer_addr,

@@ -508,6 +508,47 @@ class CompletionRequest(_Request):
         return list(p)
 
 
+# ------------------------------------------------------------------------------------ tokenization
+
+
+class TokenizeRequest(VllmChatExtensions):
+    """vLLM's POST /tokenize: a raw `prompt` (tokenized as /v1/completions tokenizes it) or chat
+    `messages` (rendered with the chat template as /v1/chat/completions renders them), exactly one."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages is required")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize: token ids -> their text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 # ------------------------------------------------------------------------------------ raw bodies
 
 _STRUCTURE_ONLY = bytes(b for b in range(256) if b not in b'[]{}"')  # the bytes json_depth drops
