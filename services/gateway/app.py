@@ -61,9 +61,10 @@ class WorkerLimitedModels(OpenAIServingModels):
     """The served model, whose context (`max_model_len`) is the smallest one the healthy workers
     report, at most the configured one (which is all there is until a worker has answered)."""
 
-    def __init__(self, name: str, root: str, max_model_len: int, engine: EngineClient) -> None:
+    def __init__(self, name: str, root: str, max_model_len: int, engine: EngineClient,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.engine = engine
-        super().__init__(name, root, max_model_len)
+        super().__init__(name, root, max_model_len, aliases)
 
     @property
     def max_model_len(self) -> int:
@@ -78,7 +79,7 @@ class WorkerLimitedModels(OpenAIServingModels):
 APP_INFO = {"title": "TIDE gateway", "summary": "OpenAI-compatible API of TIDE"}
 
 
-def gateway_openapi(model_name: str, max_n: int) -> dict:
+def gateway_openapi(model_name: str | tuple[str, ...], max_n: int) -> dict:
     """The /openapi.json of a gateway serving `model_name` with at most `max_n` choices, without a gateway
     (the fuzz test loads it at collection time and checks that a running gateway serves the same)."""
     app = FastAPI(**APP_INFO)
@@ -86,9 +87,9 @@ def gateway_openapi(model_name: str, max_n: int) -> dict:
     return openapi_schema(app, model_name, max_n)
 
 
-def openapi_schema(app: FastAPI, model_name: str, max_n: int) -> dict:
+def openapi_schema(app: FastAPI, model_name: str | tuple[str, ...], max_n: int) -> dict:
     """FastAPI's schema plus the request bodies the routes parse themselves (with this gateway's model
-    and largest `n`) and the error body."""
+    name, or names with aliases, and largest `n`) and the error body."""
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
 
@@ -109,7 +110,7 @@ def openapi_schema(app: FastAPI, model_name: str, max_n: int) -> dict:
         operation = schema["paths"][path]["post"]
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request_model)}}}
         properties = components[request_model.__name__]["properties"]
-        properties["model"]["enum"] = [model_name]
+        properties["model"]["enum"] = [model_name] if isinstance(model_name, str) else list(model_name)
         if "n" in properties:
             next(p for p in properties["n"]["anyOf"] if p.get("type") == "integer")["maximum"] = max_n
         ok = {"description": "The answer", "content": {"application/json": {"schema": ref(response_model,
@@ -133,7 +134,8 @@ def create_app(
         tokenizer = TargetTokenizer.load(settings.target, settings.max_model_len)
     max_len = settings.max_model_len or tokenizer.max_model_len  # the upper bound of the served context
     name = settings.served_model_name or tokenizer.model_id
-    models = WorkerLimitedModels(name, tokenizer.model_id, max_len, engine_client)
+    aliases = tuple(sorted(settings.model_aliases))
+    models = WorkerLimitedModels(name, tokenizer.model_id, max_len, engine_client, aliases)
     metrics = GatewayMetrics()
     serving = dict(metrics=metrics, tokenize_timeout_s=settings.tokenize_timeout_s)
     state = GatewayState(
@@ -178,7 +180,7 @@ def create_app(
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_schema(app, models.name, settings.max_n)
+            app.openapi_schema = openapi_schema(app, models.names if models.aliases else models.name, settings.max_n)
         return app.openapi_schema
 
     app.openapi = openapi
