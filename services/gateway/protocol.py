@@ -135,6 +135,10 @@ class VllmExtensions(BaseModel):
         None, ge=-1, le=U32_MAX,
         description="vLLM: keep only the last k prompt tokens; -1: as many as the context holds",
     )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="vLLM: the target's logprob of every prompt token after the first, with this many alternatives",
+    )
     # vLLM's structured outputs, as the engine's output constraints (at most one per request).
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM: a JSON Schema the output follows")
     guided_regex: str | None = Field(None, description="vLLM: a regular expression the whole output matches")
@@ -715,12 +719,27 @@ class ChatCompletionChoice(_Choice):
     finish_reason: str | None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt position (`prompt_logprobs`): the token's logprob, its rank among the
+    position's most likely tokens (1 = the most likely; null when outside the returned ones) and text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, null for the first, else token id (as a string) -> entry for
+# the prompt's token and the requested number of most likely ones.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
     speculation: SpeculationInfo
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent)  # vLLM's, when asked
 
 
 class DeltaFunctionCall(BaseModel):
@@ -763,6 +782,7 @@ class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent)  # vLLM's, when asked
 
 
 class CompletionResponse(_Response):

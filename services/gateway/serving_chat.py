@@ -156,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
     endpoint = "/v1/chat/completions"
 
     def logprob_counts(self, request: ChatCompletionRequest) -> tuple[int | None, int | None]:
-        return (request.top_logprobs or 0) if request.logprobs else None, None
+        return (request.top_logprobs or 0) if request.logprobs else None, request.prompt_logprobs
 
     def top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         text, raw = self.token_text(token_id)
@@ -259,13 +259,17 @@ class OpenAIServingChat(OpenAIServing):
         else:
             delta_choice, finish_choice = self.tool_stream(request, mode)
 
+        prompt_entries: list = []  # the worker's prompt logprob entries (every choice has the same)
+
         def choice(i: int, s: ChoiceState) -> ChatCompletionChoice:
+            if i == 0:
+                prompt_entries.append(s.prompt_logprobs)
             message, reason = self.message(request, mode, s)
             return ChatCompletionChoice(
                 index=i, message=message, logprobs=self.choice_logprobs(request, s.logprobs), finish_reason=reason
             )
 
-        return await self.respond(
+        result = await self.respond(
             request,
             ChatCompletionResponse,
             response_id,
@@ -279,3 +283,6 @@ class OpenAIServingChat(OpenAIServing):
             chunk_cls=ChatCompletionStreamResponse,
             constraint_param=constraint_param,
         )
+        if request.prompt_logprobs is not None:  # (never streamed: check_common refuses that)
+            result.prompt_logprobs = self.prompt_logprobs(prompt_entries[0] or ())
+        return result

@@ -35,7 +35,9 @@ class OpenAIServingCompletion(OpenAIServing):
     endpoint = "/v1/completions"
 
     def logprob_counts(self, request: CompletionRequest) -> tuple[int | None, int | None]:
-        return request.logprobs, request.logprobs if request.echo else None
+        # echo's logprobs and vLLM's prompt_logprobs share the worker's prompt entries: the larger count
+        counts = [n for n in (request.logprobs if request.echo else None, request.prompt_logprobs) if n is not None]
+        return request.logprobs, max(counts) if counts else None
 
     def completion_logprobs(
         self,
@@ -71,10 +73,19 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_text, prompt_ids = prompt
         logprobs = None
         if request.logprobs is not None:
-            head = (prompt_ids[0], state.prompt_logprobs or ()) if request.echo else (None, ())
+            entries = tuple(TokenLogprob(e.token_id, e.logprob, e.top[:request.logprobs])
+                            for e in state.prompt_logprobs or ())
+            head = (prompt_ids[0], entries) if request.echo else (None, ())
             logprobs, _ = self.completion_logprobs(state.logprobs, 0, *head)
         text = echo_text + state.text if request.echo else state.text
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=state.final.finish_reason)
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None:
+            top = request.prompt_logprobs
+            prompt_logprobs = self.prompt_logprobs(
+                tuple(TokenLogprob(e.token_id, e.logprob, e.top[:top]) for e in state.prompt_logprobs or ())
+            )
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=state.final.finish_reason,
+                                prompt_logprobs=prompt_logprobs)
 
     def stream_choices(self, request: CompletionRequest, prompts: list[tuple[str, list[int]]]):
         """`delta_choice` and `finish_choice` of a stream: the prompt (echo) goes with a choice's first

@@ -50,7 +50,7 @@ from services.gateway.errors import (
 )
 from services.gateway.fanout import Event, aggregate_speculation, merged
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import PromptTokensDetails, SpeculationInfo, UsageInfo
+from services.gateway.protocol import PromptLogprob, PromptTokensDetails, SpeculationInfo, UsageInfo
 from services.gateway.serving_models import OpenAIServingModels
 from services.gateway.tokenizer import TargetTokenizer
 from tide.speculation import SpeculationStats
@@ -227,12 +227,30 @@ class OpenAIServing:
 
     # ---- checks -------------------------------------------------------------------------------
 
+    def prompt_logprobs(self, entries: tuple[TokenLogprob, ...] | None) -> list | None:
+        """vLLM's `prompt_logprobs` list from the worker's entries (one per prompt token after the first)."""
+        if entries is None:
+            return None
+        out: list = [None]
+        for e in entries:
+            ranked = {t: (rank, v) for rank, (t, v) in enumerate(e.top, 1)}
+            position = {e.token_id: ranked.get(e.token_id, (None, e.logprob))}
+            position.update(ranked)
+            out.append({
+                str(t): PromptLogprob(logprob=self.logprob_value(v), rank=rank, decoded_token=self.token_text(t)[0])
+                for t, (rank, v) in position.items()
+            })
+        return out
+
     def check_common(self, request) -> None:
         """Model name, unknown and unsupported parameters, n, logit_bias ids, stream_options; in that order."""
         self.models.check(request.model)
         err = request.unsupported()
         if err is not None:
             raise err
+        if request.prompt_logprobs is not None and request.stream:
+            raise invalid_request("prompt_logprobs is not supported with stream: true.", "prompt_logprobs",
+                                  "invalid_value")
         if request.n > self.max_n:
             raise invalid_request(f"n must be at most {self.max_n}, got {request.n}.", "n", "invalid_value")
         if request.logit_bias:

@@ -157,7 +157,8 @@ def test_bad_constraints_are_a_400_naming_the_parameter(oai, kwargs, param):  # 
 
 def test_every_vllm_extension_is_accepted_on_both_endpoints(oai):  # noqa: F811
     extensions = {"min_tokens": 1, "repetition_penalty": 1.1, "min_p": 0.05, "include_stop_str_in_output": True,
-                  "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": 64}
+                  "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": 64,
+                  "prompt_logprobs": 1}
     guided = {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
     assert set(extensions) | guided == set(VLLM_EXTENSIONS)  # (the constraints are exclusive: tested above)
     assert chat(oai, extra_body=extensions).choices[0].message.content
@@ -220,3 +221,39 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(oai, tokenizer):  # noqa: 
     with pytest.raises(openai.BadRequestError) as err:
         chat(oai, extra_body={"truncate_prompt_tokens": 0})
     assert err.value.param == "truncate_prompt_tokens"
+
+
+# ---------------------------------------------------------------------------------- prompt_logprobs
+
+
+def _check_prompt_logprobs(entries, prompt: list[int], top: int) -> None:
+    assert len(entries) == len(prompt) and entries[0] is None
+    for token, position in zip(prompt[1:], entries[1:], strict=True):
+        assert str(token) in position and top <= len(position) <= top + 1
+        ranks = [e["rank"] for t, e in position.items() if t != str(token) or e["rank"] is not None]
+        assert sorted(ranks) == list(range(1, top + 1))
+        assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in position.values())
+
+
+def test_prompt_logprobs_on_both_endpoints(client, tokenizer):
+    prompt = tokenizer.encode("The cat sat on the mat.")
+    r = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2,
+                                             "prompt_logprobs": 3}).json()
+    _check_prompt_logprobs(r["choices"][0]["prompt_logprobs"], prompt, 3)
+    # with echo's logprobs (a different count) both come from one request to the worker
+    both = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "echo": True,
+                                                "logprobs": 1, "prompt_logprobs": 4}).json()["choices"][0]
+    _check_prompt_logprobs(both["prompt_logprobs"], prompt, 4)
+    assert all(t is None or len(t) <= 2 for t in both["logprobs"]["top_logprobs"])  # echo's: 1 (+ the token)
+    zero = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1,
+                                                "prompt_logprobs": 0}).json()["choices"][0]["prompt_logprobs"]
+    assert [list(p) for p in zero[1:]] == [[str(t)] for t in prompt[1:]]
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = client.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, "max_tokens": 2,
+                                                     "prompt_logprobs": 2}).json()
+    _check_prompt_logprobs(chat["prompt_logprobs"], tokenizer.encode_chat(messages), 2)
+    plain = client.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, "max_tokens": 2})
+    assert "prompt_logprobs" not in plain.json()
+    streamed = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "stream": True,
+                                                    "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
