@@ -196,6 +196,8 @@ class RequestHandle:
             last = out[-1]
             if (last in eos_ids and not self.params.ignore_eos) or last in self.params.stop_token_ids:
                 stop_token = last
+            elif isinstance(s.matched_stop, str):  # the engine's record (min_tokens may skip earlier occurrences)
+                stop_string = s.matched_stop
             elif self.params.stop and tokenizer is not None:
                 stop_string = matched_stop_string(tokenizer.decode(out, skip_special_tokens=True), self.params.stop)
         ttft = (self.first_token_s - self.arrival_s) * 1e3 if self.first_token_s is not None else 0.0

@@ -257,3 +257,14 @@ def test_prompt_logprobs_on_both_endpoints(client, tokenizer):
     streamed = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "stream": True,
                                                     "prompt_logprobs": 1})
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_min_tokens_holds_back_stop_strings(oai):  # noqa: F811
+    text = chat(oai, max_tokens=32).choices[0].message.content
+    stop = text[1:3]  # occurs early
+    cut = chat(oai, max_tokens=32, stop=[stop])
+    assert len(cut.choices[0].message.content) <= 1
+    held = chat(oai, max_tokens=32, stop=[stop], extra_body={"min_tokens": 10, "include_stop_str_in_output": True})
+    content = held.choices[0].message.content
+    assert held.usage.completion_tokens >= 10 and text.startswith(content)
+    assert held.choices[0].finish_reason == "length" or content.endswith(stop)

@@ -227,7 +227,7 @@ class LLMEngine:
             else:
                 self._generators[request_id] = torch.Generator(device="cpu").manual_seed(seed)
         if self.tokenizer is not None:
-            self._texts[request_id] = IncrementalText(self.tokenizer, params.stop)
+            self._texts[request_id] = IncrementalText(self.tokenizer, params.stop, params.min_tokens)
             if params.logprobs is not None:
                 self._held[request_id] = ([0], [])
         return seq

@@ -66,8 +66,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # vLLM's extensions. `min_tokens`: EOS (unless ignore_eos) and stop_token_ids are masked while the
-    # output has fewer tokens. `repetition_penalty` (CTRL / HF / vLLM): the logit of every token in the
-    # prompt or the output so far is divided by it when positive, multiplied when negative; 1 = off.
+    # output has fewer tokens, and stop strings are looked for only in the text of later tokens.
+    # `repetition_penalty` (CTRL / HF / vLLM): the logit of every token in the prompt or the output so
+    # far is divided by it when positive, multiplied when negative; 1 = off.
     # `min_p`: after temperature, tokens less probable than min_p * the most probable one's
     # probability are dropped (sampling only: greedy's argmax keeps the most probable token anyway).
     min_tokens: int = 0
