@@ -33,6 +33,7 @@ from services.gateway.router import BODIES, router
 from services.gateway.serving_chat import OpenAIServingChat
 from services.gateway.serving_completion import OpenAIServingCompletion
 from services.gateway.serving_models import OpenAIServingModels
+from services.gateway.serving_tokenization import OpenAIServingTokenization
 from services.gateway.settings import GatewaySettings
 from services.gateway.status import StatusSources
 from services.gateway.tokenizer import TargetTokenizer
@@ -50,6 +51,7 @@ class GatewayState:
     models: OpenAIServingModels
     chat: OpenAIServingChat
     completion: OpenAIServingCompletion
+    tokenization: OpenAIServingTokenization
     metrics: GatewayMetrics
     status: StatusSources
     body_limit: int  # the largest accepted request body, in bytes
@@ -59,9 +61,10 @@ class WorkerLimitedModels(OpenAIServingModels):
     """The served model, whose context (`max_model_len`) is the smallest one the healthy workers
     report, at most the configured one (which is all there is until a worker has answered)."""
 
-    def __init__(self, name: str, root: str, max_model_len: int, engine: EngineClient) -> None:
+    def __init__(self, name: str, root: str, max_model_len: int, engine: EngineClient,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.engine = engine
-        super().__init__(name, root, max_model_len)
+        super().__init__(name, root, max_model_len, aliases)
 
     @property
     def max_model_len(self) -> int:
@@ -76,7 +79,7 @@ class WorkerLimitedModels(OpenAIServingModels):
 APP_INFO = {"title": "TIDE gateway", "summary": "OpenAI-compatible API of TIDE"}
 
 
-def gateway_openapi(model_name: str, max_n: int) -> dict:
+def gateway_openapi(model_name: str | tuple[str, ...], max_n: int) -> dict:
     """The /openapi.json of a gateway serving `model_name` with at most `max_n` choices, without a gateway
     (the fuzz test loads it at collection time and checks that a running gateway serves the same)."""
     app = FastAPI(**APP_INFO)
@@ -84,9 +87,9 @@ def gateway_openapi(model_name: str, max_n: int) -> dict:
     return openapi_schema(app, model_name, max_n)
 
 
-def openapi_schema(app: FastAPI, model_name: str, max_n: int) -> dict:
+def openapi_schema(app: FastAPI, model_name: str | tuple[str, ...], max_n: int) -> dict:
     """FastAPI's schema plus the request bodies the routes parse themselves (with this gateway's model
-    and largest `n`) and the error body."""
+    name, or names with aliases, and largest `n`) and the error body."""
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
 
@@ -107,16 +110,16 @@ def openapi_schema(app: FastAPI, model_name: str, max_n: int) -> dict:
         operation = schema["paths"][path]["post"]
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request_model)}}}
         properties = components[request_model.__name__]["properties"]
-        properties["model"]["enum"] = [model_name]
-        next(p for p in properties["n"]["anyOf"] if p.get("type") == "integer")["maximum"] = max_n
+        properties["model"]["enum"] = [model_name] if isinstance(model_name, str) else list(model_name)
+        if "n" in properties:
+            next(p for p in properties["n"]["anyOf"] if p.get("type") == "integer")["maximum"] = max_n
+        ok = {"description": "The answer", "content": {"application/json": {"schema": ref(response_model,
+                                                                                          "serialization")}}}
+        if "stream" in properties:  # the completion endpoints
+            ok["description"] = "The completion, or with `stream: true` its server-sent events"
+            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
         operation["responses"] = {
-            "200": {
-                "description": "The completion, or with `stream: true` its server-sent events",
-                "content": {
-                    "application/json": {"schema": ref(response_model, "serialization")},
-                    "text/event-stream": {"schema": {"type": "string"}},
-                },
-            },
+            "200": ok,
             **{status: error for status in ("400", "401", "404", "413", "502", "503")},
             "default": error,
         }
@@ -131,7 +134,8 @@ def create_app(
         tokenizer = TargetTokenizer.load(settings.target, settings.max_model_len)
     max_len = settings.max_model_len or tokenizer.max_model_len  # the upper bound of the served context
     name = settings.served_model_name or tokenizer.model_id
-    models = WorkerLimitedModels(name, tokenizer.model_id, max_len, engine_client)
+    aliases = tuple(sorted(settings.model_aliases))
+    models = WorkerLimitedModels(name, tokenizer.model_id, max_len, engine_client, aliases)
     metrics = GatewayMetrics()
     serving = dict(metrics=metrics, tokenize_timeout_s=settings.tokenize_timeout_s)
     state = GatewayState(
@@ -141,6 +145,7 @@ def create_app(
         models=models,
         chat=OpenAIServingChat(engine_client, models, tokenizer, settings.max_n, **serving),
         completion=OpenAIServingCompletion(engine_client, models, tokenizer, settings.max_n, **serving),
+        tokenization=OpenAIServingTokenization(models, tokenizer, settings.tokenize_timeout_s),
         metrics=metrics,
         status=StatusSources(
             services={"registry": settings.registry_addr, "trainer": settings.trainer_addr,
@@ -175,7 +180,7 @@ def create_app(
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_schema(app, models.name, settings.max_n)
+            app.openapi_schema = openapi_schema(app, models.names if models.aliases else models.name, settings.max_n)
         return app.openapi_schema
 
     app.openapi = openapi

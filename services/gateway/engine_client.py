@@ -44,6 +44,9 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
+    min_tokens: int = 0  # EOS and stop_token_ids masked while the output is shorter
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    min_p: float = 0.0  # [0, 1]; 0 = off
     constraint: Constraint | None = None  # the language the output must belong to; None = any text
 
 
@@ -96,6 +99,7 @@ class GenerationFinal:
     total_ms: float = 0.0
     worker: str = ""
     cached_prompt_tokens: int = 0  # of prompt_tokens, served by the worker's prefix cache
+    stop_string: str | None = None  # the stop string that ended the output (not in its text)
 
 
 class ErrorKind(enum.Enum):
@@ -197,6 +201,10 @@ def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
         sampling.logit_bias[token] = bias
     sampling.presence_penalty = s.presence_penalty
     sampling.frequency_penalty = s.frequency_penalty
+    sampling.min_tokens = s.min_tokens
+    if s.repetition_penalty != 1.0:
+        sampling.repetition_penalty = s.repetition_penalty
+    sampling.min_p = s.min_p
     if s.constraint is not None:
         kind = s.constraint.kind
         setattr(sampling, kind, True if kind == "json_object" else s.constraint.value)
@@ -230,6 +238,7 @@ def from_final(final: inference_pb2.GenerateFinal, worker: str) -> GenerationFin
         final.total_ms,
         worker,
         final.cached_prompt_tokens,
+        final.stop_string if final.WhichOneof("matched_stop") == "stop_string" else None,
     )
 
 

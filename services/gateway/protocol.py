@@ -12,7 +12,9 @@ Request fields are handled as OpenAI handles them:
 - anything else is a 400 "Unrecognized request argument supplied: <name>" naming it, except the
   TIDE extensions (sent with the client's `extra_body`), declared once in `TideExtensions`:
   `speculative` (false = plain decode), `workload` (a tag carried into telemetry), `top_k`,
-  `ignore_eos`, `stop_token_ids`.
+  `ignore_eos`, `stop_token_ids`, and vLLM's extensions that OpenAI-compatible clients send, declared
+  in `VllmExtensions` (`min_tokens`, `repetition_penalty`, `min_p`, `include_stop_str_in_output`, ...)
+  with vLLM's meaning; `skip_special_tokens` and `spaces_between_special_tokens` take only `true`.
 
 Every number that reaches the worker's protobuf request (tide.v1.SamplingParams, TokenIds) is
 bounded here to what its field holds (uint32 token ids, max_tokens and top_k; the seed taken mod
@@ -96,7 +98,84 @@ class TideExtensions(BaseModel):
 TIDE_EXTENSIONS = tuple(TideExtensions.model_fields)
 
 
-class _Request(TideExtensions):
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a JSON Schema, a regex, a list of choices, a grammar, or any JSON object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON Schema (object or JSON text)")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class VllmExtensions(BaseModel):
+    """vLLM's sampling parameters beyond OpenAI's (sent with `extra_body`), on both endpoints, with
+    vLLM's meaning and defaults; the one declared list of them (`VLLM_EXTENSIONS`)."""
+
+    min_tokens: int = Field(
+        default=0, ge=0, le=U32_MAX,
+        description="vLLM: EOS and stop_token_ids cannot end the output before it has this many tokens",
+    )
+    repetition_penalty: float = Field(  # bounds: tide.engine.sequence's, which keep the logits finite
+        default=1.0, ge=1e-3, le=1e3,
+        description="vLLM: 0.001..1000; the logit of every token in the prompt or the output so far is divided by it "
+        "when positive, multiplied by it when negative; 1 = off",
+    )
+    min_p: float = Field(
+        default=0.0, ge=0, le=1,
+        description="vLLM: drop tokens less probable than min_p times the most probable one (after temperature)",
+    )
+    include_stop_str_in_output: bool = Field(False, description="vLLM: the matched stop string ends the text")
+    # The worker decodes with skip_special_tokens=True and no spaces added between special tokens
+    # (what vLLM's defaults give for the target's tokenizers); only those values are taken.
+    skip_special_tokens: bool = Field(True, description="vLLM: only true (special tokens are left out of the text)")
+    spaces_between_special_tokens: bool = Field(True, description="vLLM: only true")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=U32_MAX,
+        description="vLLM: keep only the last k prompt tokens; -1: as many as the context holds",
+    )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="vLLM: the target's logprob of every prompt token after the first, with this many alternatives",
+    )
+    # vLLM's structured outputs, as the engine's output constraints (at most one per request).
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM: a JSON Schema the output follows")
+    guided_regex: str | None = Field(None, description="vLLM: a regular expression the whole output matches")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM: the output is one of these")
+    guided_grammar: str | None = Field(
+        None, description="vLLM: a context-free grammar (the engine's dialect: llguidance's Lark syntax)"
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description='vLLM: one of {"json", "regex", "choice", "grammar", "json_object"}'
+    )
+
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, value):
+        if value == 0:
+            raise ValueError("must be -1 or at least 1")
+        return value
+
+
+VLLM_EXTENSIONS = tuple(VllmExtensions.model_fields)
+
+
+class VllmChatExtensions(BaseModel):
+    """vLLM's chat-only parameters: how the chat template renders the messages (`VLLM_CHAT_EXTENSIONS`)."""
+
+    add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the assistant's turn opening")
+    continue_final_message: bool = Field(
+        False, description="vLLM: leave the last (assistant) message open, for the model to continue it"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM: more variables for the chat template")
+
+
+VLLM_CHAT_EXTENSIONS = tuple(VllmChatExtensions.model_fields)
+
+
+class _Request(TideExtensions, VllmExtensions):
     """Common request behaviour: declared fields only (`unknown()`), unsupported ones refused."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_request_schema)
@@ -115,6 +194,9 @@ class _Request(TideExtensions):
         for name, (harmless, why, _) in self.unsupported_params.items():
             if name in self.model_fields_set and not harmless(getattr(self, name)):
                 return unsupported_parameter(name, why)
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not getattr(self, name):
+                return unsupported_parameter(name, f"only {name}=true is supported (the workers' decoding)")
         return None
 
     def stops(self) -> list[str]:
@@ -300,7 +382,7 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, VllmChatExtensions):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     model: str
     audio: Any = None
@@ -428,6 +510,47 @@ class CompletionRequest(_Request):
         if p and all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
+
+
+# ------------------------------------------------------------------------------------ tokenization
+
+
+class TokenizeRequest(VllmChatExtensions):
+    """vLLM's POST /tokenize: a raw `prompt` (tokenized as /v1/completions tokenizes it) or chat
+    `messages` (rendered with the chat template as /v1/chat/completions renders them), exactly one."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages is required")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize: token ids -> their text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 # ------------------------------------------------------------------------------------ raw bodies
@@ -596,12 +719,27 @@ class ChatCompletionChoice(_Choice):
     finish_reason: str | None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt position (`prompt_logprobs`): the token's logprob, its rank among the
+    position's most likely tokens (1 = the most likely; null when outside the returned ones) and text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, null for the first, else token id (as a string) -> entry for
+# the prompt's token and the requested number of most likely ones.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
     speculation: SpeculationInfo
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent)  # vLLM's, when asked
 
 
 class DeltaFunctionCall(BaseModel):
@@ -644,6 +782,7 @@ class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent)  # vLLM's, when asked
 
 
 class CompletionResponse(_Response):

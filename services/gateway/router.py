@@ -34,8 +34,14 @@ from services.gateway.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
     decode_json_body,
 )
+from services.gateway.serving_engine import build_version
 from services.gateway.status import stack_status, supervisor_view
 
 M = TypeVar("M", bound=BaseModel)
@@ -135,6 +141,8 @@ router = APIRouter()
 BODIES = {
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
     "/v1/completions": (CompletionRequest, CompletionResponse),
+    "/tokenize": (TokenizeRequest, TokenizeResponse),
+    "/detokenize": (DetokenizeRequest, DetokenizeResponse),
 }
 
 
@@ -154,6 +162,26 @@ async def create_completion(request: Request) -> Response:
         return respond(await until_disconnect(request, gateway(request).completion.create_completion(body)))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+@router.post("/tokenize", dependencies=[Depends(require_api_key)])
+async def tokenize(request: Request) -> Response:
+    """vLLM's: a prompt's or a chat's token ids as the completion endpoints would feed them."""
+    body = await parse_body(request, TokenizeRequest)
+    return JSONResponse((await gateway(request).tokenization.tokenize(body)).model_dump())
+
+
+@router.post("/detokenize", dependencies=[Depends(require_api_key)])
+async def detokenize(request: Request) -> Response:
+    """vLLM's: the text of token ids."""
+    body = await parse_body(request, DetokenizeRequest)
+    return JSONResponse((await gateway(request).tokenization.detokenize(body)).model_dump())
+
+
+@router.get("/version")
+async def version() -> Response:
+    """vLLM's: the serving software's version (TIDE's build)."""
+    return JSONResponse(VersionResponse(version=build_version()).model_dump())
 
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])

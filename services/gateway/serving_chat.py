@@ -50,7 +50,8 @@ from services.gateway.protocol import (
     ToolCall,
     TopLogprob,
 )
-from services.gateway.serving_engine import ChoiceState, OpenAIServing
+from services.gateway.serving_engine import ChoiceState, OpenAIServing, guided_constraint
+from services.gateway.tokenizer import ChatTemplateOptions
 from services.gateway.tool_calls import (
     CallArguments,
     CallStart,
@@ -64,7 +65,19 @@ from services.gateway.tool_calls import (
 
 
 def constraint_of(request: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:
-    """The output constraint a request asks for, and the parameter it comes from."""
+    """The output constraint a request asks for, and the parameter it comes from: its tools'
+    or response_format's, or vLLM's guided_* ones (a 400 when both are asked for)."""
+    constraint, param = _openai_constraint(request)
+    guided, guided_param = guided_constraint(request)
+    if guided is None:
+        return constraint, param
+    if constraint is not None:
+        raise invalid_request(f"{guided_param} cannot be combined with {param}'s output constraint.",
+                              guided_param, "invalid_value")
+    return guided, guided_param
+
+
+def _openai_constraint(request: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:
     mode = request.tool_mode()
     if mode in ("required", "named"):
         tools = request.tools or []
@@ -80,6 +93,34 @@ def constraint_of(request: ChatCompletionRequest) -> tuple[Constraint | None, st
             return Constraint("json_object"), "response_format"
         return Constraint("json_schema", json.dumps(schema, ensure_ascii=False)), "response_format"
     return None, None
+
+
+# apply_chat_template's own arguments: not template variables (chat_template_kwargs must not set them)
+_RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def template_options(request: ChatCompletionRequest) -> ChatTemplateOptions:
+    """vLLM's chat template fields, checked: continuing the final message needs an assistant's last and
+    no generation prompt (which it turns off unless set explicitly)."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_ARGS & set(kwargs))
+    if reserved:
+        raise invalid_request(f"chat_template_kwargs cannot set {', '.join(reserved)}.", "chat_template_kwargs",
+                              "invalid_value")
+    add_prompt = request.add_generation_prompt
+    if request.continue_final_message:
+        if "add_generation_prompt" in request.model_fields_set and add_prompt:
+            raise invalid_request("continue_final_message and add_generation_prompt cannot both be true.",
+                                  "continue_final_message", "invalid_value")
+        if request.messages[-1].role != "assistant":
+            raise invalid_request("continue_final_message needs the last message to be an assistant's.",
+                                  "continue_final_message", "invalid_value")
+        add_prompt = False
+    return ChatTemplateOptions(add_prompt, request.continue_final_message, kwargs)
 
 
 class _ToolStream:
@@ -115,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
     endpoint = "/v1/chat/completions"
 
     def logprob_counts(self, request: ChatCompletionRequest) -> tuple[int | None, int | None]:
-        return (request.top_logprobs or 0) if request.logprobs else None, None
+        return (request.top_logprobs or 0) if request.logprobs else None, request.prompt_logprobs
 
     def top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         text, raw = self.token_text(token_id)
@@ -201,7 +242,11 @@ class OpenAIServingChat(OpenAIServing):
         constraint, constraint_param = constraint_of(request)
         messages = render_messages(request.messages, request.tools if mode != "none" else None)
         limit = self.models.max_model_len
-        prompt = await self.tokenizer.aencode_chat(messages, limit, self.tokenize_timeout_s)
+        # A prompt to be truncated may be longer than the context: only the body size bounds it then.
+        size_limit = limit if request.truncate_prompt_tokens is None else None
+        prompt = await self.tokenizer.aencode_chat(messages, size_limit, self.tokenize_timeout_s,
+                                                   template_options(request))
+        prompt = self.truncated(prompt, request)
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         max_tokens = self.check_length(len(prompt), requested, "messages", param, limit)
@@ -214,13 +259,17 @@ class OpenAIServingChat(OpenAIServing):
         else:
             delta_choice, finish_choice = self.tool_stream(request, mode)
 
+        prompt_entries: list = []  # the worker's prompt logprob entries (every choice has the same)
+
         def choice(i: int, s: ChoiceState) -> ChatCompletionChoice:
+            if i == 0:
+                prompt_entries.append(s.prompt_logprobs)
             message, reason = self.message(request, mode, s)
             return ChatCompletionChoice(
                 index=i, message=message, logprobs=self.choice_logprobs(request, s.logprobs), finish_reason=reason
             )
 
-        return await self.respond(
+        result = await self.respond(
             request,
             ChatCompletionResponse,
             response_id,
@@ -234,3 +283,6 @@ class OpenAIServingChat(OpenAIServing):
             chunk_cls=ChatCompletionStreamResponse,
             constraint_param=constraint_param,
         )
+        if request.prompt_logprobs is not None:  # (never streamed: check_common refuses that)
+            result.prompt_logprobs = self.prompt_logprobs(prompt_entries[0] or ())
+        return result

@@ -28,14 +28,16 @@ from services.gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from services.gateway.serving_engine import ChoiceState, OpenAIServing
+from services.gateway.serving_engine import ChoiceState, OpenAIServing, guided_constraint
 
 
 class OpenAIServingCompletion(OpenAIServing):
     endpoint = "/v1/completions"
 
     def logprob_counts(self, request: CompletionRequest) -> tuple[int | None, int | None]:
-        return request.logprobs, request.logprobs if request.echo else None
+        # echo's logprobs and vLLM's prompt_logprobs share the worker's prompt entries: the larger count
+        counts = [n for n in (request.logprobs if request.echo else None, request.prompt_logprobs) if n is not None]
+        return request.logprobs, max(counts) if counts else None
 
     def completion_logprobs(
         self,
@@ -71,10 +73,19 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_text, prompt_ids = prompt
         logprobs = None
         if request.logprobs is not None:
-            head = (prompt_ids[0], state.prompt_logprobs or ()) if request.echo else (None, ())
+            entries = tuple(TokenLogprob(e.token_id, e.logprob, e.top[:request.logprobs])
+                            for e in state.prompt_logprobs or ())
+            head = (prompt_ids[0], entries) if request.echo else (None, ())
             logprobs, _ = self.completion_logprobs(state.logprobs, 0, *head)
         text = echo_text + state.text if request.echo else state.text
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=state.final.finish_reason)
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None:
+            top = request.prompt_logprobs
+            prompt_logprobs = self.prompt_logprobs(
+                tuple(TokenLogprob(e.token_id, e.logprob, e.top[:top]) for e in state.prompt_logprobs or ())
+            )
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=state.final.finish_reason,
+                                prompt_logprobs=prompt_logprobs)
 
     def stream_choices(self, request: CompletionRequest, prompts: list[tuple[str, list[int]]]):
         """`delta_choice` and `finish_choice` of a stream: the prompt (echo) goes with a choice's first
@@ -112,23 +123,28 @@ class OpenAIServingCompletion(OpenAIServing):
             raise invalid_request(f"At most {MAX_PROMPTS} prompts per request.", "prompt", "invalid_value")
         if len(prompts) * request.n > self.max_n * MAX_PROMPTS:
             raise invalid_request("Too many choices in one request.", "n", "invalid_value")
+        truncate = request.truncate_prompt_tokens is not None
+        # A prompt to be truncated may be longer than the context: only the body size bounds it then.
+        size_limit = None if truncate else limit
         for p in prompts:
             if not isinstance(p, str):
-                self.check_length(len(p), None, "prompt", "max_tokens", limit)
+                if not truncate:
+                    self.check_length(len(p), None, "prompt", "max_tokens", limit)
                 self.tokenizer.check_ids(p, "prompt")
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             encoded = iter(
                 await self.tokenizer.run(
-                    lambda: [self.tokenizer.encode(t, limit) for t in texts], self.tokenize_timeout_s
+                    lambda: [self.tokenizer.encode(t, size_limit) for t in texts], self.tokenize_timeout_s
                 )
             )
-        return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+        return [self.truncated(next(encoded) if isinstance(p, str) else list(p), request) for p in prompts]
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """A full response, or (stream=True) an iterator of SSE lines (see the chat endpoint)."""
         arrival = time.perf_counter()
         self.check_common(request)
+        constraint, constraint_param = guided_constraint(request)
         limit = self.models.max_model_len
         prompts = await self._tokenize(request, limit)
         max_tokens = [self.check_length(len(p), request.max_tokens, "prompt", "max_tokens", limit) for p in prompts]
@@ -137,7 +153,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             texts = request.prompts()
             echoed = [
-                (t if isinstance(t, str) else self.tokenizer.tokenizer.decode(ids), ids)
+                # a truncated prompt is echoed as what was kept
+                (t if isinstance(t, str) and request.truncate_prompt_tokens is None
+                 else self.tokenizer.tokenizer.decode(ids), ids)
                 for t, ids in zip(texts, prompts, strict=True)
             ]
         delta_choice, finish_choice = self.stream_choices(request, echoed)
@@ -145,10 +163,11 @@ class OpenAIServingCompletion(OpenAIServing):
             request,
             CompletionResponse,
             response_id,
-            self.fan_out(response_id, request, prompts, max_tokens),
+            self.fan_out(response_id, request, prompts, max_tokens, constraint),
             sum(len(p) for p in prompts),
             arrival,
             choice=lambda i, s: self.choice(request, i, s, echoed[i // request.n]),
             delta_choice=delta_choice,
             finish_choice=finish_choice,
+            constraint_param=constraint_param,
         )

@@ -50,7 +50,7 @@ from services.gateway.errors import (
 )
 from services.gateway.fanout import Event, aggregate_speculation, merged
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import PromptTokensDetails, SpeculationInfo, UsageInfo
+from services.gateway.protocol import PromptLogprob, PromptTokensDetails, SpeculationInfo, UsageInfo
 from services.gateway.serving_models import OpenAIServingModels
 from services.gateway.tokenizer import TargetTokenizer
 from tide.speculation import SpeculationStats
@@ -59,6 +59,58 @@ log = logging.getLogger(__name__)
 _U64 = 2**64
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: lower logprobs are reported as this (vLLM does the same)
 _CONSTRAINT_WORDS = re.compile(r"schema|grammar|constraint|regex|json", re.IGNORECASE)
+
+
+_REGEX_META = re.compile(r"[\\.^$|?*+()\[\]{}]")
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of `choices` (vLLM's guided_choice): their alternation, each with
+    the regex metacharacters escaped (only those: the constraint engine's regex syntax need not accept
+    other escapes)."""
+    return "(" + "|".join(_REGEX_META.sub(lambda m: "\\" + m.group(), c) for c in choices) + ")"
+
+
+def guided_constraint(request) -> tuple[Constraint | None, str | None]:
+    """vLLM's guided_json / guided_regex / guided_choice / guided_grammar / structured_outputs as an
+    output constraint, and the parameter it came from; a 400 when more than one is set."""
+    so = request.structured_outputs
+    given = [
+        (param, kind, value)
+        for param, kind, value in (
+            ("guided_json", "json_schema", request.guided_json),
+            ("guided_regex", "regex", request.guided_regex),
+            ("guided_choice", "choice", request.guided_choice),
+            ("guided_grammar", "grammar", request.guided_grammar),
+            ("structured_outputs.json", "json_schema", so and so.json_),
+            ("structured_outputs.regex", "regex", so and so.regex),
+            ("structured_outputs.choice", "choice", so and so.choice),
+            ("structured_outputs.grammar", "grammar", so and so.grammar),
+            ("structured_outputs.json_object", "json_object", so and so.json_object or None),
+        )
+        if value is not None
+    ]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        names = ", ".join(p for p, _, _ in given)
+        raise invalid_request(f"At most one output constraint may be set, got {names}.", given[1][0], "invalid_value")
+    param, kind, value = given[0]
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid_request(f"{param} must be a JSON Schema: an object or its JSON text.", param,
+                                      "invalid_value") from None
+        if not isinstance(value, dict):
+            raise invalid_request(f"{param} must be a JSON Schema object.", param, "invalid_value")
+        return Constraint("json_schema", json.dumps(value, ensure_ascii=False)), param
+    if kind == "choice":
+        return Constraint("regex", choice_regex(value)), param
+    if kind == "json_object":
+        return Constraint("json_object"), param
+    return Constraint(kind, value), param
 
 
 @lru_cache(maxsize=1)
@@ -175,12 +227,30 @@ class OpenAIServing:
 
     # ---- checks -------------------------------------------------------------------------------
 
+    def prompt_logprobs(self, entries: tuple[TokenLogprob, ...] | None) -> list | None:
+        """vLLM's `prompt_logprobs` list from the worker's entries (one per prompt token after the first)."""
+        if entries is None:
+            return None
+        out: list = [None]
+        for e in entries:
+            ranked = {t: (rank, v) for rank, (t, v) in enumerate(e.top, 1)}
+            position = {e.token_id: ranked.get(e.token_id, (None, e.logprob))}
+            position.update(ranked)
+            out.append({
+                str(t): PromptLogprob(logprob=self.logprob_value(v), rank=rank, decoded_token=self.token_text(t)[0])
+                for t, (rank, v) in position.items()
+            })
+        return out
+
     def check_common(self, request) -> None:
         """Model name, unknown and unsupported parameters, n, logit_bias ids, stream_options; in that order."""
         self.models.check(request.model)
         err = request.unsupported()
         if err is not None:
             raise err
+        if request.prompt_logprobs is not None and request.stream:
+            raise invalid_request("prompt_logprobs is not supported with stream: true.", "prompt_logprobs",
+                                  "invalid_value")
         if request.n > self.max_n:
             raise invalid_request(f"n must be at most {self.max_n}, got {request.n}.", "n", "invalid_value")
         if request.logit_bias:
@@ -189,6 +259,15 @@ class OpenAIServing:
             raise invalid_request(
                 "stream_options is only allowed when stream is true.", "stream_options", "invalid_value"
             )
+
+    def truncated(self, ids: list[int], request) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last k tokens of a prompt (-1: the context's size - 1,
+        the most a prompt may have); unchanged when unset."""
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = self.models.max_model_len - 1 if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
 
     def check_length(
         self, prompt_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str, limit: int | None = None
@@ -225,6 +304,9 @@ class OpenAIServing:
         seed = None if request.seed is None else (request.seed + choice) % _U64
         self.tokenizer.check_ids(request.stop_token_ids, "stop_token_ids")
         logprobs, prompt_logprobs = self.logprob_counts(request)
+        if max_tokens and request.min_tokens > max_tokens:  # (max_tokens 0: up to the context, the worker checks)
+            raise invalid_request(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens}).",
+                                  "min_tokens", "invalid_value")
         return SamplingOptions(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -239,6 +321,9 @@ class OpenAIServing:
             logit_bias=tuple(sorted((request.logit_bias or {}).items())),
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
+            min_tokens=request.min_tokens,
+            repetition_penalty=request.repetition_penalty,
+            min_p=request.min_p,
             constraint=constraint,
         )
 
@@ -322,8 +407,9 @@ class OpenAIServing:
                 delta_choice,
                 finish_choice,
                 role_choice,
+                request.include_stop_str_in_output,
             )
-        states = await self.collect(requests, constraint_param)
+        states = await self.collect(requests, constraint_param, request.include_stop_str_in_output)
         usage, speculation = self.totals(response_id, prompt_tokens, [s.final for s in states])
         choices = [choice(i, s) for i, s in enumerate(states)]
         return self.response(response_cls, response_id, created, choices, usage, speculation)
@@ -374,9 +460,10 @@ class OpenAIServing:
             raise
 
     async def collect(
-        self, requests: list[GenerationRequest], constraint_param: str | None = None
+        self, requests: list[GenerationRequest], constraint_param: str | None = None, include_stop: bool = False
     ) -> list[ChoiceState]:
-        """Run every choice to the end (non-streaming)."""
+        """Run every choice to the end (non-streaming); `include_stop`: the matched stop string ends
+        the text (vLLM's include_stop_str_in_output)."""
         states = [ChoiceState() for _ in requests]
         try:
             async with contextlib.aclosing(merged(self.engine, requests)) as events:
@@ -389,6 +476,8 @@ class OpenAIServing:
                             state.prompt_logprobs = event.prompt_logprobs
                     else:
                         states[index].final = event
+                        if include_stop and event.stop_string:
+                            states[index].text += event.stop_string
         except EngineError as err:
             raise to_openai_error(err, constraint_param) from None
         return states
@@ -451,11 +540,12 @@ class OpenAIServing:
         delta_choice: Callable[[int, TokenDelta], Any],
         finish_choice: Callable[[int, str], Any],
         role_choice: Callable[[int], Any] | None = None,
+        include_stop: bool = False,
     ) -> AsyncIterator[str]:
-        """The SSE lines of a stream: a `role_choice` chunk per choice (when given), text deltas, one
-        finish chunk per choice, the usage chunk when asked, [DONE]; or an error event (and no
-        [DONE]) if anything fails. `chunk(choices, usage=None, speculation=None)` renders one chunk
-        of the endpoint's type."""
+        """The SSE lines of a stream: a `role_choice` chunk per choice (when given), text deltas (with
+        `include_stop`, the matched stop string as a last one), one finish chunk per choice, the usage
+        chunk when asked, [DONE]; or an error event (and no [DONE]) if anything fails.
+        `chunk(choices, usage=None, speculation=None)` renders one chunk of the endpoint's type."""
         finals: dict[int, GenerationFinal] = {}
         try:
             if role_choice is not None:
@@ -470,6 +560,9 @@ class OpenAIServing:
                             yield chunk([choice])
                     continue
                 finals[index] = event
+                if include_stop and event.stop_string:
+                    for choice in _choices(delta_choice(index, TokenDelta((), event.stop_string))):
+                        yield chunk([choice])
                 *before, last = _choices(finish_choice(index, event.finish_reason))
                 for choice in before:
                     yield chunk([choice])

@@ -71,6 +71,9 @@ class GatewaySettings(TideSettings):
     served_model_name: str | None = Field(None, validation_alias="TIDE_SERVED_MODEL_NAME",
                                           json_schema_extra=shown_default("the target's id"),
                                           description="model name clients send and /v1/models lists")
+    model_aliases: NameSet = Field(frozenset(), validation_alias="TIDE_MODEL_ALIASES",
+                                   description="more names clients may send as `model` for the served model; "
+                                               "/v1/models lists them too, responses name the served model")
     max_model_len: Annotated[int | None, check(lambda v: v is None or v >= 2, ">= 2")] = Field(
         None, validation_alias=AliasChoices("TIDE_MAX_MODEL_LEN", "TIDE_MAX_SEQ_LEN"),
         json_schema_extra=shown_default("the target's max_position_embeddings"),

@@ -24,7 +24,7 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar
@@ -92,6 +92,17 @@ def max_token_bytes(tokenizer: Any) -> int | None:
     longest = max((len(t) if byte_level else len(t.encode()) for t in vocab), default=0)
     added = max((len(a.get("content", "").encode()) for a in spec.get("added_tokens") or ()), default=0)
     return max(longest, added) or None
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How the chat template renders (vLLM's request fields): the assistant generation prompt after
+    the messages, or the last (assistant) message left open to be continued; `kwargs`: more
+    variables for the template (`chat_template_kwargs`, e.g. {"enable_thinking": false})."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def tokenize_timeout(timeout_s: float) -> OpenAIError:
@@ -173,15 +184,21 @@ class TargetTokenizer:
         self.check_size(text, limit, param)
         return list(self.tokenizer(text)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
-        """Render the chat template with the assistant generation prompt and tokenize the result;
-        with `limit`, a rendering too big for `limit` tokens is refused before tokenizing.
+    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None,
+                    template: ChatTemplateOptions | None = None) -> list[int]:
+        """Render the chat template (by default with the assistant generation prompt; `template`:
+        vLLM's options) and tokenize the result; with `limit`, a rendering too big for `limit` tokens
+        is refused before tokenizing.
 
         The template writes the special tokens itself, so none are added on top."""
         if not self.has_chat_template:
             raise invalid_request("This model has no chat template; use /v1/completions.", "messages")
+        template = template or ChatTemplateOptions()
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=template.add_generation_prompt,
+                continue_final_message=template.continue_final_message, **template.kwargs,
+            )
         except Exception as err:  # jinja2 errors, including a template's raise_exception()
             raise invalid_request(f"The chat template could not render these messages: {err}", "messages") from None
         self.check_size(text, limit, "messages")
@@ -201,9 +218,10 @@ class TargetTokenizer:
         return await self.run(lambda: self.encode(text, limit), timeout_s)
 
     async def aencode_chat(
-        self, messages: list[dict[str, str]], limit: int | None = None, timeout_s: float = 10.0
+        self, messages: list[dict[str, str]], limit: int | None = None, timeout_s: float = 10.0,
+        template: ChatTemplateOptions | None = None,
     ) -> list[int]:
-        return await self.run(lambda: self.encode_chat(messages, limit), timeout_s)
+        return await self.run(lambda: self.encode_chat(messages, limit, template), timeout_s)
 
     def check_ids(self, ids: list[int], param: str = "prompt") -> None:
         """Refuse token ids outside the vocabulary."""

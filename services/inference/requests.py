@@ -65,6 +65,9 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
     grammar: GrammarSpec | None = None  # output constraint; None = unconstrained
 
 
@@ -108,7 +111,9 @@ def prepare(req: GenerationRequest, tokenizer, vocab_size: int, max_seq_len: int
                                 stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
                                 logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
                                 logit_bias=req.logit_bias, presence_penalty=req.presence_penalty,
-                                frequency_penalty=req.frequency_penalty, grammar=req.grammar)
+                                frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens,
+                                repetition_penalty=float(req.repetition_penalty), min_p=float(req.min_p),
+                                grammar=req.grammar)
     except ValueError as e:
         raise _invalid(str(e)) from None
     return prompt, params
@@ -191,6 +196,8 @@ class RequestHandle:
             last = out[-1]
             if (last in eos_ids and not self.params.ignore_eos) or last in self.params.stop_token_ids:
                 stop_token = last
+            elif isinstance(s.matched_stop, str):  # the engine's record (min_tokens may skip earlier occurrences)
+                stop_string = s.matched_stop
             elif self.params.stop and tokenizer is not None:
                 stop_string = matched_stop_string(tokenizer.decode(out, skip_special_tokens=True), self.params.stop)
         ttft = (self.first_token_s - self.arrival_s) * 1e3 if self.first_token_s is not None else 0.0

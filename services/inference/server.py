@@ -95,6 +95,9 @@ def generation_request(r: inference_pb2.GenerateRequest) -> GenerationRequest:
         logit_bias=tuple(sorted(s.logit_bias.items())),
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
+        min_tokens=s.min_tokens,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        min_p=s.min_p,
         grammar=_grammar(s),
     )
 

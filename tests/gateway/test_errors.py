@@ -142,7 +142,7 @@ CASES = [
     ("chat-frequency-penalty", CHAT, chat(frequency_penalty=-3), 400, "frequency_penalty", "invalid_value"),
     ("chat-stop-too-many", CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "invalid_value"),
     ("chat-audio", CHAT, chat(modalities=["text", "audio"]), 400, "modalities", "unsupported_parameter"),
-    ("chat-vllm-min-tokens", CHAT, chat(min_tokens=5), 400, "min_tokens", "unknown_parameter"),
+    ("chat-vllm-beam-search", CHAT, chat(use_beam_search=True), 400, "use_beam_search", "unknown_parameter"),
     ("chat-unknown-field", CHAT, chat(some_future_field={"x": 1}), 400, "some_future_field", "unknown_parameter"),
     (
         "chat-stream-options-without-stream",

@@ -103,8 +103,8 @@ def test_errors_raise_the_clients_exceptions(oai):
         oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, web_search_options={})
     assert err.value.code == "unsupported_parameter" and err.value.param == "web_search_options"
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, extra_body={"min_tokens": 5})
-    assert err.value.code == "unknown_parameter" and err.value.param == "min_tokens"
+        oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, extra_body={"use_beam_search": True})
+    assert err.value.code == "unknown_parameter" and err.value.param == "use_beam_search"
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model=MODEL_NAME, messages=[])
     assert err.value.param == "messages"

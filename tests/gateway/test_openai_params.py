@@ -159,7 +159,7 @@ def test_async_client_with_structured_output(gateway):
     ("kwargs", "param", "code"),
     [
         (dict(extra_body={"grammar": "root ::= x"}), "grammar", "unknown_parameter"),
-        (dict(extra_body={"min_p": 0.1}), "min_p", "unknown_parameter"),
+        (dict(extra_body={"not_a_parameter": 0.1}), "not_a_parameter", "unknown_parameter"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop", "invalid_value"),
         (dict(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_value"),
         (dict(logit_bias={"5": 100.5}), "logit_bias.5", "invalid_value"),

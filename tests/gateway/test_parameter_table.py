@@ -1,17 +1,24 @@
 """services/gateway/README.md's table of request parameters says what the request models take, both ways:
 every (parameter, endpoint) row is a field of that endpoint's model and every field has its row; the
-rows marked refused are exactly the models' refused parameters, those marked TIDE the TIDE extensions."""
+rows marked refused are exactly the models' refused parameters, those marked TIDE the TIDE extensions,
+those marked vLLM vLLM's extensions."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from services.gateway.protocol import TIDE_EXTENSIONS, ChatCompletionRequest, CompletionRequest
+from services.gateway.protocol import (
+    TIDE_EXTENSIONS,
+    VLLM_CHAT_EXTENSIONS,
+    VLLM_EXTENSIONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 README = Path(__file__).resolve().parents[2] / "services" / "gateway" / "README.md"
 MODELS = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
-KINDS = {"supported", "ignored", "refused", "TIDE"}
+KINDS = {"supported", "ignored", "refused", "TIDE", "vLLM"}
 
 
 def table() -> list[tuple[str, str, str]]:
@@ -48,3 +55,5 @@ def test_kinds_match_the_models():
         assert refused == set(model.unsupported_params), endpoint
         tide = {name for name, ep, kind in rows if ep == endpoint and kind == "TIDE"}
         assert tide == set(TIDE_EXTENSIONS), endpoint
+        vllm = {name for name, ep, kind in rows if ep == endpoint and kind == "vLLM"}
+        assert vllm == set(VLLM_EXTENSIONS) | (set(VLLM_CHAT_EXTENSIONS) if endpoint == "chat" else set()), endpoint

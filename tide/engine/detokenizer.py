@@ -20,9 +20,12 @@ class IncrementalText:
     start a stop string.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        # vLLM's min_tokens: stop strings are looked for only once the output has more than this many
+        # tokens, and only in the text new since the last look (an earlier occurrence never stops it).
+        self.min_tokens = min_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # all text decoded so far (truncated at a stop string once hit)
         self.matched: str | None = None  # the stop string that was hit
@@ -56,7 +59,7 @@ class IncrementalText:
             self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
             tail = ""
         self.text = self._settled + tail
-        if self.stop and self._find_stop(search_from):
+        if self.stop and len(output_ids) > self.min_tokens and self._find_stop(search_from):
             return self.flush(), True
         safe_end = max(self._emitted, len(self.text) - self._hold) if self.stop else len(self.text)
         delta = self.text[self._emitted:safe_end]
@@ -78,9 +81,9 @@ class IncrementalText:
             search_from = max(0, len(self.text) - self._hold)
             tail, _ = self._tail(final=True)
             self.text = self._settled + tail
-            self._ids = []
-            if self.stop:
+            if self.stop and len(self._ids) > self.min_tokens:
                 self._find_stop(search_from)
+            self._ids = []
         delta = self.text[self._emitted:]
         self._emitted = len(self.text)
         return delta

@@ -177,6 +177,8 @@ class LLMEngine:
         self._held: dict[str, tuple[list[int], list[tuple[int, TokenLogprob]]]] = {}
         # Output-token counts of requests with presence / frequency penalties (tide.engine.logits).
         self._counts: dict[str, Counter[int]] = {}
+        # The distinct prompt and output tokens of requests with a repetition penalty.
+        self._seen: dict[str, set[int]] = {}
         # Output constraints: compiled against the target's tokenizer (none without one).
         self.grammars = (GrammarCompiler(tokenizer, model.cfg.vocab_size, sorted(self.eos_ids))
                          if tokenizer is not None else None)
@@ -215,6 +217,8 @@ class LLMEngine:
         self.scheduler.add(seq)
         if has_penalties(params):
             self._counts[request_id] = Counter()
+        if params.repetition_penalty != 1.0:
+            self._seen[request_id] = set(prompt_ids)
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(
                 torch.randint(0, 2**62, (1,), generator=self._default_rng))
@@ -223,7 +227,7 @@ class LLMEngine:
             else:
                 self._generators[request_id] = torch.Generator(device="cpu").manual_seed(seed)
         if self.tokenizer is not None:
-            self._texts[request_id] = IncrementalText(self.tokenizer, params.stop)
+            self._texts[request_id] = IncrementalText(self.tokenizer, params.stop, params.min_tokens)
             if params.logprobs is not None:
                 self._held[request_id] = ([0], [])
         return seq
@@ -354,7 +358,7 @@ class LLMEngine:
                 continue
             last = out.logits[-1:]
             if needs_processing(seq.params):
-                last = process(last, seq.params, self._counts.get(seq.request_id), [], seq.matcher)
+                last = self._process(seq, last, [])
             if seq.params.greedy:
                 token = int(greedy_tokens(last)[0])
             elif seq.sample_seed is not None:
@@ -412,7 +416,7 @@ class LLMEngine:
             logits = out.logits[lo:hi]
             processed = needs_processing(seq.params)
             if processed:  # the raw rows stay in `out` for logprobs
-                logits = process(logits, seq.params, self._counts.get(seq.request_id), drafts[i], seq.matcher)
+                logits = self._process(seq, logits, drafts[i])
             if seq.params.greedy:
                 rows = greedy_tokens(logits).tolist() if processed else greedy_rows[lo:hi]
                 k, nxt = verify_greedy(rows, drafts[i])
@@ -440,6 +444,14 @@ class LLMEngine:
             self._emit(d.seq, d.emitted, outputs, logprobs)
         t2 = time.perf_counter()
         return results, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    def _process(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """tide.engine.logits.process with the request's state: rows of the positions after the output so far."""
+        stop_ids = frozenset(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos:
+            stop_ids |= self.eos_ids
+        return process(logits, seq.params, self._counts.get(seq.request_id), drafts, seq.matcher,
+                       seen=self._seen.get(seq.request_id), num_output=seq.num_output, stop_ids=stop_ids)
 
     @staticmethod
     def _uniforms(seq: Sequence, rows: int) -> list[float]:
@@ -549,11 +561,14 @@ class LLMEngine:
         held = self._held.get(seq.request_id)
         delta = ""
         counts = self._counts.get(seq.request_id)
+        seen = self._seen.get(seq.request_id)
         for j, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             added.append(tok)
             if counts is not None:
                 counts[tok] += 1
+            if seen is not None:
+                seen.add(tok)
             if seq.matcher is not None and not seq.matcher.accept(tok):  # only allowed tokens are emitted
                 raise RuntimeError(f"request {seq.request_id}: the grammar refused emitted token {tok}: "
                                    f"{seq.matcher.error}")
@@ -618,6 +633,7 @@ class LLMEngine:
         self._texts.pop(seq.request_id, None)
         self._held.pop(seq.request_id, None)
         self._counts.pop(seq.request_id, None)
+        self._seen.pop(seq.request_id, None)
         seq.matcher = None
 
     # ---- convenience -------------------------------------------------------------------------

@@ -5,7 +5,7 @@ first mismatch (or after the last draft: the bonus token) — output identical t
 Sampling (Leviathan et al., speculative sampling): accept draft x with probability
 min(1, p(x)/q(x)); on rejection sample from norm(max(0, p - q)); if every draft is accepted sample
 the bonus from p. The emitted tokens are distributed exactly as sampling from p alone.
-`p` is the target's distribution after temperature / top-k / top-p; `q` the drafter's proposal
+`p` is the target's distribution after temperature / top-k / min-p / top-p; `q` the drafter's proposal
 distribution over the target vocabulary (one-hot for deterministic drafters such as n-gram).
 Draft trees (tide.engine.tree): `verify_tree_greedy` and `verify_tree_sampling` below.
 
@@ -44,6 +44,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0.0:
+        # vLLM's min_p (after temperature, before top-p): drop tokens whose probability is below
+        # min_p * the row's largest; the most probable token always stays.
+        drop = probs < params.min_p * probs.max(-1, keepdim=True).values
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     if params.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).

@@ -21,6 +21,9 @@ class TokenLogprob:
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's logit_bias range is [-100, 100]
 MAX_PENALTY = 2.0  # OpenAI's presence / frequency penalty range is [-2, 2]
+# repetition_penalty's range. vLLM takes any value > 0; the bounds keep the penalised logits finite in
+# float32 (a logit of 100 divided by 1e-3 is 1e5, not inf, which would make softmax NaN).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 1e3
 
 
 class GrammarKind(enum.Enum):
@@ -62,6 +65,15 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's extensions. `min_tokens`: EOS (unless ignore_eos) and stop_token_ids are masked while the
+    # output has fewer tokens, and stop strings are looked for only in the text of later tokens.
+    # `repetition_penalty` (CTRL / HF / vLLM): the logit of every token in the prompt or the output so
+    # far is divided by it when positive, multiplied when negative; 1 = off.
+    # `min_p`: after temperature, tokens less probable than min_p * the most probable one's
+    # probability are dropped (sampling only: greedy's argmax keeps the most probable token anyway).
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
     grammar: GrammarSpec | None = None  # None = unconstrained
 
     def __post_init__(self) -> None:
@@ -85,6 +97,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and abs(value) <= MAX_PENALTY):
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:  # (False for NaN)
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:

@@ -51,3 +51,18 @@ def test_engine_stops_on_eos_unless_ignored(tiny_model):
     seq = engine2.generate([[9, 3, 9]], SamplingParams(max_tokens=40))[0]
     assert seq.output_ids[-1] == free.output_ids[3] and seq.finish_reason.value == "stop"
     assert len(seq.output_ids) <= 4
+
+
+def test_min_tokens_holds_back_stop_strings(tokenizer):
+    ids = tokenizer.encode("one, two, three, four, five")
+    early = IncrementalText(tokenizer, stop=(",",))
+    held = IncrementalText(tokenizer, stop=(",",), min_tokens=4)
+    for n in range(1, len(ids) + 1):
+        if not early.matched:
+            early.update(ids[:n])
+        if not held.matched:
+            held.update(ids[:n])
+    assert early.text == "one" and held.matched == ","
+    # the commas within the first 4 tokens' text do not stop it; the first one after them does
+    first4 = tokenizer.decode(ids[:4])
+    assert held.text.startswith(first4) and "," not in held.text[len(first4):] and len(held.text) > len(first4)
