@@ -29,10 +29,13 @@ from services.gateway.engine_client import EngineClient
 from services.gateway.errors import OpenAIError, http_error, invalid_request
 from services.gateway.metrics import GatewayMetrics, MetricsMiddleware, endpoint_label
 from services.gateway.protocol import ErrorResponse
+from services.gateway.response_store import ResponseStore
 from services.gateway.router import BODIES, router
 from services.gateway.serving_chat import OpenAIServingChat
 from services.gateway.serving_completion import OpenAIServingCompletion
+from services.gateway.serving_messages import AnthropicServingMessages, anthropic_error_body
 from services.gateway.serving_models import OpenAIServingModels
+from services.gateway.serving_responses import OpenAIServingResponses
 from services.gateway.serving_tokenization import OpenAIServingTokenization
 from services.gateway.settings import GatewaySettings
 from services.gateway.status import StatusSources
@@ -52,6 +55,8 @@ class GatewayState:
     chat: OpenAIServingChat
     completion: OpenAIServingCompletion
     tokenization: OpenAIServingTokenization
+    responses: OpenAIServingResponses
+    messages: AnthropicServingMessages
     metrics: GatewayMetrics
     status: StatusSources
     body_limit: int  # the largest accepted request body, in bytes
@@ -138,14 +143,21 @@ def create_app(
     models = WorkerLimitedModels(name, tokenizer.model_id, max_len, engine_client, aliases)
     metrics = GatewayMetrics()
     serving = dict(metrics=metrics, tokenize_timeout_s=settings.tokenize_timeout_s)
+
+    def chat_for(endpoint: str) -> OpenAIServingChat:  # (counted in the metrics under `endpoint`)
+        return OpenAIServingChat(engine_client, models, tokenizer, settings.max_n, endpoint=endpoint, **serving)
+
+    store = ResponseStore(settings.responses_store_mb << 20, settings.responses_ttl_s)
     state = GatewayState(
         settings=settings,
         engine=engine_client,
         tokenizer=tokenizer,
         models=models,
-        chat=OpenAIServingChat(engine_client, models, tokenizer, settings.max_n, **serving),
+        chat=chat_for("/v1/chat/completions"),
         completion=OpenAIServingCompletion(engine_client, models, tokenizer, settings.max_n, **serving),
         tokenization=OpenAIServingTokenization(models, tokenizer, settings.tokenize_timeout_s),
+        responses=OpenAIServingResponses(chat_for("/v1/responses"), store),
+        messages=AnthropicServingMessages(chat_for("/v1/messages")),
         metrics=metrics,
         status=StatusSources(
             services={"registry": settings.registry_addr, "trainer": settings.trainer_addr,
@@ -190,7 +202,9 @@ def create_app(
         if err.status >= 500:
             log.warning("request failed", extra={"path": request.url.path, "status": err.status, "reason": err.message})
         headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        anthropic = request.url.path.startswith("/v1/messages")  # Anthropic's clients read Anthropic's shape
+        body = anthropic_error_body(err) if anthropic else err.body()
+        return JSONResponse(body, status_code=err.status, headers=headers)
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(request: Request, err: OpenAIError):

@@ -22,13 +22,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from services.gateway.errors import OpenAIError, internal_error
 
 log = logging.getLogger("tide.gateway.access")
-KNOWN_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics"})
+KNOWN_ENDPOINTS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/models", "/tokenize", "/detokenize", "/version", "/health", "/ready", "/metrics",
+})
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 def endpoint_label(path: str) -> str:
     if path in KNOWN_ENDPOINTS:
         return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 

@@ -172,11 +172,21 @@ class VllmChatExtensions(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM: more variables for the chat template")
 
 
-VLLM_CHAT_EXTENSIONS = tuple(VllmChatExtensions.model_fields)
+class VllmChatEcho(BaseModel):
+    """vLLM's `echo` on chat (not a template option: /tokenize does not take it)."""
+
+    echo: bool = Field(
+        False, description="vLLM: the answer starts with the last message's content when that is the assistant's"
+    )
 
 
-class _Request(TideExtensions, VllmExtensions):
-    """Common request behaviour: declared fields only (`unknown()`), unsupported ones refused."""
+VLLM_CHAT_EXTENSIONS = (*VllmChatExtensions.model_fields, *VllmChatEcho.model_fields)
+
+
+class StrictRequest(BaseModel):
+    """A request body whose every parameter is declared: an unknown one is a 400 naming it
+    (`unsupported()`), and so is a declared one set to a value the server cannot honour
+    (`unsupported_params`); `"param": null` means "not given"."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_request_schema)
     unsupported_params: ClassVar[dict[str, Unsupported]] = {}
@@ -194,6 +204,16 @@ class _Request(TideExtensions, VllmExtensions):
         for name, (harmless, why, _) in self.unsupported_params.items():
             if name in self.model_fields_set and not harmless(getattr(self, name)):
                 return unsupported_parameter(name, why)
+        return None
+
+
+class _Request(StrictRequest, TideExtensions, VllmExtensions):
+    """The completion endpoints' common request behaviour: strict, with TIDE's and vLLM's extensions."""
+
+    def unsupported(self) -> OpenAIError | None:
+        err = super().unsupported()
+        if err is not None:
+            return err
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
             if not getattr(self, name):
                 return unsupported_parameter(name, f"only {name}=true is supported (the workers' decoding)")
@@ -382,7 +402,7 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
-class ChatCompletionRequest(_Request, VllmChatExtensions):
+class ChatCompletionRequest(_Request, VllmChatExtensions, VllmChatEcho):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     model: str
     audio: Any = None

@@ -41,6 +41,8 @@ from services.gateway.protocol import (
     VersionResponse,
     decode_json_body,
 )
+from services.gateway.protocol_messages import CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest
+from services.gateway.protocol_responses import ResponseObject, ResponsesRequest
 from services.gateway.serving_engine import build_version
 from services.gateway.status import stack_status, supervisor_view
 
@@ -61,7 +63,8 @@ def gateway(request: Request):
 
 
 async def require_api_key(request: Request) -> None:
-    """`Authorization: Bearer <key>` must name a configured key (no keys configured = open)."""
+    """`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's) must name a
+    configured key (no keys configured = open)."""
     keys = gateway(request).settings.api_keys
     if not keys:
         return
@@ -69,6 +72,8 @@ async def require_api_key(request: Request) -> None:
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
+        token, scheme = request.headers.get("x-api-key", "").strip(), "bearer"
+    if not token:
         raise invalid_api_key(provided=bool(header))
     if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
         raise invalid_api_key(provided=True)
@@ -141,6 +146,9 @@ router = APIRouter()
 BODIES = {
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
     "/v1/completions": (CompletionRequest, CompletionResponse),
+    "/v1/responses": (ResponsesRequest, ResponseObject),
+    "/v1/messages": (MessagesRequest, MessageResponse),
+    "/v1/messages/count_tokens": (CountTokensRequest, CountTokensResponse),
     "/tokenize": (TokenizeRequest, TokenizeResponse),
     "/detokenize": (DetokenizeRequest, DetokenizeResponse),
 }
@@ -162,6 +170,43 @@ async def create_completion(request: Request) -> Response:
         return respond(await until_disconnect(request, gateway(request).completion.create_completion(body)))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+@router.post("/v1/responses", dependencies=[Depends(require_api_key)])
+async def create_response(request: Request) -> Response:
+    """OpenAI's Responses API (serving_responses)."""
+    body = await parse_body(request, ResponsesRequest)
+    try:
+        return respond(await until_disconnect(request, gateway(request).responses.create(body)))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+@router.get("/v1/responses/{response_id}", dependencies=[Depends(require_api_key)])
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    """A stored response (`store` was true, and it has not expired or been evicted)."""
+    return JSONResponse(gateway(request).responses.retrieve(response_id))
+
+
+@router.delete("/v1/responses/{response_id}", dependencies=[Depends(require_api_key)])
+async def delete_response(request: Request, response_id: str) -> Response:
+    return JSONResponse(gateway(request).responses.delete(response_id).model_dump())
+
+
+@router.post("/v1/messages", dependencies=[Depends(require_api_key)])
+async def create_message(request: Request) -> Response:
+    """Anthropic's Messages API (serving_messages); its errors have Anthropic's shape (see app.py)."""
+    body = await parse_body(request, MessagesRequest)
+    try:
+        return respond(await until_disconnect(request, gateway(request).messages.create(body)))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+@router.post("/v1/messages/count_tokens", dependencies=[Depends(require_api_key)])
+async def count_message_tokens(request: Request) -> Response:
+    body = await parse_body(request, CountTokensRequest)
+    return JSONResponse((await gateway(request).messages.count_tokens(body)).model_dump())
 
 
 @router.post("/tokenize", dependencies=[Depends(require_api_key)])

@@ -29,9 +29,11 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-from services.gateway.engine_client import Constraint, TokenDelta, TokenLogprob
+from services.gateway.engine_client import Constraint, EngineError, TokenDelta, TokenLogprob
 from services.gateway.errors import invalid_request
+from services.gateway.fanout import merged
 from services.gateway.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -49,8 +51,9 @@ from services.gateway.protocol import (
     ResponseMessage,
     ToolCall,
     TopLogprob,
+    UsageInfo,
 )
-from services.gateway.serving_engine import ChoiceState, OpenAIServing, guided_constraint
+from services.gateway.serving_engine import ChoiceState, OpenAIServing, guided_constraint, to_openai_error
 from services.gateway.tokenizer import ChatTemplateOptions
 from services.gateway.tool_calls import (
     CallArguments,
@@ -62,6 +65,43 @@ from services.gateway.tool_calls import (
     forced_call_schema,
     render_messages,
 )
+from tide.speculation import SpeculationStats
+
+
+@dataclass(frozen=True)
+class ParamNames:
+    """What the parameters chat errors name are called in the API a request came in by (the Responses
+    and Messages endpoints run through the chat machinery)."""
+
+    prompt: str = "messages"
+    max_tokens: str = "max_tokens"
+    constraint: dict[str, str] = field(default_factory=dict)  # chat's constraint parameter -> this API's
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A checked chat request: its tool mode, output constraint (and the parameter it came from), the
+    prompt's token ids and the max_tokens to send."""
+
+    mode: str
+    constraint: Constraint | None
+    constraint_param: str | None
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class RunFinish:
+    """The end of a `run`: chat's finish_reason ("stop", "length", "tool_calls"), the stop string that
+    ended it ("" if none), usage and the speculation stats."""
+
+    finish_reason: str
+    stop_string: str
+    usage: UsageInfo
+    speculation: SpeculationStats
+
+
+RunEvent = Event | RunFinish
 
 
 def constraint_of(request: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:
@@ -224,12 +264,8 @@ class OpenAIServingChat(OpenAIServing):
         calls = [ToolCall(id=i, function=FunctionCall(name=n, arguments=a)) for i, n, a in parsed.calls]
         return ResponseMessage(content=parsed.content, tool_calls=calls), "tool_calls" if reason == "stop" else reason
 
-    async def create_chat_completion(
-        self, request: ChatCompletionRequest
-    ) -> ChatCompletionResponse | AsyncIterator[str]:
-        """A full response, or (stream=True) an iterator of SSE lines whose first event has
-        already arrived: errors before any output raise `OpenAIError` here, not inside the stream."""
-        arrival = time.perf_counter()
+    async def prepare(self, request: ChatCompletionRequest, names: ParamNames = ParamNames()) -> PreparedChat:
+        """Checks, the output constraint and the prompt's token ids; errors name `names`' parameters."""
         self.check_common(request)
         request.check_tools()
         if request.top_logprobs and not request.logprobs:
@@ -248,8 +284,65 @@ class OpenAIServingChat(OpenAIServing):
                                                    template_options(request))
         prompt = self.truncated(prompt, request)
         requested = request.max_completion_tokens or request.max_tokens
-        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-        max_tokens = self.check_length(len(prompt), requested, "messages", param, limit)
+        param = "max_completion_tokens" if request.max_completion_tokens else names.max_tokens
+        max_tokens = self.check_length(len(prompt), requested, names.prompt, param, limit)
+        return PreparedChat(mode, constraint, names.constraint.get(constraint_param, constraint_param), prompt,
+                            max_tokens)
+
+    async def run(
+        self, request: ChatCompletionRequest, names: ParamNames = ParamNames()
+    ) -> tuple[int, AsyncIterator[RunEvent]]:
+        """One choice as events, for the endpoints that speak other APIs over the chat machinery
+        (serving_responses, serving_messages): the prompt's token count, and the choice's content and
+        tool-call events (tool_calls.Event) ending with a `RunFinish`. Errors before any output raise
+        `OpenAIError` here; later ones come out of the iterator as `OpenAIError`."""
+        arrival = time.perf_counter()
+        prepared = await self.prepare(request, names)
+        response_id = f"run-{uuid.uuid4().hex}"
+        requests = self.fan_out(response_id, request, [prepared.prompt], [prepared.max_tokens],
+                                prepared.constraint)
+        events = merged(self.engine, requests[:1])
+        first = await self.prime(events, prepared.constraint_param)
+        self.first_token(arrival)
+        return len(prepared.prompt), self._run_events(request, prepared, response_id, first, events)
+
+    async def _run_events(self, request, prepared: PreparedChat, response_id: str, first, events):
+        stream = _ToolStream(request, prepared.mode) if prepared.mode != "none" else None
+        pending = [first]
+        try:
+            while True:
+                _, event = pending.pop() if pending else await anext(events)
+                if isinstance(event, TokenDelta):
+                    if not event.text:
+                        continue
+                    if stream is None:
+                        yield Content(event.text)
+                    else:
+                        for e in stream.kept(stream.parser.feed(event.text)):
+                            yield e
+                    continue
+                if stream is not None:
+                    for e in stream.kept(stream.parser.finish()):
+                        yield e
+                usage, speculation = self.totals(response_id, len(prepared.prompt), [event])
+                called = stream is not None and stream.called
+                reason = "tool_calls" if called and event.finish_reason == "stop" else event.finish_reason
+                yield RunFinish(reason, event.stop_string or "", usage, speculation)
+                return
+        except EngineError as err:
+            raise to_openai_error(err, prepared.constraint_param) from None
+        finally:
+            await events.aclose()
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """A full response, or (stream=True) an iterator of SSE lines whose first event has
+        already arrived: errors before any output raise `OpenAIError` here, not inside the stream."""
+        arrival = time.perf_counter()
+        prepared = await self.prepare(request)
+        mode, constraint, constraint_param, prompt, max_tokens = (
+            prepared.mode, prepared.constraint, prepared.constraint_param, prepared.prompt, prepared.max_tokens)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if mode == "none":
             delta_choice = lambda i, event: self.delta_choice(request, i, event)  # noqa: E731
@@ -260,11 +353,15 @@ class OpenAIServingChat(OpenAIServing):
             delta_choice, finish_choice = self.tool_stream(request, mode)
 
         prompt_entries: list = []  # the worker's prompt logprob entries (every choice has the same)
+        last = request.messages[-1]
+        echoed = last.text() if request.echo and last.role == "assistant" else ""  # vLLM's echo
 
         def choice(i: int, s: ChoiceState) -> ChatCompletionChoice:
             if i == 0:
                 prompt_entries.append(s.prompt_logprobs)
             message, reason = self.message(request, mode, s)
+            if echoed:
+                message.content = echoed + (message.content or "")
             return ChatCompletionChoice(
                 index=i, message=message, logprobs=self.choice_logprobs(request, s.logprobs), finish_reason=reason
             )
@@ -279,7 +376,9 @@ class OpenAIServingChat(OpenAIServing):
             choice=choice,
             delta_choice=delta_choice,
             finish_choice=finish_choice,
-            role_choice=lambda i: ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")),
+            role_choice=lambda i: ChatCompletionStreamChoice(
+                index=i, delta=DeltaMessage(role="assistant", content=echoed)
+            ),
             chunk_cls=ChatCompletionStreamResponse,
             constraint_param=constraint_param,
         )

@@ -195,7 +195,10 @@ class OpenAIServing:
         max_n: int,
         metrics: GatewayMetrics,
         tokenize_timeout_s: float = 10.0,
+        endpoint: str | None = None,
     ) -> None:
+        if endpoint is not None:
+            self.endpoint = endpoint  # the metrics label (an API served through this class)
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer

@@ -30,6 +30,7 @@ from tide.settings import (
     Doc,
     LogLevel,
     NameSet,
+    NonNegative,
     OptionalAddress,
     Port,
     Seconds,
@@ -94,6 +95,11 @@ class GatewaySettings(TideSettings):
                                               "Access-Control-* headers sent); * = any; empty = no CORS headers")
     tokenize_timeout_s: Seconds = Field(10.0, description="time budget for tokenizing one request's prompts "
                                                           "(503 when over it)")
+    # /v1/responses' stored responses (services.gateway.response_store), in this gateway's memory
+    responses_store_mb: NonNegative = Field(64, description="MiB of stored responses (previous_response_id, "
+                                                            "GET /v1/responses/{id}), oldest evicted first; "
+                                                            "0 = store none")
+    responses_ttl_s: Seconds = Field(86400.0, description="seconds a stored response is kept")
     # /v1/status: where the other services are (empty: not shown) and tide up's process table
     registry_addr: OptionalAddress = Field("", validation_alias="TIDE_REGISTRY_ADDR",
                                            description="registry gRPC address, health-checked by /v1/status")
