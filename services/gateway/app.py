@@ -29,6 +29,7 @@ from services.gateway.engine_client import EngineClient
 from services.gateway.errors import OpenAIError, http_error, invalid_request
 from services.gateway.metrics import GatewayMetrics, MetricsMiddleware, endpoint_label
 from services.gateway.protocol import ErrorResponse
+from services.gateway.protocol_messages import AnthropicErrorResponse
 from services.gateway.response_store import ResponseStore
 from services.gateway.router import BODIES, router
 from services.gateway.serving_chat import OpenAIServingChat
@@ -104,11 +105,18 @@ def openapi_schema(app: FastAPI, model_name: str | tuple[str, ...], max_n: int) 
         components[model.__name__] = js
         return {"$ref": f"#/components/schemas/{model.__name__}"}
 
-    error = {"description": "An OpenAI error", "content": {"application/json": {"schema": ref(ErrorResponse)}}}
-    for operations in schema["paths"].values():  # every failure has the OpenAI body (FastAPI's 422 never happens)
+    openai_error = {"description": "An OpenAI error",
+                    "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+    anthropic_error = {"description": "An Anthropic error",
+                       "content": {"application/json": {"schema": ref(AnthropicErrorResponse)}}}
+
+    def error_of(path: str) -> dict:  # every failure has its API's body (FastAPI's 422 never happens)
+        return anthropic_error if path.startswith("/v1/messages") else openai_error
+
+    for path, operations in schema["paths"].items():
         for operation in operations.values():
             operation["responses"].pop("422", None)
-            operation["responses"]["default"] = error
+            operation["responses"]["default"] = error_of(path)
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     for path, (request_model, response_model) in BODIES.items():
@@ -123,6 +131,7 @@ def openapi_schema(app: FastAPI, model_name: str | tuple[str, ...], max_n: int) 
         if "stream" in properties:  # the completion endpoints
             ok["description"] = "The completion, or with `stream: true` its server-sent events"
             ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        error = error_of(path)
         operation["responses"] = {
             "200": ok,
             **{status: error for status in ("400", "401", "404", "413", "502", "503")},

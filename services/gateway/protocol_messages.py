@@ -79,8 +79,9 @@ _BLOCKS = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResul
 
 
 def _block_tag(value: Any) -> str | None:
+    """The tag of a block's model (errors._loc drops such tags from error locations)."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"tagged-union-{kind}" if kind in _BLOCKS else None  # (errors._loc drops such tags)
+    return f"tagged-union-{kind}" if isinstance(kind, str) and kind in _BLOCKS else None
 
 
 Block = Annotated[
@@ -224,3 +225,15 @@ class MessageResponse(BaseModel):
 
 class CountTokensResponse(BaseModel):
     input_tokens: int
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error's body on /v1/messages (serving_messages.anthropic_error_body)."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail

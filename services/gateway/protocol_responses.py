@@ -106,9 +106,9 @@ _ITEMS = {"message": InputMessage, "function_call": FunctionCallItem,
 
 
 def _item_tag(value: Any) -> str | None:
-    """A message item may leave out its `type` (OpenAI's EasyInputMessage)."""
+    """A message item may leave out its `type` (OpenAI's EasyInputMessage); errors._loc drops the tags."""
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"tagged-union-{kind}" if kind in _ITEMS else None  # (errors._loc drops such tags)
+    return f"tagged-union-{kind}" if isinstance(kind, str) and kind in _ITEMS else None
 
 
 InputItem = Annotated[

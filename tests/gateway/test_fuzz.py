@@ -48,11 +48,18 @@ def test_the_fuzzed_schema_is_the_served_one(fuzzed_gateway):
 
 
 def openai_error_body(ctx, response, case) -> None:
-    """A 4xx answer is JSON {"error": {"message", "type", "param", "code"}} with a message."""
+    """A 4xx answer is JSON {"error": {"message", "type", "param", "code"}} with a message (on Anthropic's
+    /v1/messages, Anthropic's {"type": "error", "error": {"type", "message"}})."""
     if not 400 <= response.status_code < 500:
         return
     assert response.headers.get("content-type", [""])[0].startswith("application/json"), response.headers
     body = response.json()
+    if case.path.startswith("/v1/messages"):
+        assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+        assert body["error"]["type"] in ("invalid_request_error", "authentication_error", "not_found_error",
+                                         "request_too_large"), body
+        return
     assert isinstance(body, dict) and set(body) == {"error"}, body
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}, error

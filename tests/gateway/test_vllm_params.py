@@ -191,6 +191,23 @@ def test_generation_prompt_and_continued_final_message(oai, tokenizer):  # noqa:
     assert chat(oai, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message.content
 
 
+def test_echo_prepends_the_continued_assistant_message(oai):  # noqa: F811
+    prefix = "Once upon a time, the cat"
+    convo = [*MESSAGES, {"role": "assistant", "content": prefix}]
+    plain = chat(oai, messages=convo, max_tokens=8, extra_body={"continue_final_message": True})
+    added = plain.choices[0].message.content
+    for speculative in (True, False):
+        echoed = chat(oai, speculative, messages=convo, max_tokens=8,
+                      extra_body={"continue_final_message": True, "echo": True})
+        assert echoed.choices[0].message.content == prefix + added
+        stream = chat(oai, speculative, messages=convo, max_tokens=8, stream=True,
+                      extra_body={"continue_final_message": True, "echo": True})
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == prefix + added
+    # the last message is the user's: nothing to echo (vLLM's rule: only a message of the answer's role)
+    assert chat(oai, max_tokens=8, extra_body={"echo": True}).choices[0].message.content == chat(
+        oai, max_tokens=8).choices[0].message.content
+
+
 def test_chat_template_kwargs_reach_the_template(chat_target):
     tok = TargetTokenizer.load(str(chat_target))
     tok.tokenizer.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
