@@ -29,6 +29,7 @@ from services.gateway.errors import (
     invalid_api_key,
     service_unavailable,
 )
+from services.gateway.governance import TRAINING_HEADER, Eligibility, decide
 from services.gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -62,7 +63,8 @@ def gateway(request: Request):
 
 async def require_api_key(request: Request) -> None:
     """`Authorization: Bearer <key>` must name a configured key (no keys configured = open)."""
-    keys = gateway(request).settings.api_keys
+    settings = gateway(request).settings
+    keys = settings.api_keys | settings.api_keys_no_train
     if not keys:
         return
     header = request.headers.get("authorization", "")
@@ -130,10 +132,23 @@ async def until_disconnect(request: Request, coro):
     raise ClientDisconnected
 
 
-def respond(result) -> Response:
+def respond(result, caller: Eligibility | None = None) -> Response:
+    """The JSON body or the SSE stream; `caller`'s training decision in the X-TIDE-Training header."""
+    headers = {TRAINING_HEADER: caller.header()} if caller is not None else {}
     if isinstance(result, BaseModel):
-        return JSONResponse(result.model_dump())
-    return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+        return JSONResponse(result.model_dump(), headers=headers)
+    return StreamingResponse(result, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+
+def bearer_key(request: Request) -> str:
+    """The API key the request was sent with ("" for none)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def caller_of(request: Request, body) -> Eligibility:
+    """Whether `body` may be trained on (services/gateway/governance.py)."""
+    return decide(gateway(request).settings, body, bearer_key(request))
 
 
 router = APIRouter()
@@ -149,8 +164,10 @@ BODIES = {
 @router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
 async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
+    caller = caller_of(request, body)
     try:
-        return respond(await until_disconnect(request, gateway(request).chat.create_chat_completion(body)))
+        return respond(await until_disconnect(request, gateway(request).chat.create_chat_completion(body, caller)),
+                       caller)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -158,8 +175,10 @@ async def create_chat_completion(request: Request) -> Response:
 @router.post("/v1/completions", dependencies=[Depends(require_api_key)])
 async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
+    caller = caller_of(request, body)
     try:
-        return respond(await until_disconnect(request, gateway(request).completion.create_completion(body)))
+        return respond(await until_disconnect(request, gateway(request).completion.create_completion(body, caller)),
+                       caller)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 

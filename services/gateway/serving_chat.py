@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 
 from services.gateway.engine_client import Constraint, TokenDelta, TokenLogprob
 from services.gateway.errors import invalid_request
+from services.gateway.governance import Eligibility
 from services.gateway.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -225,7 +226,7 @@ class OpenAIServingChat(OpenAIServing):
         return ResponseMessage(content=parsed.content, tool_calls=calls), "tool_calls" if reason == "stop" else reason
 
     async def create_chat_completion(
-        self, request: ChatCompletionRequest
+        self, request: ChatCompletionRequest, caller: Eligibility | None = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """A full response, or (stream=True) an iterator of SSE lines whose first event has
         already arrived: errors before any output raise `OpenAIError` here, not inside the stream."""
@@ -273,7 +274,7 @@ class OpenAIServingChat(OpenAIServing):
             request,
             ChatCompletionResponse,
             response_id,
-            self.fan_out(response_id, request, [prompt], [max_tokens], constraint),
+            self.fan_out(response_id, request, [prompt], [max_tokens], constraint, caller),
             len(prompt),
             arrival,
             choice=choice,

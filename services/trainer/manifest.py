@@ -51,6 +51,9 @@ class ManifestEntry:
     worker_id: str
     created_unix_s: float
     added_unix_s: float
+    request_ids: list[str] = dataclasses.field(default_factory=list)  # whose rows (tidectl data forget)
+    key_ids: list[str] = dataclasses.field(default_factory=list)
+    data_key_id: str = ""  # the key that sealed the blob ("" = in the clear)
 
     @classmethod
     def from_ref(cls, ref: ChunkRef, now: float | None = None) -> ManifestEntry:
