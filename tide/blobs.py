@@ -88,7 +88,7 @@ class StorageSettings(TideSettings):
                            '"id:base64key,..." (32-byte keys); the first seals new blobs, every one decrypts '
                            "(rotation: put the new key first); empty and no key file = stored in the clear")
     data_key_file: str = Field("", description="file of such keys, one \"id:base64key\" a line (# comments), after "
-                               "TIDE_DATA_KEYS' (tide up writes <data dir>/data-keys on first start)")
+                               "TIDE_DATA_KEYS' (`tidectl data new-key ID` prints a fresh line)")
 
     @model_validator(mode="before")
     @classmethod
