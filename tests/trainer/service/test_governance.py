@@ -226,3 +226,25 @@ def test_a_flipped_byte_is_quarantined(
     assert not svc.manifest.seen("tampered") and status(svc).chunks_quarantined == 1
     assert metric(svc, "tide_trainer_chunks_quarantined_total") == 1
     assert [e.chunk_id for e in svc.manifest.buffered(target)] == ["fine"]
+
+
+def test_a_drafts_card_says_what_traffic_trained_it(tiny_dir):
+    from services.trainer.cycle import TrainingCycle
+    from services.trainer.governance import Policy
+    from services.trainer.manifest import ManifestEntry
+    from services.trainer.settings import TrainerSettings
+
+    def entry(cid, t, rids, n):
+        return ManifestEntry(chunk_id=cid, bucket="b", key=f"chunks/{cid}", sha256="0" * 64, size_bytes=1,
+                             num_tokens=n, target_model="t", draft_version="", workload="", worker_id="w",
+                             created_unix_s=t, added_unix_s=t, request_ids=rids, key_ids=["k"] * len(rids),
+                             data_key_id="k2")
+
+    policy = Policy(retention_s=24 * HOUR, unconsumed_retention_s=168 * HOUR, budget_bytes=1 << 30)
+    cycle = TrainingCycle(TrainerSettings(target=str(tiny_dir)), None, None, None, policy=policy)
+    doc = cycle._data_provenance([entry("a", 100.0, ["chatcmpl-x-0", "chatcmpl-x-1", "cmpl-y-0"], 50)],
+                                 [entry("b", 40.0, ["cmpl-z-0"], 30)])
+    assert doc["first_collected_unix_s"] == 40.0 and doc["last_collected_unix_s"] == 100.0
+    assert doc["requests"] == 3 and doc["tokens"] == 80 and doc["new_tokens"] == 50 and doc["encrypted"]
+    assert doc["retention"] == {"consumed_retention_h": 24.0, "unconsumed_retention_h": 168.0,
+                                "bucket_budget_bytes": 1 << 30}
