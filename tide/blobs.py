@@ -82,6 +82,13 @@ class StorageSettings(TideSettings):
     s3_secure: bool = Field(False, json_schema_extra=NOT_FROM_ENV, description="TLS (an https:// endpoint)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis, a redis:// URL")
     stream_prefix: str = Field("tide", description="prefix of the Redis stream names")
+    # encryption at rest of captured traffic (tide/datakeys.py); the first key seals, every key opens
+    data_keys: str = Field("", repr=False,
+                           description='keys that encrypt chunk blobs and spool files (AES-256-GCM), '
+                           '"id:base64key,..." (32-byte keys); the first seals new blobs, every one decrypts '
+                           "(rotation: put the new key first); empty and no key file = stored in the clear")
+    data_key_file: str = Field("", description="file of such keys, one \"id:base64key\" a line (# comments), after "
+                               "TIDE_DATA_KEYS' (`tidectl data new-key ID` prints a fresh line)")
 
     @model_validator(mode="before")
     @classmethod
@@ -103,6 +110,12 @@ class StorageSettings(TideSettings):
             secure=self.s3_secure,
         )
 
+    def keyring(self):  # -> tide.datakeys.Keyring
+        """The data keys (KeyringError on a malformed key or an unreadable file)."""
+        from tide.datakeys import Keyring
+
+        return Keyring.load(self.data_keys, self.data_key_file)
+
     def redis_client(self, **kwargs: Any):  # -> redis.Redis
         import redis
 
@@ -113,6 +126,12 @@ class StorageSettings(TideSettings):
 def storage_settings() -> StorageSettings:
     """The process-wide settings, read from the environment on first use."""
     return StorageSettings.from_env()
+
+
+@functools.cache
+def data_keyring():  # -> tide.datakeys.Keyring
+    """The process-wide data keys (`storage_settings().keyring()`), for readers given no ring."""
+    return storage_settings().keyring()
 
 
 # ------------------------------------------------------------------------------------- blobs

@@ -18,8 +18,15 @@ input_ids[i + 1]). A segment is one contiguous run of one sequence; it may start
 
 Metadata lives in the safetensors header (`__metadata__`, string -> string, keys `tide.*`): chunk
 id, target model id, draft version that was serving, workload tag, worker id, created time (unix
-seconds) and format version. `decode_chunk` validates everything and raises `ChunkInvalid` naming
-the chunk and the problem; the stream reference carries `sha256(blob)`.
+seconds) and format version, and who the rows came from: `request_ids` (JSON list: the worker's
+request ids, e.g. "chatcmpl-<uuid>-<choice>"), `key_ids` (JSON list beside it: the API key's id,
+a hash, never the key; "" without auth) and `segment_requests` (JSON list: segment s holds rows of
+request request_ids[segment_requests[s]]; a segment never mixes requests), so `without_requests`
+can rewrite a chunk without one user's rows. Chunks written before these fields have them empty.
+`decode_chunk` validates everything and raises `ChunkInvalid` naming the chunk and the problem; the
+stream reference carries `sha256(blob)` of the stored bytes, which are sealed (AES-256-GCM,
+tide/datakeys.py) when data keys are configured: a sealed blob that fails authentication raises
+`ChunkUnauthentic`.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import load, save
+
+from tide.datakeys import Keyring, Unauthentic, is_sealed
 
 FORMAT_VERSION = 1
 _META_PREFIX = "tide."
@@ -57,6 +66,13 @@ class ChunkInvalid(ValueError):
         self.problem = problem
 
 
+class ChunkUnauthentic(ChunkInvalid):
+    """A sealed chunk blob failed authentication (tampered, truncated, or an unknown key)."""
+
+
+_LISTS = ("request_ids", "key_ids", "segment_requests")
+
+
 @dataclass(frozen=True)
 class ChunkMeta:
     chunk_id: str
@@ -66,9 +82,13 @@ class ChunkMeta:
     workload: str = ""  # "" when unknown
     created_at: float = field(default_factory=time.time)  # unix seconds
     format_version: int = FORMAT_VERSION
+    request_ids: tuple[str, ...] = ()  # the requests whose rows the chunk holds (see the module docstring)
+    key_ids: tuple[str, ...] = ()  # beside request_ids: each one's API key id ("" = none)
+    segment_requests: tuple[int, ...] = ()  # per segment: its index into request_ids
 
     def to_header(self) -> dict[str, str]:
-        return {_META_PREFIX + k: str(v) if k != "created_at" else repr(float(v))
+        return {_META_PREFIX + k: json.dumps(list(v)) if k in _LISTS else
+                str(v) if k != "created_at" else repr(float(v))
                 for k, v in self.__dict__.items()}
 
     @classmethod
@@ -76,10 +96,14 @@ class ChunkMeta:
         d = {k[len(_META_PREFIX):]: v for k, v in header.items() if k.startswith(_META_PREFIX)}
         chunk_id = d.get("chunk_id", "")
         try:
+            lists = {k: tuple(json.loads(d.get(k, "[]"))) for k in _LISTS}
+            if not all(isinstance(x, str) for k in ("request_ids", "key_ids") for x in lists[k]) or not all(
+                    isinstance(x, int) for x in lists["segment_requests"]):
+                raise ValueError("request_ids / key_ids must be strings, segment_requests integers")
             return cls(chunk_id=chunk_id, target_model=d["target_model"], worker_id=d.get("worker_id", ""),
                        draft_version=d.get("draft_version", ""), workload=d.get("workload", ""),
-                       created_at=float(d["created_at"]), format_version=int(d["format_version"]))
-        except (KeyError, ValueError) as e:
+                       created_at=float(d["created_at"]), format_version=int(d["format_version"]), **lists)
+        except (KeyError, ValueError, TypeError) as e:
             raise ChunkInvalid(chunk_id, f"bad metadata ({type(e).__name__}: {e})") from None
 
 
@@ -127,8 +151,19 @@ def encode_chunk(chunk: Chunk) -> bytes:
     return save(tensors, metadata={"format": "pt", **chunk.meta.to_header()})
 
 
-def decode_chunk(data: bytes, expected_target: str | None = None) -> Chunk:
-    """Parse and validate a chunk blob; raise ChunkInvalid on any problem."""
+def decode_chunk(data: bytes, expected_target: str | None = None, keyring: Keyring | None = None) -> Chunk:
+    """Parse and validate a chunk blob (opening a sealed one with `keyring`, by default the
+    process's data keys: tide.blobs.data_keyring); raise ChunkInvalid on any problem,
+    ChunkUnauthentic when a sealed blob fails authentication."""
+    if is_sealed(data):
+        if keyring is None:
+            from tide.blobs import data_keyring
+
+            keyring = data_keyring()
+        try:
+            data = keyring.open(data)
+        except Unauthentic as e:
+            raise ChunkUnauthentic("", f"sealed blob {e}") from None
     meta = ChunkMeta.from_header(_read_header(data).get("__metadata__") or {})
     try:
         tensors = load(bytes(data))
@@ -187,6 +222,11 @@ def _validate(c: Chunk, expected_target: str | None) -> None:
     o = c.segment_offsets
     if o.dim() != 1 or o.shape[0] < 2 or int(o[0]) != 0 or int(o[-1]) != n or not bool((o[1:] > o[:-1]).all()):
         raise bad(f"segment_offsets must rise strictly from 0 to {n}, got {o.tolist()[:8]}...")
+    if len(m.key_ids) not in (0, len(m.request_ids)):
+        raise bad(f"{len(m.key_ids)} key ids for {len(m.request_ids)} request ids")
+    if m.segment_requests and (len(m.segment_requests) != c.num_segments
+                               or not all(0 <= i < len(m.request_ids) for i in m.segment_requests)):
+        raise bad("segment_requests must name a request id for every segment")
     if int(c.input_ids.min()) < 0:
         raise bad("negative token id")
     if int(c.positions.min()) < 0:
@@ -226,6 +266,7 @@ class ChunkBuilder:
         self._final = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, pin_memory=pin_memory)
         self._async = pin_memory
         self._keys: dict = {}
+        self._key_ids: dict = {}
         self.num_tokens = 0
 
     @property
@@ -233,9 +274,10 @@ class ChunkBuilder:
         return self.capacity - self.num_tokens
 
     def append(self, seq_key, input_ids, positions, aux: torch.Tensor, final: torch.Tensor,
-               loss_mask=None) -> int:
-        """Append the rows of one sequence (`seq_key`: any hashable request id). Takes as many rows
-        as fit and returns how many it took; flush and append the rest when that is fewer."""
+               loss_mask=None, key_id: str = "") -> int:
+        """Append the rows of one sequence (`seq_key`: its request id, recorded in the chunk's
+        metadata with `key_id`, its API key's id). Takes as many rows as fit and returns how many
+        it took; flush and append the rest when that is fewer."""
         k = min(len(input_ids), self.free)
         if k == 0:
             return 0
@@ -243,6 +285,7 @@ class ChunkBuilder:
         self._ids[a:b] = torch.as_tensor(input_ids[:k])
         self._pos[a:b] = torch.as_tensor(positions[:k])
         self._seq[a:b] = self._keys.setdefault(seq_key, len(self._keys))
+        self._key_ids.setdefault(seq_key, key_id)
         self._mask[a:b] = 1 if loss_mask is None else torch.as_tensor(loss_mask[:k])
         self._aux[a:b].copy_(aux[:k], non_blocking=self._async)
         self._final[a:b].copy_(final[:k], non_blocking=self._async)
@@ -261,13 +304,54 @@ class ChunkBuilder:
         starts = torch.ones(n, dtype=torch.bool)
         starts[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1] + 1)
         offsets = torch.cat([starts.nonzero().flatten(), torch.tensor([n])]).to(torch.int64)
+        requests = list(self._keys)  # index i = the sequence whose rows carry _seq == i
         meta = ChunkMeta(chunk_id=chunk_id or uuid.uuid4().hex, target_model=self.target_model,
-                         worker_id=self.worker_id, draft_version=draft_version, workload=workload)
+                         worker_id=self.worker_id, draft_version=draft_version, workload=workload,
+                         request_ids=tuple(str(k) for k in requests),
+                         key_ids=tuple(str(self._key_ids.get(k, "")) for k in requests),
+                         segment_requests=tuple(int(i) for i in seq[offsets[:-1]].tolist()))
         chunk = Chunk(meta=meta, input_ids=self._ids[:n][order], positions=pos, segment_offsets=offsets,
                       loss_mask=self._mask[:n][order], aux=self._aux[:n][order], final=self._final[:n][order])
         self.num_tokens = 0
         self._keys.clear()
+        self._key_ids.clear()
         return chunk
+
+
+def request_matches(request_id: str, wanted: str) -> bool:
+    """Whether a worker's request id belongs to the request a client knows as `wanted`: the gateway
+    names each choice "<response id>-<choice index>", so "chatcmpl-x" matches "chatcmpl-x-0"."""
+    return request_id == wanted or (request_id.startswith(wanted + "-") and request_id[len(wanted) + 1:].isdigit())
+
+
+def without_requests(chunk: Chunk, drop: set[int]) -> Chunk | None:
+    """`chunk` without the segments of the requests at indices `drop` of its request_ids (same chunk
+    id: a rewrite replaces it), or None when nothing is left. Needs segment_requests."""
+    m = chunk.meta
+    if not m.segment_requests:
+        raise ChunkInvalid(m.chunk_id, "no segment_requests: cannot tell whose rows are whose")
+    keep_reqs = [i for i in range(len(m.request_ids)) if i not in drop]
+    if not keep_reqs:
+        return None
+    new_index = {old: new for new, old in enumerate(keep_reqs)}
+    rows: list[torch.Tensor] = []
+    seg_reqs: list[int] = []
+    offsets = [0]
+    for (a, b), r in zip(chunk.segments(), m.segment_requests, strict=True):
+        if r in drop:
+            continue
+        rows.append(torch.arange(a, b))
+        seg_reqs.append(new_index[r])
+        offsets.append(offsets[-1] + b - a)
+    if not rows:
+        return None
+    idx = torch.cat(rows)
+    meta = ChunkMeta(**{**m.__dict__, "request_ids": tuple(m.request_ids[i] for i in keep_reqs),
+                        "key_ids": tuple(m.key_ids[i] for i in keep_reqs) if m.key_ids else (),
+                        "segment_requests": tuple(seg_reqs)})
+    return Chunk(meta=meta, input_ids=chunk.input_ids[idx], positions=chunk.positions[idx],
+                 segment_offsets=torch.tensor(offsets, dtype=torch.int64), loss_mask=chunk.loss_mask[idx],
+                 aux=chunk.aux[idx], final=chunk.final[idx])
 
 
 def learnable_rows(start: int, n: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:

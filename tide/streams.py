@@ -91,7 +91,10 @@ class ChunkRef:
 
     `size_bytes` and `sha256` (lowercase hex) describe the blob exactly as stored, so the trainer
     verifies what it downloads; `num_tokens` counts the tokens whose states the chunk holds;
-    `created_unix_s` is seconds since the epoch. `workload` is "" when unknown.
+    `created_unix_s` is seconds since the epoch. `workload` is "" when unknown. `request_ids` and
+    `key_ids` (beside it: each request's API key id, a hash, never the key) say whose rows the chunk
+    holds, for `tidectl data forget`; `data_key_id` names the key that sealed the blob ("" = stored
+    in the clear, tide/datakeys.py). None of these fields holds content.
     """
 
     chunk_id: str
@@ -105,6 +108,9 @@ class ChunkRef:
     workload: str
     worker_id: str
     created_unix_s: float
+    request_ids: list[str] = field(default_factory=list)
+    key_ids: list[str] = field(default_factory=list)
+    data_key_id: str = ""
 
     def __post_init__(self) -> None:
         for name in ("chunk_id", "bucket", "key", "target_model", "worker_id"):

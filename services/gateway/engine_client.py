@@ -66,6 +66,8 @@ class GenerationRequest:
     sampling: SamplingOptions
     speculative: bool | None = None  # None = the worker's policy decides
     workload: str = ""
+    capture: bool = False  # may be captured for training (services/gateway/governance.py)
+    key_id: str = ""  # the caller's API key id, recorded with captured rows
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,8 @@ def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
         sampling=sampling,
         workload=request.workload,
         prompt_token_ids=inference_pb2.TokenIds(ids=request.prompt_token_ids),
+        no_capture=not request.capture,
+        key_id=request.key_id,
     )
     if request.speculative is not None:
         msg.speculative = request.speculative

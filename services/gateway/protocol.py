@@ -7,8 +7,10 @@ Request fields are handled as OpenAI handles them:
   the model: the context length, the vocabulary, the largest `n`);
 - known but unsupported parameters (`audio`, `functions`, `suffix`, ...) are refused with a 400
   naming the parameter by `unsupported()`, unless the value is a no-op (`modalities: ["text"]`, ...);
-- hints that do not change the output (`user`, `metadata`, `store`, `service_tier`, `prediction`,
+- hints that do not change the output (`user`, `metadata`, `service_tier`, `prediction`,
   `prompt_cache_key`, ...) are accepted and ignored;
+- `store` (chat, and completions as a TIDE extension): false = never train on this request (it is
+  not captured; services/gateway/governance.py, docs/data-handling.md); absent or true = eligible;
 - anything else is a 400 "Unrecognized request argument supplied: <name>" naming it, except the
   TIDE extensions (sent with the client's `extra_body`), declared once in `TideExtensions`:
   `speculative` (false = plain decode), `workload` (a tag carried into telemetry), `top_k`,
@@ -429,7 +431,8 @@ class ChatCompletionRequest(_Request, VllmChatExtensions, VllmChatEcho):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     service_tier: Any = None
     stop: Stop | None = None
-    store: Any = None
+    store: bool | None = Field(None, description="false: never capture this request for training "
+                               "(docs/data-handling.md); absent or true: eligible")
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -512,6 +515,8 @@ class CompletionRequest(_Request):
     stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    store: bool | None = Field(None, description="TIDE (OpenAI's chat parameter): false = never capture this "
+                               "request for training; absent or true: eligible")
     suffix: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)

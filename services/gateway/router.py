@@ -29,6 +29,7 @@ from services.gateway.errors import (
     invalid_api_key,
     service_unavailable,
 )
+from services.gateway.governance import TRAINING_HEADER, Eligibility, decide
 from services.gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -65,14 +66,12 @@ def gateway(request: Request):
 async def require_api_key(request: Request) -> None:
     """`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's) must name a
     configured key (no keys configured = open)."""
-    keys = gateway(request).settings.api_keys
+    settings = gateway(request).settings
+    keys = settings.api_keys | settings.api_keys_no_train
     if not keys:
         return
     header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        token, scheme = request.headers.get("x-api-key", "").strip(), "bearer"
+    token = request_key(request)
     if not token:
         raise invalid_api_key(provided=bool(header))
     if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
@@ -135,10 +134,29 @@ async def until_disconnect(request: Request, coro):
     raise ClientDisconnected
 
 
-def respond(result) -> Response:
+def respond(result, caller: Eligibility | None = None) -> Response:
+    """The JSON body or the SSE stream; `caller`'s training decision in the X-TIDE-Training header."""
+    headers = {TRAINING_HEADER: caller.header()} if caller is not None else {}
     if isinstance(result, BaseModel):
-        return JSONResponse(result.model_dump())
-    return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+        return JSONResponse(result.model_dump(), headers=headers)
+    return StreamingResponse(result, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+
+def request_key(request: Request) -> str:
+    """The API key the request was sent with: its Bearer token, else its x-api-key ("" for none)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""
+    return token or request.headers.get("x-api-key", "").strip()
+
+
+def caller_of(request: Request, body) -> Eligibility:
+    """Whether `body` (a chat or completion request) may be trained on (services/gateway/governance.py)."""
+    return decide(gateway(request).settings, body, request_key(request))
+
+
+def deciding(request: Request):
+    """`caller_of` for the APIs served as chat requests: decided on the chat request each becomes."""
+    return lambda chat: caller_of(request, chat)
 
 
 router = APIRouter()
@@ -157,8 +175,10 @@ BODIES = {
 @router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
 async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
+    caller = caller_of(request, body)
     try:
-        return respond(await until_disconnect(request, gateway(request).chat.create_chat_completion(body)))
+        return respond(await until_disconnect(request, gateway(request).chat.create_chat_completion(body, caller)),
+                       caller)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -166,8 +186,10 @@ async def create_chat_completion(request: Request) -> Response:
 @router.post("/v1/completions", dependencies=[Depends(require_api_key)])
 async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
+    caller = caller_of(request, body)
     try:
-        return respond(await until_disconnect(request, gateway(request).completion.create_completion(body)))
+        return respond(await until_disconnect(request, gateway(request).completion.create_completion(body, caller)),
+                       caller)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -177,7 +199,7 @@ async def create_response(request: Request) -> Response:
     """OpenAI's Responses API (serving_responses)."""
     body = await parse_body(request, ResponsesRequest)
     try:
-        return respond(await until_disconnect(request, gateway(request).responses.create(body)))
+        return respond(*await until_disconnect(request, gateway(request).responses.create(body, deciding(request))))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -198,7 +220,7 @@ async def create_message(request: Request) -> Response:
     """Anthropic's Messages API (serving_messages); its errors have Anthropic's shape (see app.py)."""
     body = await parse_body(request, MessagesRequest)
     try:
-        return respond(await until_disconnect(request, gateway(request).messages.create(body)))
+        return respond(*await until_disconnect(request, gateway(request).messages.create(body, deciding(request))))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 

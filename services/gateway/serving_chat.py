@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from services.gateway.engine_client import Constraint, EngineError, TokenDelta, TokenLogprob
 from services.gateway.errors import invalid_request
 from services.gateway.fanout import merged
+from services.gateway.governance import Eligibility
 from services.gateway.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -290,17 +291,18 @@ class OpenAIServingChat(OpenAIServing):
                             max_tokens)
 
     async def run(
-        self, request: ChatCompletionRequest, names: ParamNames = ParamNames()
+        self, request: ChatCompletionRequest, names: ParamNames = ParamNames(), caller: Eligibility | None = None
     ) -> tuple[int, AsyncIterator[RunEvent]]:
         """One choice as events, for the endpoints that speak other APIs over the chat machinery
         (serving_responses, serving_messages): the prompt's token count, and the choice's content and
-        tool-call events (tool_calls.Event) ending with a `RunFinish`. Errors before any output raise
-        `OpenAIError` here; later ones come out of the iterator as `OpenAIError`."""
+        tool-call events (tool_calls.Event) ending with a `RunFinish`; `caller`: whether it may be
+        trained on (governance). Errors before any output raise `OpenAIError` here; later ones come
+        out of the iterator as `OpenAIError`."""
         arrival = time.perf_counter()
         prepared = await self.prepare(request, names)
         response_id = f"run-{uuid.uuid4().hex}"
         requests = self.fan_out(response_id, request, [prepared.prompt], [prepared.max_tokens],
-                                prepared.constraint)
+                                prepared.constraint, caller)
         events = merged(self.engine, requests[:1])
         first = await self.prime(events, prepared.constraint_param)
         self.first_token(arrival)
@@ -335,7 +337,7 @@ class OpenAIServingChat(OpenAIServing):
             await events.aclose()
 
     async def create_chat_completion(
-        self, request: ChatCompletionRequest
+        self, request: ChatCompletionRequest, caller: Eligibility | None = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """A full response, or (stream=True) an iterator of SSE lines whose first event has
         already arrived: errors before any output raise `OpenAIError` here, not inside the stream."""
@@ -370,7 +372,7 @@ class OpenAIServingChat(OpenAIServing):
             request,
             ChatCompletionResponse,
             response_id,
-            self.fan_out(response_id, request, [prompt], [max_tokens], constraint),
+            self.fan_out(response_id, request, [prompt], [max_tokens], constraint, caller),
             len(prompt),
             arrival,
             choice=choice,

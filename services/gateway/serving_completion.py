@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 from services.gateway.engine_client import TokenDelta, TokenLogprob
 from services.gateway.errors import invalid_request
+from services.gateway.governance import Eligibility
 from services.gateway.protocol import (
     MAX_PROMPTS,
     CompletionChoice,
@@ -140,7 +141,9 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         return [self.truncated(next(encoded) if isinstance(p, str) else list(p), request) for p in prompts]
 
-    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def create_completion(
+        self, request: CompletionRequest, caller: Eligibility | None = None
+    ) -> CompletionResponse | AsyncIterator[str]:
         """A full response, or (stream=True) an iterator of SSE lines (see the chat endpoint)."""
         arrival = time.perf_counter()
         self.check_common(request)
@@ -163,7 +166,7 @@ class OpenAIServingCompletion(OpenAIServing):
             request,
             CompletionResponse,
             response_id,
-            self.fan_out(response_id, request, prompts, max_tokens, constraint),
+            self.fan_out(response_id, request, prompts, max_tokens, constraint, caller),
             sum(len(p) for p in prompts),
             arrival,
             choice=lambda i, s: self.choice(request, i, s, echoed[i // request.n]),

@@ -49,6 +49,7 @@ from services.gateway.errors import (
     service_unavailable,
 )
 from services.gateway.fanout import Event, aggregate_speculation, merged
+from services.gateway.governance import Eligibility
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import PromptLogprob, PromptTokensDetails, SpeculationInfo, UsageInfo
 from services.gateway.serving_models import OpenAIServingModels
@@ -339,8 +340,12 @@ class OpenAIServing:
         prompts: list[list[int]],
         max_tokens: list[int],
         constraint: Constraint | None = None,
+        caller: Eligibility | None = None,
     ) -> list[GenerationRequest]:
-        """One engine request per (prompt, choice); choice index = prompt index * n + i."""
+        """One engine request per (prompt, choice); choice index = prompt index * n + i. `caller`
+        says whether the rows may be captured for training (None: a caller of this class that
+        decided nothing, e.g. a test: not captured)."""
+        caller = caller if caller is not None else Eligibility(False, "undecided")
         out = []
         for p, ids in enumerate(prompts):
             for i in range(request.n):
@@ -352,6 +357,8 @@ class OpenAIServing:
                         self.sampling(request, max_tokens[p], index, constraint),
                         request.speculative,
                         request.workload,
+                        capture=caller.eligible,
+                        key_id=caller.key_id,
                     )
                 )
         return out

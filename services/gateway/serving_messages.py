@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 from pydantic import ValidationError
 
 from services.gateway.errors import OpenAIError, from_validation_error, internal_error
+from services.gateway.governance import Decide, Eligibility, undecided
 from services.gateway.protocol import ChatCompletionRequest, SpeculationInfo
 from services.gateway.protocol_messages import (
     CountTokensRequest,
@@ -228,12 +229,17 @@ class AnthropicServingMessages:
                                                      template_options(chat))
         return CountTokensResponse(input_tokens=len(ids))
 
-    async def create(self, request: MessagesRequest) -> MessageResponse | AsyncIterator[str]:
+    async def create(
+        self, request: MessagesRequest, decide: Decide = undecided
+    ) -> tuple[MessageResponse | AsyncIterator[str], Eligibility]:
+        """The message (or its event stream) and the training decision it was served under (`decide`d
+        on the chat request it runs as)."""
         chat = self._checked(request)
-        prompt_tokens, events = await self.chat.run(chat, NAMES)
+        caller = decide(chat)
+        prompt_tokens, events = await self.chat.run(chat, NAMES, caller)
         message_id = f"msg_{uuid.uuid4().hex}"
         if request.stream:
-            return self._stream(message_id, prompt_tokens, events)
+            return self._stream(message_id, prompt_tokens, events), caller
         builder = ContentBuilder()
         async with contextlib.aclosing(events):
             async for event in events:
@@ -243,7 +249,7 @@ class AnthropicServingMessages:
                         id=message_id, model=self.chat.models.name, content=builder.blocks,
                         stop_reason=stop_reason(event), stop_sequence=event.stop_string or None,
                         usage=usage_of(event), speculation=SpeculationInfo(event.speculation),
-                    )
+                    ), caller
                 builder.feed(event)
         raise internal_error("The generation ended without its last event.")
 

@@ -37,6 +37,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.gateway.errors import OpenAIError, from_validation_error, internal_error, invalid_request
+from services.gateway.governance import Decide, Eligibility, undecided
 from services.gateway.protocol import ChatCompletionRequest, SpeculationInfo
 from services.gateway.protocol_responses import (
     DeletedResponse,
@@ -273,8 +274,11 @@ class OpenAIServingResponses:
             metadata=request.metadata or {},
         )
 
-    async def _start(self, request: ResponsesRequest) -> tuple[list[dict], AsyncIterator[RunEvent]]:
-        """Checks, the conversation, and the started run (its first output arrived)."""
+    async def _start(
+        self, request: ResponsesRequest, decide: Decide
+    ) -> tuple[list[dict], AsyncIterator[RunEvent], Eligibility]:
+        """Checks, the conversation, the started run (its first output arrived) and whether it may be
+        trained on (`decide`d on the chat request it runs as)."""
         err = request.unsupported()
         if err is not None:
             raise err
@@ -289,9 +293,10 @@ class OpenAIServingResponses:
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         while True:
             chat = to_chat(request, system + conversation)
+            caller = decide(chat)
             try:
-                _, events = await self.chat.run(chat, NAMES)
-                return conversation, events
+                _, events = await self.chat.run(chat, NAMES, caller)
+                return conversation, events, caller
             except OpenAIError as err:
                 # truncation "auto": drop the oldest turns until the prompt fits (the last message stays)
                 if request.truncation != "auto" or err.code != "context_length_exceeded" or err.param != "input" \
@@ -301,12 +306,15 @@ class OpenAIServingResponses:
                 while len(conversation) > 1 and conversation[0]["role"] == "tool":  # no result without its call
                     conversation = conversation[1:]
 
-    async def create(self, request: ResponsesRequest) -> ResponseObject | AsyncIterator[str]:
+    async def create(
+        self, request: ResponsesRequest, decide: Decide = undecided
+    ) -> tuple[ResponseObject | AsyncIterator[str], Eligibility]:
+        """The response (or its event stream) and the training decision it was served under."""
         response_id = f"resp_{uuid.uuid4().hex}"
-        conversation, events = await self._start(request)
+        conversation, events, caller = await self._start(request, decide)
         response = self._skeleton(request, response_id)
         if request.stream:
-            return self._stream(request, response, conversation, events)
+            return self._stream(request, response, conversation, events), caller
         builder = OutputBuilder()
         async with contextlib.aclosing(events):
             async for event in events:
@@ -314,7 +322,7 @@ class OpenAIServingResponses:
                     self._finish(request, response, builder, event, conversation)
                 else:
                     builder.feed(event)
-        return response
+        return response, caller
 
     def _finish(self, request: ResponsesRequest, response: ResponseObject, builder: OutputBuilder,
                 finish: RunFinish, conversation: list[dict]) -> list[dict]:

@@ -28,6 +28,7 @@ from tide.settings import (
     AddressList,
     Count,
     Doc,
+    Flag,
     LogLevel,
     NameSet,
     NonNegative,
@@ -52,6 +53,18 @@ def _origins(value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
+def _exclusions(value: frozenset[str]) -> frozenset[str]:
+    from services.gateway.governance import EXCLUSIONS
+
+    bad = sorted(value - set(EXCLUSIONS))
+    if bad:
+        raise ValueError(f"expected any of {', '.join(EXCLUSIONS)}, got {bad[0]!r}")
+    return value
+
+
+Exclusions = Annotated[frozenset[str], BeforeValidator(split_list), AfterValidator(_exclusions),
+                       Doc("comma list of logprobs, tools, tool_results, response_format")]
+
 Origins = Annotated[tuple[str, ...], BeforeValidator(split_list), AfterValidator(_origins),
                     Doc("comma list of origins, or *")]
 
@@ -66,7 +79,16 @@ class GatewaySettings(TideSettings):
     workers: Annotated[AddressList, check(bool, "non-empty")] = Field(
         (DEFAULT_WORKER,), validation_alias="TIDE_WORKERS", description="inference workers")
     api_keys: NameSet = Field(frozenset(), validation_alias="TIDE_API_KEYS",
-                              description="accepted API keys; empty = no auth")
+                              description="accepted API keys; empty (and no TIDE_API_KEYS_NO_TRAIN) = no auth")
+    api_keys_no_train: NameSet = Field(frozenset(), validation_alias="TIDE_API_KEYS_NO_TRAIN",
+                                       description="more accepted API keys whose requests are never trained on "
+                                       "(never captured; docs/data-handling.md)")
+    train_on_traffic: Flag = Field(True, validation_alias="TIDE_TRAIN_ON_TRAFFIC",
+                                   description="the stack-wide switch (the workers read it too): 0 = no request "
+                                   "is ever captured for training; responses say `X-TIDE-Training: excluded`")
+    capture_exclude: Exclusions = Field(frozenset(), validation_alias="TIDE_CAPTURE_EXCLUDE",
+                                        description="requests never captured for training besides `store: false`: "
+                                        "any of logprobs, tools, tool_results, response_format")
     target: str = Field("ref", validation_alias=TARGET_ENV,
                         description="target for the tokenizer / chat template (see tide.target)")
     served_model_name: str | None = Field(None, validation_alias="TIDE_SERVED_MODEL_NAME",
@@ -114,7 +136,7 @@ class GatewaySettings(TideSettings):
 
     @property
     def auth_enabled(self) -> bool:
-        return bool(self.api_keys)
+        return bool(self.api_keys or self.api_keys_no_train)
 
     def body_limit(self, max_model_len: int) -> int:
         """The largest accepted body: `max_body_bytes`, by default derived from the context."""

@@ -249,6 +249,11 @@ def trainer_view(st: trainer_pb2.TrainerStatus) -> dict:
             "buffered_chunks": st.buffered_chunks, "buffered_tokens": st.buffered_tokens,
             "chunks_consumed": st.chunks_consumed, "chunks_deduplicated": st.chunks_deduplicated,
             "chunks_dead_lettered": st.chunks_dead_lettered,
+            # the governed store (docs/data-handling.md): deletions by reason, quarantine, bytes vs budget
+            "data": {"chunks_deleted": dict(sorted(st.chunks_deleted.items())),
+                     "chunk_bytes_deleted": st.chunk_bytes_deleted, "chunks_quarantined": st.chunks_quarantined,
+                     "bucket_chunk_bytes": st.bucket_chunk_bytes, "bucket_budget_bytes": st.bucket_budget_bytes,
+                     "stream_entries_trimmed": st.stream_entries_trimmed},
             "last_outcome": _outcome(st.last_outcome) if st.last_outcome.run_id else None}
 
 

@@ -216,7 +216,7 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
                              chunk_tokens=settings.chunk_tokens, buffers=settings.chunk_buffers,
                              flush_interval_s=settings.flush_interval_s, key_prefix=settings.chunk_prefix,
                              pin_memory=model.device.type == "cuda", spool_dir=spool_dir(settings),
-                             spool_max_bytes=settings.chunk_spool_bytes)
+                             spool_max_bytes=settings.chunk_spool_bytes, keyring=settings.storage.keyring())
     profile = start_profile(settings, model, model_id)
     params = dict(settings.policy_params)
     if profile is not None and settings.policy in PROFILE_POLICIES:
@@ -228,6 +228,7 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
                           registry_addr=settings.registry_addr, prompt_lookup=settings.prompt_lookup)
     worker = Worker(engine, policy=policy_spec(settings.policy, params), drafter=settings.drafter,
                     tokenizer=tokenizer, exporter=exporter, collection=settings.collection,
+                    train_on_traffic=settings.train_on_traffic,
                     max_queue=settings.max_queue, profile=profile,
                     drafter_factory=functools.partial(make_drafter, eagle3=drafts.drafter),
                     device=str(model.device))

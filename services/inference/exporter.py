@@ -25,6 +25,11 @@ restarted worker asks S3 about each intent it finds: a stored blob of the right 
 (seconds after the restart, not when the trainer's reconciler finds it minutes later), a missing one
 was never written and the intent is dropped; while S3 does not answer, it asks again every round.
 
+Governance: only rows of requests eligible for training reach `add` (the worker filters on each
+request's `capture` flag, which the gateway sets from `store`, the API key's policy and the
+stack-wide TIDE_TRAIN_ON_TRAFFIC); each chunk records its rows' request ids and API key ids, and
+its bytes are sealed (AES-256-GCM, tide/datakeys.py) before they reach S3 or the spool.
+
 Memory: `buffers` x `chunk_tokens` rows x (8H + 25) bytes (H = hidden size; 28 MB for the reference
 model at the defaults 3 x 2048), plus one chunk being encoded and uploaded.
 loss_mask = 1 for rows whose next token is generated output (position >= prompt length - 1).
@@ -49,6 +54,7 @@ import redis
 from services.inference import metrics
 from tide import blobs, streams
 from tide.chunks import ChunkBuilder, ChunkInvalid, encode_chunk, learnable_rows
+from tide.datakeys import Keyring
 from tide.resources import one_torch_thread
 
 log = logging.getLogger(__name__)
@@ -283,13 +289,15 @@ class ChunkExporter:
                  worker_id: str, hidden_size: int, chunk_tokens: int = 2048, buffers: int = 3,
                  flush_interval_s: float = 30.0, key_prefix: str = "chunks", pin_memory: bool = False,
                  max_pending_refs: int = 1000, spool_dir: str | Path | None = None,
-                 spool_max_bytes: int = 1 << 30) -> None:
+                 spool_max_bytes: int = 1 << 30, keyring: Keyring | None = None) -> None:
         if buffers < 1 or chunk_tokens < 1 or max_pending_refs < 1:
             raise ValueError("buffers, chunk_tokens and max_pending_refs must be >= 1")
         self.s3, self.bucket, self.redis, self.stream = s3, bucket, redis_client, stream
         self.target_model, self.worker_id = target_model, worker_id
         self.flush_interval_s, self.key_prefix = flush_interval_s, key_prefix.strip("/")
         self.stats = ExporterStats()
+        # seals every blob before it leaves memory (S3 and the spool alike); empty = in the clear
+        self.keyring = keyring if keyring is not None else Keyring.empty()
         self._free = [_Buffer(ChunkBuilder(chunk_tokens, hidden_size, target_model, worker_id, pin_memory))
                       for _ in range(buffers)]
         self._active: _Buffer | None = self._free.pop()
@@ -317,10 +325,15 @@ class ChunkExporter:
 
     # ---- engine loop thread
 
-    def add(self, rows, prompt_lens: Mapping[str, int]) -> None:
-        """Capture hook: copy `rows` (list of engine CapturedRows) into the active buffer."""
+    def add(self, rows, prompt_lens: Mapping[str, int], key_ids: Mapping[str, str] | None = None) -> None:
+        """Capture hook: copy `rows` (list of engine CapturedRows) into the active buffer. With
+        `key_ids` (request id -> API key id) only the rows of the requests it names are taken: the
+        others opted out of training (the worker filters them already; this is the second lock)."""
         with self._lock:
             for r in rows:
+                if key_ids is not None and r.request_id not in key_ids:
+                    continue
+                key_id = key_ids[r.request_id] if key_ids is not None else ""
                 n = len(r.token_ids)
                 pos, mask = learnable_rows(r.start, n, prompt_lens.get(r.request_id, 0))
                 off = 0
@@ -333,7 +346,7 @@ class ChunkExporter:
                         buf.opened_s = time.monotonic()
                         buf.draft_version = self._draft_version
                     off += buf.builder.append(r.request_id, r.token_ids[off:], pos[off:], r.aux[off:],
-                                              r.final[off:], mask[off:])
+                                              r.final[off:], mask[off:], key_id=key_id)
                     buf.workloads.add(r.workload)
                     if buf.builder.free == 0:
                         self._rotate_locked()
@@ -491,7 +504,7 @@ class ChunkExporter:
             return
         n = chunk.num_tokens
         try:
-            data = encode_chunk(chunk)
+            data = self.keyring.seal(encode_chunk(chunk))  # sealed before S3 or the spool sees a byte
         except ChunkInvalid as e:
             self.stats.chunks_dropped_invalid += 1
             metrics.CHUNKS_DROPPED.labels("invalid").inc()
@@ -503,7 +516,8 @@ class ChunkExporter:
             chunk_id=chunk.meta.chunk_id, bucket=self.bucket, key=key, size_bytes=len(data),
             sha256=blobs.sha256_hex(data), num_tokens=n, target_model=self.target_model,
             draft_version=buf.draft_version, workload=workload, worker_id=self.worker_id,
-            created_unix_s=chunk.meta.created_at)
+            created_unix_s=chunk.meta.created_at, request_ids=list(chunk.meta.request_ids),
+            key_ids=list(chunk.meta.key_ids), data_key_id=self.keyring.current)
         with self._io:
             behind = bool(self._backlog)
         if behind:  # S3 is failing (or catching up): queue behind the spooled chunks, oldest first

@@ -69,6 +69,8 @@ class GenerationRequest:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     grammar: GrammarSpec | None = None  # output constraint; None = unconstrained
+    capture: bool = True  # False: opted out of training, never captured (the gateway decides)
+    key_id: str = ""  # the API key's id (a hash, never the key) recorded with captured rows
 
 
 def _invalid(message: str) -> RequestRejected:

@@ -108,6 +108,9 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
                                    description="where measured profiles are cached")
     forced_gamma: NonNegative = Field(3, description="γ for requests with speculative=true where the policy says 0")
     collection: Flag = Field(False, description="hidden-state export on at start")
+    train_on_traffic: Flag = Field(True, validation_alias="TIDE_TRAIN_ON_TRAFFIC",
+                                   description="the stack-wide switch (gateway and workers read it): 0 = no "
+                                   "request is ever captured for training, collection decisions are refused")
     chunk_tokens: Count = Field(2048, description="rows per hidden-state chunk")
     chunk_buffers: Count = Field(3, description="preallocated chunk buffers (bounds exporter memory)")
     flush_interval_s: Seconds = Field(30.0, description="flush a partial chunk after this many seconds")

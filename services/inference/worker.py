@@ -58,12 +58,14 @@ class Worker:
     while collection is on its capture hook is the engine's only capture listener, while off the
     engine has none. `max_queue` = requests accepted beyond `max_batch` before OVERLOADED. A
     request's `speculative` flag rides on its engine sequence (the engine applies it, with
-    `EngineConfig.forced_gamma`); the decision's schedule and policy decide for the others."""
+    `EngineConfig.forced_gamma`); the decision's schedule and policy decide for the others.
+    Only requests submitted with `capture=True` reach the exporter (opt-out, see docs/data-handling.md);
+    with `train_on_traffic=False` none does and collection cannot be turned on."""
 
     def __init__(self, engine: LLMEngine, *, policy: PolicySpec, drafter: str = "ngram", tokenizer=None,
                  exporter=None, collection: bool = False, max_queue: int = 64,
                  profile: LatencyProfile | None = None, drafter_factory: DrafterFactory = make_drafter,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", train_on_traffic: bool = True) -> None:
         self.engine = engine
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.exporter = exporter
@@ -77,6 +79,10 @@ class Worker:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._prompt_lens: dict[str, int] = {}
+        # requests eligible for training (request id -> API key id); the others' rows are never exported
+        self._capture_keys: dict[str, str] = {}
+        self._capture_pending: dict[str, str] = {}  # submitted, not yet in the engine (guarded by _lock)
+        self.train_on_traffic = train_on_traffic  # the stack-wide switch: False = nothing is ever captured
         self._seen = SeenIds()
         self._last_decision = ""
         self._collection = False
@@ -126,6 +132,8 @@ class Worker:
                 raise RequestRejected(ErrorKind.OVERLOADED, f"worker is full: {len(self._live)} requests in flight "
                                                             f"(max batch {cfg.max_batch} + queue {self.max_queue})")
             self._live[req.request_id] = handle
+            if req.capture and self.train_on_traffic:
+                self._capture_pending[req.request_id] = req.key_id
         self._commands.put(lambda: self._add(handle))
         return handle
 
@@ -319,6 +327,10 @@ class Worker:
         h.drafter = d.algorithm.value if d is not None else "none"
         h.draft_version = d.version if d is not None else ""
         self._prompt_lens[h.request_id] = len(h.prompt_ids)
+        with self._lock:
+            key_id = self._capture_pending.pop(h.request_id, None)
+        if key_id is not None:
+            self._capture_keys[h.request_id] = key_id
 
     def _cancel(self, h: RequestHandle) -> None:
         if h.done:
@@ -352,7 +364,9 @@ class Worker:
         h.ended.set()
         metrics.REQUESTS.labels(outcome).inc()
         self._prompt_lens.pop(h.request_id, None)
+        self._capture_keys.pop(h.request_id, None)
         with self._lock:
+            self._capture_pending.pop(h.request_id, None)
             if self._live.get(h.request_id) is h:
                 del self._live[h.request_id]
 
@@ -366,9 +380,13 @@ class Worker:
                     h.plain_steps += 1
 
     def _on_capture(self, rows) -> None:
-        self.exporter.add(rows, self._prompt_lens)
+        # opted-out requests' rows stop here: the exporter never sees them (and filters again by key_ids)
+        keep = [r for r in rows if r.request_id in self._capture_keys]
+        if keep:
+            self.exporter.add(keep, self._prompt_lens, self._capture_keys)
 
     def _set_collection(self, on: bool) -> None:
+        on = on and self.train_on_traffic
         listeners = self.engine.capture_listeners
         if on and self._on_capture not in listeners:
             d = self.engine.drafter
@@ -412,6 +430,9 @@ class Worker:
             return Outcome.REJECTED, str(e)
         if d.collection_enabled and self.exporter is None:
             return Outcome.REJECTED, "collection cannot be enabled: this worker has no hidden-state exporter"
+        if d.collection_enabled and not self.train_on_traffic:
+            return Outcome.REJECTED, ("collection cannot be enabled: training on traffic is off "
+                                      "(TIDE_TRAIN_ON_TRAFFIC=0)")
         schedule = d.speculation if d.speculation is not None else self._schedule
         self._schedule = schedule
         if d.policy is not None:

@@ -18,6 +18,7 @@ import grpc
 from services.trainer.auto import AutoTrigger
 from services.trainer.cycle import TrainingCycle
 from services.trainer.drafts import DraftRegistry
+from services.trainer.governance import HOUR_S, DataGovernor, Policy
 from services.trainer.ingest import ChunkIngest, ChunkReader
 from services.trainer.manifest import Manifest
 from services.trainer.reconcile import Reconciler
@@ -72,6 +73,7 @@ class TrainerService:
     auto: AutoTrigger | None = None
     server: GrpcServer | None = None
     reconciler: Reconciler | None = None
+    governor: DataGovernor | None = None
 
     @property
     def target(self) -> str:
@@ -86,6 +88,8 @@ class TrainerService:
             self.auto.stop()
         if self.reconciler is not None:
             self.reconciler.stop()
+        if self.governor is not None:
+            self.governor.stop()
         self.reader.stop()
         self.registry.close()
 
@@ -93,20 +97,30 @@ class TrainerService:
 def build(settings: TrainerSettings, *, storage_timeout_s: float = 60.0) -> TrainerService:
     s3 = wait_for_storage(settings.storage, storage_timeout_s, logger=log)
     manifest = Manifest(s3, settings.storage.s3_bucket, settings.prefix).load()
-    ingest = ChunkIngest(s3, manifest)
+    keyring = settings.storage.keyring()
+    names = streams.StreamNames(settings.storage.stream_prefix)
+    rclient = settings.storage.redis_client(socket_connect_timeout=2.0, socket_timeout=5.0)
+    policy = Policy(retention_s=settings.chunk_retention_h * HOUR_S,
+                    unconsumed_retention_s=settings.chunk_unconsumed_retention_h * HOUR_S,
+                    budget_bytes=settings.chunk_bucket_bytes)
+    governor = DataGovernor(s3, settings.storage.s3_bucket, manifest, rclient, names, keyring, policy,
+                            chunk_prefix=settings.reconcile_prefix, interval_s=settings.sweep_interval_s)
+    ingest = ChunkIngest(s3, manifest, keyring, governor)
     registry = DraftRegistry(settings.registry_addr, settings.admin_token, s3, settings.storage.s3_bucket,
                              Path(settings.work_dir) / "drafts")
     report = controller_reporter(settings.controller_addr, settings.admin_token) if settings.controller_addr else None
-    runner = TrainingRunner(settings, TrainingCycle(settings, s3, manifest, registry), manifest, report)
+    runner = TrainingRunner(settings, TrainingCycle(settings, s3, manifest, registry, keyring, policy), manifest,
+                            report)
     auto = AutoTrigger(runner, manifest, settings.auto_check_s) if settings.auto_train else None
-    rclient = settings.storage.redis_client(socket_connect_timeout=2.0, socket_timeout=5.0)
-    names = streams.StreamNames(settings.storage.stream_prefix)
     reader = ChunkReader(rclient, names, settings.consumer,
                          _WakeAfterIntake(ingest, auto) if auto else ingest, claim_idle_ms=settings.claim_idle_ms)
     reconciler = Reconciler(s3, settings.storage.s3_bucket, rclient, names, manifest,
                             prefix=settings.reconcile_prefix, interval_s=settings.reconcile_interval_s,
-                            grace_s=settings.reconcile_grace_s) if settings.reconcile_interval_s > 0 else None
-    service = TrainerService(settings, manifest, ingest, reader, runner, registry, auto, reconciler=reconciler)
+                            grace_s=settings.reconcile_grace_s, keyring=keyring,
+                            ) if settings.reconcile_interval_s > 0 else None
+    service = TrainerService(settings, manifest, ingest, reader, runner, registry, auto, reconciler=reconciler,
+                             governor=governor)
+    governor.start()
     reader.start()
     if reconciler is not None:  # chunk blobs a dying worker left without a reference
         reconciler.start()

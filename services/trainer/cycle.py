@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,11 +34,13 @@ from minio import Minio
 from minio.error import S3Error
 
 from services.trainer.drafts import BaseDraft, DraftRegistry, PointerMoved, RegistryError
+from services.trainer.governance import Policy
 from services.trainer.manifest import Manifest, ManifestEntry
 from services.trainer.promotion import NO_DRAFT, decide, served_at, step_costs
 from services.trainer.settings import TrainerSettings
 from services.trainer.training.data import is_heldout
 from tide import blobs
+from tide.datakeys import Keyring, Unauthentic
 from tide.outcomes import TrainingOutcome
 
 log = logging.getLogger(__name__)
@@ -61,8 +64,12 @@ Phase = Callable[[str, float], None]  # (phase, progress in [0, 1])
 
 
 class TrainingCycle:
-    def __init__(self, settings: TrainerSettings, s3: Minio, manifest: Manifest, registry: DraftRegistry) -> None:
+    def __init__(self, settings: TrainerSettings, s3: Minio, manifest: Manifest, registry: DraftRegistry,
+                 keyring: Keyring | None = None, policy: Policy | None = None) -> None:
         self.settings, self.s3, self.manifest, self.registry = settings, s3, manifest, registry
+        self.keyring = keyring if keyring is not None else Keyring.empty()  # opens sealed chunk blobs
+        self.policy = policy  # the retention policy in force, for the drafts' provenance
+        self.quarantined = 0  # sealed blobs that failed authentication when a run read them (skipped)
 
     def run(self, run_id: str, target: str, entries: list[ManifestEntry], reason: str, train_draft, config_cls,
             phase: Phase = lambda name, progress: None) -> RunResult:
@@ -169,15 +176,29 @@ class TrainingCycle:
         """The chunks' blobs, verified again (one that went bad since intake is skipped, not trained
         on), then the replayed ones (one that storage no longer has, e.g. expired, is skipped too)."""
         for e in entries:
-            try:
-                yield blobs.get_bytes(self.s3, e.bucket, e.key, expected_sha256=e.sha256)
-            except blobs.ChecksumMismatch as err:
+            try:  # opened here: the training library decodes plaintext (a sealed blob failing: never trained on)
+                yield self.keyring.open(blobs.get_bytes(self.s3, e.bucket, e.key, expected_sha256=e.sha256))
+            except (blobs.ChecksumMismatch, S3Error, Unauthentic) as err:  # S3Error: deleted meanwhile (forget)
+                self.quarantined += isinstance(err, Unauthentic)
                 log.error("skipping chunk %s: %s", e.chunk_id, err)
         for e in replay:
             try:
-                yield blobs.get_bytes(self.s3, e.bucket, e.key, expected_sha256=e.sha256)
-            except (blobs.ChecksumMismatch, S3Error) as err:
+                yield self.keyring.open(blobs.get_bytes(self.s3, e.bucket, e.key, expected_sha256=e.sha256))
+            except (blobs.ChecksumMismatch, S3Error, Unauthentic) as err:
+                self.quarantined += isinstance(err, Unauthentic)
                 log.warning("not replaying chunk %s: %s", e.chunk_id, err)
+
+    def _data_provenance(self, entries: list[ManifestEntry], replay: list[ManifestEntry]) -> dict:
+        """What traffic trained the draft (its card: `tidectl drafts show VERSION`): when it was
+        collected, how many requests and tokens (new chunks and replayed ones), the retention
+        policy in force. Request ids themselves stay out of the card (they are in the manifest)."""
+        everything = list(entries) + list(replay)
+        requests = {re.sub(r"-\d+$", "", r) for e in everything for r in e.request_ids}  # choices: one request
+        return {**_span(everything), "requests": len(requests), "tokens": sum(e.num_tokens for e in everything),
+                "new_tokens": sum(e.num_tokens for e in entries), "replayed_tokens": sum(e.num_tokens for e in replay),
+                "api_keys": len({k for e in everything for k in e.key_ids if k}),
+                "encrypted": all(e.data_key_id for e in everything) if everything else False,
+                "retention": self.policy.describe() if self.policy is not None else None}
 
     def _metrics(self, summary: dict, candidate: float | None, base: float | None) -> dict[str, float]:
         ev = summary.get("candidate") or {}
@@ -201,6 +222,7 @@ class TrainingCycle:
             "chunk_ids_truncated": False, "eval_chunk_ids": [], "eval_chunk_ids_truncated": False,
             "train": {"tokens": summary["train"]["tokens"], "steps": summary["train"]["steps"],
                       "seconds": summary["train"]["seconds"]},
+            "data": self._data_provenance(entries, replay),
             "config": {"steps": s.steps, "epochs": s.epochs, "batch_rows": s.batch_rows, "max_len": s.max_len,
                        "lr": s.lr, "warmup_steps": s.warmup_steps, "seed": s.seed, "draft_vocab": s.draft_vocab,
                        "eval_fraction": s.eval_fraction, "replay": s.replay, "replay_recent": s.replay_recent,
@@ -208,6 +230,12 @@ class TrainingCycle:
                        "promote_margin": s.promote_margin, "auto_promote": s.auto_promote, "device": s.device},
         }
         return _with_ids(doc, {"chunk_ids": ids, "eval_chunk_ids": list(summary.get("eval_chunk_ids", []))})
+
+
+def _span(entries) -> dict:
+    times = [e.created_unix_s for e in entries]
+    return {"first_collected_unix_s": min(times) if times else None,
+            "last_collected_unix_s": max(times) if times else None}
 
 
 def _with_ids(doc: dict, lists: dict[str, list[str]]) -> dict:

@@ -8,6 +8,11 @@ For each `ChunkRef` (tide.streams), in order:
    finite values, the reference's target model) and must carry the reference's chunk id and token
    count;
 4. it is recorded in the manifest (manifest.py) and only then acked.
+A sealed blob (tide/datakeys.py) is opened with the trainer's data keys in step 3; one that fails
+authentication is quarantined like a corrupt one (dead-lettered, counted in `quarantined`, never
+trained on). A chunk id with a tombstone (deleted by retention, the budget or forget:
+governance.py) is skipped; a chunk holding rows of a forgotten request or API key is rewritten
+without them right after it is recorded.
 A chunk failing 2-3 (or whose blob is gone) raises `tide.streams.Reject`: the consumer writes it
 to the dead-letter stream with the reason and acks it; it is counted and never trained on. S3 or
 Redis being unreachable is not the chunk's fault: S3 failures other than a missing blob raise
@@ -28,7 +33,8 @@ from minio.error import MinioException, S3Error
 from services.trainer.manifest import Manifest, ManifestEntry
 from tide import blobs, streams
 from tide.blobs import ChecksumMismatch
-from tide.chunks import ChunkInvalid, decode_chunk
+from tide.chunks import ChunkInvalid, ChunkUnauthentic, decode_chunk
+from tide.datakeys import Keyring
 from tide.streams import ChunkRef, Consumer, ConsumerThread, Message, Reject, Transient
 
 log = logging.getLogger(__name__)
@@ -45,13 +51,17 @@ class IngestStats:
     accepted: int = 0  # new chunks recorded in the manifest
     deduplicated: int = 0  # references to chunk ids already recorded
     accepted_tokens: int = 0
+    quarantined: int = 0  # sealed blobs that failed authentication (dead-lettered)
+    deleted: int = 0  # references to chunks deleted since (tombstoned): skipped
 
 
 class ChunkIngest:
     """The stream handler (thread-confined: called by one consumer thread)."""
 
-    def __init__(self, s3: Minio, manifest: Manifest) -> None:
+    def __init__(self, s3: Minio, manifest: Manifest, keyring: Keyring | None = None, governor=None) -> None:
         self.s3, self.manifest = s3, manifest
+        self.keyring = keyring if keyring is not None else Keyring.empty()
+        self.governor = governor  # services.trainer.governance.DataGovernor (forgotten rows), or None
         self.stats = IngestStats()
 
     def handle(self, msg: Message[ChunkRef]) -> None:
@@ -61,6 +71,10 @@ class ChunkIngest:
             raise Transient(f"object store unavailable ({getattr(e, 'code', None) or type(e).__name__})") from e
 
     def _handle(self, ref: ChunkRef, msg: Message[ChunkRef]) -> None:
+        if self.manifest.is_deleted(ref.chunk_id):
+            self.stats.deleted += 1
+            log.info("chunk %s was deleted (retention, budget or forget): skipped", ref.chunk_id)
+            return
         if self.manifest.seen(ref.chunk_id):
             self.stats.deduplicated += 1
             log.info("chunk %s already recorded (delivery %d of entry %s): skipped", ref.chunk_id, msg.deliveries,
@@ -79,14 +93,20 @@ class ChunkIngest:
         if len(data) != ref.size_bytes:
             raise Reject(f"chunk {ref.chunk_id}: blob has {len(data)} bytes, the reference says {ref.size_bytes}")
         try:
-            chunk = decode_chunk(data, expected_target=ref.target_model)
+            chunk = decode_chunk(data, expected_target=ref.target_model, keyring=self.keyring)
+        except ChunkUnauthentic as e:
+            self.stats.quarantined += 1
+            raise Reject(f"quarantined: {e}") from None
         except ChunkInvalid as e:
             raise Reject(f"invalid chunk: {e}") from None
         if chunk.meta.chunk_id != ref.chunk_id:
             raise Reject(f"blob holds chunk {chunk.meta.chunk_id!r}, the reference names {ref.chunk_id!r}")
         if chunk.num_tokens != ref.num_tokens:
             raise Reject(f"chunk {ref.chunk_id}: {chunk.num_tokens} tokens, the reference says {ref.num_tokens}")
-        if self.manifest.add(ManifestEntry.from_ref(ref)):
+        entry = ManifestEntry.from_ref(ref)
+        if self.manifest.add(entry):
+            if self.governor is not None and self.governor.matches_forgotten(entry):
+                self.governor.apply_forgotten(entry)
             self.stats.accepted += 1
             self.stats.accepted_tokens += ref.num_tokens
             log.info("chunk %s accepted: %d tokens of %s from %s", ref.chunk_id, ref.num_tokens, ref.target_model,

@@ -6,6 +6,14 @@ Layout under `<prefix>/targets/<target>/` in the trainer's bucket (target and ch
     chunks/<chunk id>.json   one entry per accepted chunk (where its blob is, SHA-256, tokens, ...)
     runs/<run id>.json       one record per finished run: the chunk ids it trained on, its outcome
 
+and under `<prefix>/governance/` (services/trainer/governance.py):
+
+    deleted/<chunk id>.json    a tombstone per chunk deleted (retention, the byte budget, forget):
+                               written before the blob goes, so neither the intake nor the
+                               reconciler ever records a deleted chunk again
+    forgotten/<sha256>.json    a request id or API key id `tidectl data forget` was asked to remove:
+                               chunks that arrive later holding its rows are rewritten without them
+
 An entry is created with a conditional write (`If-None-Match: *`, tide.blobs.put_pointer), so a
 chunk id is recorded exactly once however many times its reference is delivered, and by whichever
 trainer replica gets there first: that is the dedupe. The trainer acks a stream entry only after
@@ -17,6 +25,7 @@ the run records and the still-buffered entries.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
@@ -51,6 +60,9 @@ class ManifestEntry:
     worker_id: str
     created_unix_s: float
     added_unix_s: float
+    request_ids: list[str] = dataclasses.field(default_factory=list)  # whose rows (tidectl data forget)
+    key_ids: list[str] = dataclasses.field(default_factory=list)
+    data_key_id: str = ""  # the key that sealed the blob ("" = in the clear)
 
     @classmethod
     def from_ref(cls, ref: ChunkRef, now: float | None = None) -> ManifestEntry:
@@ -67,6 +79,8 @@ class Manifest:
         self._seen: set[str] = set()
         self._buffered: dict[str, dict[str, ManifestEntry]] = {}  # target -> chunk id -> entry
         self.runs: dict[str, dict[str, dict]] = {}  # target -> run id -> record
+        self._deleted: set[str] = set()  # chunk ids with a tombstone
+        self.forgotten: dict[str, set[str]] = {"request_id": set(), "key_id": set()}
 
     def _dir(self, target_model: str) -> str:
         return f"{self.prefix}/targets/{quote(target_model, safe='')}"
@@ -76,6 +90,79 @@ class Manifest:
 
     def run_key(self, target_model: str, run_id: str) -> str:
         return f"{self._dir(target_model)}/runs/{quote(run_id, safe='')}.json"
+
+    def deleted_key(self, chunk_id: str) -> str:
+        return f"{self.prefix}/governance/deleted/{quote(chunk_id, safe='')}.json"
+
+    def forgotten_key(self, kind: str, value: str) -> str:
+        return f"{self.prefix}/governance/forgotten/{blobs.sha256_hex(f'{kind}:{value}'.encode())}.json"
+
+    def is_deleted(self, chunk_id: str) -> bool:
+        with self._lock:
+            return chunk_id in self._deleted
+
+    def deleted_count(self) -> int:
+        with self._lock:
+            return len(self._deleted)
+
+    def mark_deleted(self, chunk_id: str, reason: str, now: float | None = None) -> None:
+        """Write the chunk's tombstone (idempotent) and drop it from the in-memory index; the caller
+        then removes the blob and the entry object (`drop_entry`)."""
+        with contextlib.suppress(PointerConflict):  # already tombstoned
+            blobs.put_pointer(self.s3, self.bucket, self.deleted_key(chunk_id),
+                              {"chunk_id": chunk_id, "reason": reason, "unix_s": time.time() if now is None else now},
+                              expected_etag=None)
+        with self._lock:
+            self._deleted.add(chunk_id)
+            self._seen.add(chunk_id)
+            for group in self._buffered.values():
+                group.pop(chunk_id, None)
+
+    def drop_entry(self, target_model: str, chunk_id: str) -> None:
+        self.s3.remove_object(self.bucket, self.entry_key(target_model, chunk_id))
+
+    def forget(self, kind: str, value: str) -> None:
+        """Remember a request id / key id to keep out of chunks that arrive later (durable)."""
+        with contextlib.suppress(PointerConflict):  # asked before
+            blobs.put_pointer(self.s3, self.bucket, self.forgotten_key(kind, value),
+                              {"kind": kind, "value": value, "unix_s": time.time()}, expected_etag=None)
+        with self._lock:
+            self.forgotten[kind].add(value)
+
+    def replace(self, old: ManifestEntry, new: ManifestEntry) -> None:
+        """A chunk rewritten in place (same id and key, fewer rows): its entry object and index follow."""
+        key = self.entry_key(new.target_model, new.chunk_id)
+        current = blobs.get_pointer(self.s3, self.bucket, key)
+        blobs.put_pointer(self.s3, self.bucket, key, dataclasses.asdict(new),
+                          expected_etag=None if current is None else current.etag)
+        with self._lock:
+            group = self._buffered.get(new.target_model, {})
+            if old.chunk_id in group:
+                group[new.chunk_id] = new
+            records = [(run_id, r) for run_id, r in self.runs.get(new.target_model, {}).items()
+                       if new.chunk_id in r.get("chunk_ids", [])]
+        for run_id, record in records:  # replay reads the new SHA-256, and the old request ids go
+            value = {**record, "chunks": [dataclasses.asdict(new) if f.get("chunk_id") == new.chunk_id else f
+                                          for f in record.get("chunks", [])]}
+            blobs.update_pointer(self.s3, self.bucket, self.run_key(new.target_model, run_id), lambda _, v=value: v)
+            with self._lock:
+                self.runs[new.target_model][run_id] = value
+
+    def all_entries(self) -> list[ManifestEntry]:
+        """Every recorded entry object, buffered or trained on (reads each: for forget, not hot paths)."""
+        out = []
+        for key in blobs.list_keys(self.s3, self.bucket, f"{self.prefix}/targets/"):
+            parts = key[len(self.prefix) + 1:].split("/")
+            if len(parts) == 4 and parts[2] == "chunks" and parts[3].endswith(".json"):
+                pointer = blobs.get_pointer(self.s3, self.bucket, key)
+                if pointer is not None:
+                    out.append(ManifestEntry(**pointer.value))
+        return out
+
+    def trained_ids(self) -> set[str]:
+        """Chunk ids some recorded run trained on (consumed), any target."""
+        with self._lock:
+            return {c for runs in self.runs.values() for r in runs.values() for c in r.get("chunk_ids", [])}
 
     def load(self) -> Manifest:
         """Read the manifest from storage (at start; replaces the in-memory index)."""
@@ -92,18 +179,29 @@ class Manifest:
                 pointer = blobs.get_pointer(self.s3, self.bucket, key)
                 if pointer is not None:
                     runs.setdefault(target, {})[name] = pointer.value
+        deleted: set[str] = set()
+        forgotten: dict[str, set[str]] = {"request_id": set(), "key_id": set()}
+        for key in blobs.list_keys(self.s3, self.bucket, f"{self.prefix}/governance/"):
+            kind, _, name = key[len(self.prefix) + len("/governance/"):].partition("/")
+            if kind == "deleted" and name.endswith(".json"):
+                deleted.add(unquote(name[:-5]))
+            elif kind == "forgotten":
+                pointer = blobs.get_pointer(self.s3, self.bucket, key)
+                if pointer is not None and pointer.value.get("kind") in forgotten:
+                    forgotten[pointer.value["kind"]].add(str(pointer.value.get("value", "")))
         buffered: dict[str, dict[str, ManifestEntry]] = {}
         for target, keys in chunk_keys.items():
             trained = {c for r in runs.get(target, {}).values() for c in r.get("chunk_ids", [])}
             for chunk_id, key in keys.items():
-                if chunk_id in trained:
+                if chunk_id in trained or chunk_id in deleted:
                     continue
                 pointer = blobs.get_pointer(self.s3, self.bucket, key)
                 if pointer is not None:
                     buffered.setdefault(target, {})[chunk_id] = ManifestEntry(**pointer.value)
         with self._lock:
-            self._seen = {c for keys in chunk_keys.values() for c in keys}
+            self._seen = {c for keys in chunk_keys.values() for c in keys} | deleted
             self._buffered, self.runs = buffered, runs
+            self._deleted, self.forgotten = deleted, forgotten
         log.info("manifest loaded: %d chunks (%d buffered), %d runs", len(self._seen),
                  sum(len(b) for b in buffered.values()), sum(len(r) for r in runs.values()))
         return self
@@ -159,11 +257,13 @@ class Manifest:
         chunk locations contribute nothing), in run order, each once."""
         with self._lock:
             records = list(self.runs.get(target_model, {}).values())
+            deleted = set(self._deleted)
         seen: dict[str, ManifestEntry] = {}
         for record in records:
             for fields in record.get("chunks", []):
                 entry = ManifestEntry(**fields)
-                seen.setdefault(entry.chunk_id, entry)
+                if entry.chunk_id not in deleted:  # retention, the budget or forget removed it
+                    seen.setdefault(entry.chunk_id, entry)
         return list(seen.values())
 
     def heldout_history(self, target_model: str, tokens: int, heldout: Callable[[str], bool]) -> list[ManifestEntry]:

@@ -38,6 +38,29 @@ class TrainerCollector:
             yield CounterMetricFamily("tide_trainer_reconcile_passes", "Finished reconciler passes", value=r.passes)
             yield CounterMetricFamily("tide_trainer_reconcile_errors", "Reconciler passes that failed (S3 or Redis "
                                       "unreachable; the next one starts over)", value=r.errors)
+        g = getattr(s, "governor", None)
+        if g is not None:
+            deleted = CounterMetricFamily("tide_trainer_chunks_deleted", "Chunk blobs deleted by reason: "
+                                          "retention_consumed, retention_unconsumed, budget, forget", labels=["reason"])
+            deleted_bytes = CounterMetricFamily("tide_trainer_chunk_bytes_deleted", "Bytes of deleted chunk blobs by "
+                                                "reason", labels=["reason"])
+            for reason in ("retention_consumed", "retention_unconsumed", "budget", "forget"):
+                deleted.add_metric([reason], g.stats.deleted[reason])
+                deleted_bytes.add_metric([reason], g.stats.deleted_bytes[reason])
+            yield deleted
+            yield deleted_bytes
+            yield GaugeMetricFamily("tide_trainer_bucket_chunk_bytes", "Chunk blob bytes in the bucket at the last "
+                                    "sweep", value=g.stats.bucket_bytes)
+            yield GaugeMetricFamily("tide_trainer_bucket_budget_bytes", "TIDE_CHUNK_BUCKET_BYTES (0 = none)",
+                                    value=g.policy.budget_bytes)
+            yield CounterMetricFamily("tide_trainer_stream_entries_trimmed", "Chunk and dead-letter stream entries "
+                                      "trimmed by retention", value=g.stats.stream_trimmed)
+            yield CounterMetricFamily("tide_trainer_rows_forgotten", "Chunk rows removed by forget",
+                                      value=g.stats.rows_forgotten)
+        cycle = getattr(s.runner, "cycle", None)
+        yield CounterMetricFamily("tide_trainer_chunks_quarantined", "Sealed chunk blobs that failed authentication "
+                                  "(dead-lettered or skipped, never trained on)",
+                                  value=s.ingest.stats.quarantined + int(getattr(cycle, "quarantined", 0)))
         n, tokens = s.manifest.buffered_totals()
         yield GaugeMetricFamily("tide_trainer_buffered_chunks", "Accepted chunks not trained on yet", value=n)
         yield GaugeMetricFamily("tide_trainer_buffered_tokens", "Tokens of buffered chunks", value=tokens)

@@ -7,7 +7,8 @@ seconds (the first pass at start) one pass:
 
 1. lists the blobs under `<prefix>/` (`*.safetensors`) last modified more than `grace_s` ago:
    younger ones may still get their reference (the exporter adds it right after the blob);
-2. leaves out those whose chunk id (the key's file name) the manifest has recorded, those this
+2. leaves out those whose chunk id (the key's file name) the manifest has recorded or tombstoned
+   (deleted by retention, the budget or forget: a deleted chunk is never resurrected), those this
    reconciler handled before, and those named by an entry of the chunk stream (pending or acked)
    or of the dead-letter stream (a letter's reference, or the blob of an earlier reconciler letter).
    Both streams are read incrementally (the entries added since the last pass), after the listing,
@@ -15,9 +16,9 @@ seconds (the first pass at start) one pass:
 3. downloads each blob left and verifies it: the SHA-256 stored with it (tide.blobs.get_bytes) and
    tide.chunks.decode_chunk. A valid chunk is re-enqueued: XADD of a `ChunkRef` built from its
    header, size and SHA-256; the intake then checks and records it like any other (ingest.py). A
-   corrupt one goes to the dead-letter stream with the reason (source_stream "s3://<bucket>",
-   source_id its key, consumer "trainer/reconciler"), once. A blob of a chunk id the manifest
-   already holds under another key is only remembered.
+   corrupt one (a sealed blob failing authentication too) goes to the dead-letter stream with the
+   reason (source_stream "s3://<bucket>", source_id its key, consumer "trainer/reconciler"), once.
+   A blob of a chunk id the manifest already holds under another key is only remembered.
 
 Idempotent: a blob is enqueued or dead-lettered at most once per reconciler (it remembers the key),
 and a restarted one finds its earlier entries on the streams. Should two replicas both enqueue a
@@ -45,6 +46,7 @@ from services.trainer.manifest import Manifest
 from tide import blobs, streams
 from tide.blobs import ChecksumMismatch
 from tide.chunks import ChunkInvalid, decode_chunk
+from tide.datakeys import Keyring, sealed_key_id
 from tide.streams import ChunkRef, DeadLetter, PayloadError, StreamNames
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,10 @@ class Reconciler:
     """Runs `run_once` every `interval_s` in a thread ("chunk-reconciler") until `stop()`."""
 
     def __init__(self, s3: Minio, bucket: str, client: redis.Redis, names: StreamNames, manifest: Manifest, *,
-                 prefix: str = "chunks", interval_s: float = 60.0, grace_s: float = 120.0) -> None:
+                 prefix: str = "chunks", interval_s: float = 60.0, grace_s: float = 120.0,
+                 keyring: Keyring | None = None) -> None:
         self.s3, self.bucket, self.client, self.names, self.manifest = s3, bucket, client, names, manifest
+        self.keyring = keyring if keyring is not None else Keyring.empty()
         self.prefix, self.interval_s, self.grace_s = prefix.strip("/"), interval_s, grace_s
         self.stats = ReconcileStats()
         self._handled: set[str] = set()  # keys this reconciler enqueued, dead-lettered or found recorded
@@ -111,8 +115,8 @@ class Reconciler:
                 continue
             if obj.last_modified is None or obj.last_modified.timestamp() > cutoff:
                 continue  # in flight: its reference may be on its way
-            if self.manifest.seen(_chunk_id(key)):
-                continue
+            if self.manifest.seen(_chunk_id(key)) or self.manifest.is_deleted(_chunk_id(key)):
+                continue  # recorded, or deleted (a tombstone: never resurrected; the data sweep removes the blob)
             candidates.append((key, obj.size or 0))
         if candidates:
             self._read_streams()
@@ -139,11 +143,11 @@ class Reconciler:
                 return 0
             raise
         try:
-            chunk = decode_chunk(data)
-        except ChunkInvalid as e:
+            chunk = decode_chunk(data, keyring=self.keyring)
+        except ChunkInvalid as e:  # a sealed blob failing authentication too (ChunkUnauthentic): quarantined
             return self._dead_letter(key, len(data), f"invalid chunk: {e}")
         meta = chunk.meta
-        if self.manifest.seen(meta.chunk_id):  # recorded under another key: nothing to do
+        if self.manifest.seen(meta.chunk_id) or self.manifest.is_deleted(meta.chunk_id):  # nothing to do
             self._handled.add(key)
             return 0
         parts = PurePosixPath(key).parts  # <prefix>/<target>/<worker>/<chunk id>.safetensors
@@ -151,7 +155,8 @@ class Reconciler:
         ref = ChunkRef(chunk_id=meta.chunk_id, bucket=self.bucket, key=key, size_bytes=len(data),
                        sha256=blobs.sha256_hex(data), num_tokens=chunk.num_tokens, target_model=meta.target_model,
                        draft_version=meta.draft_version, workload=meta.workload, worker_id=worker,
-                       created_unix_s=meta.created_at)
+                       created_unix_s=meta.created_at, request_ids=list(meta.request_ids),
+                       key_ids=list(meta.key_ids), data_key_id=sealed_key_id(data))
         entry_id = streams.add(self.client, self.names.chunks, ref)
         self._handled.add(key)
         self.stats.enqueued += 1

@@ -80,6 +80,21 @@ class TrainerSettings(ListenHostMixin, CpuSetMixin, TideSettings):
                                       "seconds (their references may still come)")
     reconcile_prefix: Prefix = Field("chunks", description="S3 key prefix the workers write chunk blobs under "
                                      "(their TIDE_CHUNK_PREFIX)")
+    # the governed chunk store (governance.py, docs/data-handling.md)
+    chunk_retention_h: Annotated[float, finite_at_least(0)] = Field(
+        24.0, validation_alias="TIDE_CHUNK_RETENTION_H",
+        description="hours a consumed chunk (one a recorded run trained on) is kept after it was stored; the chunk "
+        "stream's acked entries are trimmed after as long")
+    chunk_unconsumed_retention_h: Annotated[float, finite_at_least(0)] = Field(
+        168.0, validation_alias="TIDE_CHUNK_UNCONSUMED_RETENTION_H",
+        description="hours any other chunk is kept (never trained on: collected while training was off or "
+        "behind); dead letters are trimmed after as long")
+    chunk_bucket_bytes: NonNegative = Field(
+        8 << 30, validation_alias="TIDE_CHUNK_BUCKET_BYTES",
+        description="byte budget of the chunk blobs in the bucket (under TIDE_TRAINER_RECONCILE_PREFIX): the oldest "
+        "are deleted while they add up to more; 0 = no budget")
+    sweep_interval_s: Extent = Field(60.0, description="how often retention and the byte budget are applied, "
+                                     "seconds; 0 = never (no deletion at all)")
     work_dir: str = Field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "tide-trainer"),
                           json_schema_extra=shown_default("`<tmp>/tide-trainer`"),
                           description="local directory for run outputs")

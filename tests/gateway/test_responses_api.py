@@ -199,3 +199,12 @@ def test_store_is_bounded_and_expires():
     assert not store.put("big", {"pad": "x" * 2000}, [])
     now[0] = 11
     assert store.get("r19") is None and len(store) == 0
+
+
+def test_store_false_is_not_trained_on(gateway):
+    """`store: false` is passed on as chat's: the worker captures nothing of it (docs/data-handling.md)."""
+    body = {"model": MODEL_NAME, "input": PROMPT, "max_output_tokens": 2}
+    stored = httpx.post(f"{gateway}/v1/responses", json=body)
+    unstored = httpx.post(f"{gateway}/v1/responses", json={**body, "store": False})
+    assert stored.headers["x-tide-training"] == "eligible"
+    assert unstored.headers["x-tide-training"] == "excluded; reason=store_false"

@@ -8,12 +8,18 @@
     tidectl drafts rollback [TARGET | VERSION] [--reason R] [--expect-current V]
                                                               back to the previous current (or to VERSION)
     tidectl drafts watch    TARGET                           print each assignment change (Ctrl-C stops)
+    tidectl data forget     --request-id ID | --key-id ID    delete every captured row of a request / API key
+    tidectl data sweep                                       apply retention and the byte budget now
+    tidectl data key-id     KEY                              the id recorded for an API key (a hash)
+    tidectl data new-key    ID                               a fresh "ID:base64key" line for TIDE_DATA_KEYS
 
 Common options (before or after the subcommand): `--registry host:port` (else $TIDE_REGISTRY_ADDR,
 else the registry of the `tide up` stack running from ./var or $TIDE_STACK_DIR — found through its
 current-stack.json, see tools.stackfile — else 127.0.0.1:50055), `--token` (else $TIDE_ADMIN_TOKEN,
 else that stack's admin-token file; needed for pin/unpin/promote/rollback),
-`--json` (machine-readable output on stdout), `--timeout` seconds. A target can also be given as
+`--json` (machine-readable output on stdout), `--timeout` seconds. `tidectl data` talks to the
+trainer: `--trainer host:port` (else $TIDE_TRAINER_ADDR, else that stack's trainer, else
+127.0.0.1:50054); docs/data-handling.md. A target can also be given as
 `--target`; when omitted and the registry knows exactly one target, that one is used.
 
 Exit status: 0 ok; 2 bad usage or INVALID_ARGUMENT; 3 NOT_FOUND; 4 FAILED_PRECONDITION or ABORTED;
@@ -65,7 +71,20 @@ def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidectl", description="Operate TIDE's draft registry.")
     _common(parser, suppress=False)
-    groups = parser.add_subparsers(dest="group", required=True, metavar="{drafts}")
+    groups = parser.add_subparsers(dest="group", required=True, metavar="{drafts,data}")
+    data = groups.add_parser("data", help="captured traffic: forget, sweep, key ids").add_subparsers(
+        dest="command", required=True, metavar="{forget,sweep,key-id,new-key}")
+    forget = data.add_parser("forget", help="delete every captured row of a request or an API key")
+    _common(forget, suppress=True)
+    forget.add_argument("--trainer", default=None, help="trainer host:port")
+    which = forget.add_mutually_exclusive_group(required=True)
+    which.add_argument("--request-id", dest="request_id", help='the response id ("chatcmpl-...", "cmpl-...")')
+    which.add_argument("--key-id", dest="key_id", help="an API key's id (tidectl data key-id KEY)")
+    sweep = data.add_parser("sweep", help="apply retention and the byte budget now")
+    _common(sweep, suppress=True)
+    sweep.add_argument("--trainer", default=None, help="trainer host:port")
+    data.add_parser("key-id", help="the id recorded for an API key").add_argument("key", metavar="KEY")
+    data.add_parser("new-key", help="a fresh data key line").add_argument("key_id", metavar="ID")
     drafts = groups.add_parser("drafts", help="draft versions and pointers").add_subparsers(
         dest="command", required=True, metavar="{list,show,pin,unpin,promote,rollback,watch}"
     )
@@ -197,8 +216,62 @@ def _connection(args) -> tuple[str | None, str | None]:
     return address, token
 
 
+def _trainer(args) -> tuple[str, str | None]:
+    address = getattr(args, "trainer", None) or os.environ.get("TIDE_TRAINER_ADDR") or None
+    token = args.token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    if address is None:
+        stack = find_stack()
+        if stack is not None and stack.endpoints.get("trainer"):
+            address = str(stack.endpoints["trainer"])
+            token = token or stack.admin_token
+    return address or "127.0.0.1:50054", token
+
+
+def run_data(args) -> int:
+    """`tidectl data ...` (the trainer's ForgetData / SweepData, or local key helpers)."""
+    from tide.datakeys import new_key_line
+
+    if args.command == "key-id":
+        from services.gateway.governance import key_id
+
+        _emit(args, {"key_id": key_id(args.key)}, key_id(args.key))
+        return 0
+    if args.command == "new-key":
+        print(new_key_line(args.key_id))
+        return 0
+    from google.protobuf.json_format import MessageToDict
+
+    from tide.grpcutil import channel
+    from tide.proto.tide.v1 import trainer_pb2, trainer_pb2_grpc
+
+    address, token = _trainer(args)
+    stub = trainer_pb2_grpc.TrainerServiceStub(channel(address, token=token))
+    try:
+        if args.command == "forget":
+            req = trainer_pb2.ForgetDataRequest(request_id=args.request_id) if args.request_id else \
+                trainer_pb2.ForgetDataRequest(key_id=args.key_id)
+            r = stub.ForgetData(req, timeout=max(args.timeout, 120.0))
+            data = MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            what = args.request_id or f"key {args.key_id}"
+            text = (f"forgot {what}: {r.rows_removed} rows removed; {len(r.chunks_deleted)} chunks deleted, "
+                    f"{len(r.chunks_rewritten)} rewritten without them, {r.stream_entries_deleted} stream entries "
+                    "deleted (drafts already trained on them keep existing)")
+        else:
+            r = stub.SweepData(trainer_pb2.SweepDataRequest(), timeout=max(args.timeout, 120.0))
+            data = MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            text = f"deleted {dict(r.chunks_deleted) or 'nothing'}; {r.bucket_chunk_bytes} chunk bytes left " \
+                   f"in {r.bucket_chunks} blobs"
+        _emit(args, data, text)
+        return 0
+    except grpc.RpcError as e:
+        code = e.code()
+        return _fail(args, code.name, f"trainer at {address}: {e.details() or code.name}", EXIT_CODES.get(code, 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.group == "data":
+        return run_data(args)
     address, token = _connection(args)
     client = RegistryClient(address, token=token, actor=f"tidectl:{_user()}", timeout_s=args.timeout)
     try:

@@ -44,6 +44,16 @@ class TrainerServiceStub:
                 request_serializer=tide_dot_v1_dot_trainer__pb2.GetTrainerStatusRequest.SerializeToString,
                 response_deserializer=tide_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
+        self.ForgetData = channel.unary_unary(
+                '/tide.v1.TrainerService/ForgetData',
+                request_serializer=tide_dot_v1_dot_trainer__pb2.ForgetDataRequest.SerializeToString,
+                response_deserializer=tide_dot_v1_dot_trainer__pb2.ForgetDataResponse.FromString,
+                _registered_method=True)
+        self.SweepData = channel.unary_unary(
+                '/tide.v1.TrainerService/SweepData',
+                request_serializer=tide_dot_v1_dot_trainer__pb2.SweepDataRequest.SerializeToString,
+                response_deserializer=tide_dot_v1_dot_trainer__pb2.SweepDataResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -61,6 +71,22 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetData(self, request, context):
+        """Delete every captured row of a request or an API key (`tidectl data forget`): chunks holding
+        only such rows are deleted, chunks shared with other requests rewritten without them. Drafts
+        already trained on them keep existing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SweepData(self, request, context):
+        """Apply retention and the byte budget now (they also run every TIDE_TRAINER_SWEEP_INTERVAL_S).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +99,16 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=tide_dot_v1_dot_trainer__pb2.GetTrainerStatusRequest.FromString,
                     response_serializer=tide_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+            ),
+            'ForgetData': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetData,
+                    request_deserializer=tide_dot_v1_dot_trainer__pb2.ForgetDataRequest.FromString,
+                    response_serializer=tide_dot_v1_dot_trainer__pb2.ForgetDataResponse.SerializeToString,
+            ),
+            'SweepData': grpc.unary_unary_rpc_method_handler(
+                    servicer.SweepData,
+                    request_deserializer=tide_dot_v1_dot_trainer__pb2.SweepDataRequest.FromString,
+                    response_serializer=tide_dot_v1_dot_trainer__pb2.SweepDataResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +165,60 @@ class TrainerService:
             '/tide.v1.TrainerService/GetStatus',
             tide_dot_v1_dot_trainer__pb2.GetTrainerStatusRequest.SerializeToString,
             tide_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tide.v1.TrainerService/ForgetData',
+            tide_dot_v1_dot_trainer__pb2.ForgetDataRequest.SerializeToString,
+            tide_dot_v1_dot_trainer__pb2.ForgetDataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SweepData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tide.v1.TrainerService/SweepData',
+            tide_dot_v1_dot_trainer__pb2.SweepDataRequest.SerializeToString,
+            tide_dot_v1_dot_trainer__pb2.SweepDataResponse.FromString,
             options,
             channel_credentials,
             insecure,
