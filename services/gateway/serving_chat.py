@@ -21,6 +21,13 @@ null unless the model also wrote text, and `finish_reason: "tool_calls"`; stream
 comes as OpenAI's deltas: `{index, id, type, function: {name, arguments: ""}}`, then
 `{index, function: {arguments: <more>}}`. Without `parallel_tool_calls` (true by default) a choice
 has at most one call. With tools, `logprobs` cover every generated token (tool-call text included).
+
+vLLM's `echo`: when the last message is the assistant's (the text `continue_final_message` continues),
+each choice's content starts with it (streamed: in the role chunk).
+
+`run` serves one choice as events (content, tool-call starts and argument fragments, then a
+`RunFinish`) for the endpoints that speak other APIs over this machinery (serving_responses,
+serving_messages): the same prompt, constraint, parsing and speculation as a chat request.
 """
 
 from __future__ import annotations
