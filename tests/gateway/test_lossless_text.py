@@ -6,7 +6,8 @@ translation prompts below, and this small model's own loops) whole copies are ac
 so steps commit many tokens at once, across the bytes of multi-byte characters. Every answer is
 compared with the same request sent with `speculative: false`, streamed with non-streamed, and
 with the decode of its own token ids (from the logprobs' bytes); greedy and seeded sampling, alone
-and under load, chat and completions, n > 1, stop strings, logprobs and JSON mode.
+and under load, chat and completions (and the Responses and Messages APIs against chat), n > 1, stop
+strings, logprobs and JSON mode.
 
 Each of these failed before the detokenizer decoded the tail of a request whose last commit ended
 inside a character (greedy: the speculative text lost whole runs of CJK text) and before seeded
@@ -19,6 +20,7 @@ import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import pytest
 from openai import OpenAI
 
@@ -201,3 +203,36 @@ def test_stop_strings_logprobs_and_json_mode_keep_the_text(oai, ref_tokenizer):
         return [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []]
     for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 9}):
         assert call(True, **kw) == call(False, **kw) != []
+
+
+def test_responses_and_messages_apis_give_chats_text(oai):
+    """The Responses and Anthropic Messages endpoints run the same chat choice: greedy, their text is
+    chat's with speculation on or off, streamed or not, in every script."""
+    base = str(oai.base_url).removesuffix("/").removesuffix("/v1")
+    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=300)
+    prompts = PROMPTS[1::2]
+
+    def response(prompt, speculative, stream=False):
+        args = dict(model=MODEL_NAME, input=prompt, max_output_tokens=MAX_TOKENS, temperature=0,
+                    extra_body={"speculative": speculative})
+        if not stream:
+            return oai.responses.create(**args).output_text
+        events = oai.responses.create(stream=True, **args)
+        return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+    def message(prompt, speculative, stream=False):
+        args = dict(model=MODEL_NAME, messages=_messages(prompt), max_tokens=MAX_TOKENS,
+                    extra_body={"temperature": 0, "speculative": speculative})
+        if not stream:
+            return "".join(b.text for b in claude.messages.create(**args).content)
+        with claude.messages.stream(**args) as s:
+            return "".join(s.text_stream)
+
+    expected = _parallel(chat, [((oai, p, False), {}) for p in prompts])
+    for fn in (response, message):
+        jobs = [((p, s), {"stream": st}) for st in (False, True) for s in (True, False) for p in prompts]
+        results = _parallel(fn, jobs)
+        runs = [results[i * len(prompts):(i + 1) * len(prompts)] for i in range(4)]
+        mismatches = [(fn.__name__, p, e, *r) for p, e, *r in zip(prompts, expected, *runs, strict=True)
+                      if any(x != e for x in r)]
+        assert not mismatches, mismatches
