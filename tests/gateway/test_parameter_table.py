@@ -14,13 +14,17 @@ from services.gateway.protocol import (
     VLLM_EXTENSIONS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    VllmChatExtensions,
 )
 from services.gateway.protocol_messages import CountTokensRequest, MessagesRequest
 from services.gateway.protocol_responses import ResponsesRequest
 
 README = Path(__file__).resolve().parents[2] / "services" / "gateway" / "README.md"
 MODELS = {"chat": ChatCompletionRequest, "completions": CompletionRequest, "responses": ResponsesRequest,
-          "messages": MessagesRequest, "count_tokens": CountTokensRequest}
+          "messages": MessagesRequest, "count_tokens": CountTokensRequest, "tokenize": TokenizeRequest,
+          "detokenize": DetokenizeRequest}
 TIDE_ON = {"chat", "completions", "responses", "messages"}  # endpoints taking TIDE's extensions
 VLLM_ON = {"chat", "completions"}  # and vLLM's
 KINDS = {"supported", "ignored", "refused", "TIDE", "vLLM"}
@@ -57,9 +61,11 @@ def test_kinds_match_the_models():
     rows = table()
     for endpoint, model in MODELS.items():
         refused = {name for name, ep, kind in rows if ep == endpoint and kind == "refused"}
-        assert refused == set(model.unsupported_params), endpoint
+        assert refused == set(getattr(model, "unsupported_params", ())), endpoint
         tide = {name for name, ep, kind in rows if ep == endpoint and kind == "TIDE"}
         assert tide == (set(TIDE_EXTENSIONS) if endpoint in TIDE_ON else set()), endpoint
         vllm = {name for name, ep, kind in rows if ep == endpoint and kind == "vLLM"}
         expected = set(VLLM_EXTENSIONS) if endpoint in VLLM_ON else set()
-        assert vllm == expected | (set(VLLM_CHAT_EXTENSIONS) if endpoint == "chat" else set()), endpoint
+        expected |= set(VLLM_CHAT_EXTENSIONS) if endpoint == "chat" else set()
+        expected |= set(VllmChatExtensions.model_fields) if endpoint == "tokenize" else set()
+        assert vllm == expected, endpoint
