@@ -66,6 +66,8 @@ class GenerationRequest:
     sampling: SamplingOptions
     speculative: bool | None = None  # None = the worker's policy decides
     workload: str = ""
+    key_id: str = ""  # router.key_id of the request's API key ("" without keys): never the key
+    no_memory: bool = False  # the client asked not to have its text stored (`store: false`)
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,8 @@ def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
         sampling=sampling,
         workload=request.workload,
         prompt_token_ids=inference_pb2.TokenIds(ids=request.prompt_token_ids),
+        key_id=request.key_id,
+        no_memory=request.no_memory,
     )
     if request.speculative is not None:
         msg.speculative = request.speculative

@@ -13,6 +13,7 @@ iterator on disconnect).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 from dataclasses import asdict
@@ -60,6 +61,17 @@ def gateway(request: Request):
     return request.app.state.gateway
 
 
+def key_id(key: str) -> str:
+    """What the workers are told of an API key: its SHA-256, 16 hex digits (the speculation memory's
+    scope, tide.v1.GenerateRequest.key_id); the key itself never leaves the gateway."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def request_key_id(request: Request) -> str:
+    """The key id `require_api_key` found for this request; "" where no keys are configured."""
+    return getattr(request.state, "key_id", "")
+
+
 async def require_api_key(request: Request) -> None:
     """`Authorization: Bearer <key>` must name a configured key (no keys configured = open)."""
     keys = gateway(request).settings.api_keys
@@ -72,6 +84,7 @@ async def require_api_key(request: Request) -> None:
         raise invalid_api_key(provided=bool(header))
     if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
         raise invalid_api_key(provided=True)
+    request.state.key_id = key_id(token)
 
 
 def too_large(limit: int) -> OpenAIError:
@@ -150,7 +163,8 @@ BODIES = {
 async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     try:
-        return respond(await until_disconnect(request, gateway(request).chat.create_chat_completion(body)))
+        chat = gateway(request).chat.create_chat_completion(body, request_key_id(request))
+        return respond(await until_disconnect(request, chat))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -159,7 +173,8 @@ async def create_chat_completion(request: Request) -> Response:
 async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     try:
-        return respond(await until_disconnect(request, gateway(request).completion.create_completion(body)))
+        completion = gateway(request).completion.create_completion(body, request_key_id(request))
+        return respond(await until_disconnect(request, completion))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 

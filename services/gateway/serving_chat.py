@@ -225,7 +225,7 @@ class OpenAIServingChat(OpenAIServing):
         return ResponseMessage(content=parsed.content, tool_calls=calls), "tool_calls" if reason == "stop" else reason
 
     async def create_chat_completion(
-        self, request: ChatCompletionRequest
+        self, request: ChatCompletionRequest, key_id: str = ""
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """A full response, or (stream=True) an iterator of SSE lines whose first event has
         already arrived: errors before any output raise `OpenAIError` here, not inside the stream."""
@@ -273,7 +273,7 @@ class OpenAIServingChat(OpenAIServing):
             request,
             ChatCompletionResponse,
             response_id,
-            self.fan_out(response_id, request, [prompt], [max_tokens], constraint),
+            self.fan_out(response_id, request, [prompt], [max_tokens], constraint, key_id),
             len(prompt),
             arrival,
             choice=choice,

@@ -140,7 +140,9 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         return [self.truncated(next(encoded) if isinstance(p, str) else list(p), request) for p in prompts]
 
-    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def create_completion(
+        self, request: CompletionRequest, key_id: str = ""
+    ) -> CompletionResponse | AsyncIterator[str]:
         """A full response, or (stream=True) an iterator of SSE lines (see the chat endpoint)."""
         arrival = time.perf_counter()
         self.check_common(request)
@@ -163,7 +165,7 @@ class OpenAIServingCompletion(OpenAIServing):
             request,
             CompletionResponse,
             response_id,
-            self.fan_out(response_id, request, prompts, max_tokens, constraint),
+            self.fan_out(response_id, request, prompts, max_tokens, constraint, key_id),
             sum(len(p) for p in prompts),
             arrival,
             choice=lambda i, s: self.choice(request, i, s, echoed[i // request.n]),

@@ -336,8 +336,12 @@ class OpenAIServing:
         prompts: list[list[int]],
         max_tokens: list[int],
         constraint: Constraint | None = None,
+        key_id: str = "",
     ) -> list[GenerationRequest]:
-        """One engine request per (prompt, choice); choice index = prompt index * n + i."""
+        """One engine request per (prompt, choice); choice index = prompt index * n + i. `key_id`:
+        the API key's id (router.key_id), the worker's speculation-memory scope; `store: false` keeps
+        the request out of that memory."""
+        no_memory = getattr(request, "store", None) is False
         out = []
         for p, ids in enumerate(prompts):
             for i in range(request.n):
@@ -349,6 +353,8 @@ class OpenAIServing:
                         self.sampling(request, max_tokens[p], index, constraint),
                         request.speculative,
                         request.workload,
+                        key_id,
+                        no_memory,
                     )
                 )
         return out

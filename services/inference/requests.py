@@ -60,6 +60,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     speculative: bool | None = None  # None = the policy decides; False = never; True = always
     workload: str = ""
+    key_id: str = ""  # a hash of the request's API key ("" without keys): its speculation-memory scope
+    no_memory: bool = False  # True: not added to the speculation memory
     logprobs: int | None = None  # top alternatives per generated token's logprob entry; None = off
     prompt_logprobs: int | None = None  # the same for prompt tokens 1..n-1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
@@ -179,6 +181,8 @@ class RequestHandle:
     draft_version: str = ""
     done: bool = False
     grammar: CompiledGrammar | None = None  # params.grammar compiled by `Worker.submit` (off the loop)
+    memory_scope: str = ""  # the speculation memory it reads and, with `remember`, is added to
+    remember: bool = True
 
     def speculation(self) -> SpeculationStats:
         s = self.seq

@@ -24,7 +24,7 @@ def _scan(docs: list[list[int]], context: list[int], anchor: int, max_match: int
     document with a token after it, and the counts of the tokens that follow its occurrences."""
     for n in range(min(max_match, len(context)), anchor - 1, -1):
         tail = context[-n:]
-        nxt = Counter(d[e] for d in docs for e in range(n, len(d)) if d[e - n:e] == tail)
+        nxt = Counter(d[e] for d in docs for e in range(n, len(d)) if d[e - n : e] == tail)
         if nxt:
             return n, nxt
     return 0, Counter()
@@ -44,7 +44,7 @@ def test_query_finds_the_longest_match_and_its_continuation_counts(vocab):
             context = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
             if docs and rng.random() < 0.5:  # a context ending inside a document: a long match
                 d = rng.choice(docs)
-                context += d[:rng.randint(0, len(d))]
+                context += d[: rng.randint(0, len(d))]
             n, nxt = _scan(docs, context, 2, 12)
             got = index.query(context, depth=3, max_match=12, max_candidates=10_000)
             assert got.match == n
@@ -132,6 +132,7 @@ def test_bucket():
 
 # ---- in the engine -----------------------------------------------------------------------------
 
+
 def _prompts(seed: int, n: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 96) for _ in range(12 + i)] for i in range(n)]
@@ -151,8 +152,12 @@ def test_greedy_output_equals_plain_when_the_memory_proposes(tiny_model, batch, 
     config = EngineConfig(max_batch=8, max_seq_len=256)
     plain = [s.output_ids for s in LLMEngine(tiny_model, config).generate(prompts, PARAMS)]
     drafter = _hybrid(tiny_model, batch)
-    spec = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
-                     drafter=drafter, policy=FixedGamma(4) if policy == "chain" else FixedTree(4, 2, 6))
+    spec = LLMEngine(
+        tiny_model,
+        EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
+        drafter=drafter,
+        policy=FixedGamma(4) if policy == "chain" else FixedTree(4, 2, 6),
+    )
     assert [s.output_ids for s in spec.generate(prompts, PARAMS)] == plain
     assert drafter.recalled == 0  # nothing remembered yet
     again = spec.generate(prompts, PARAMS)  # the same prompts again: recalled from the memory
@@ -182,8 +187,12 @@ def _run(engine: LLMEngine, prompt: list[int], scope: str, remember: bool = True
 
 
 def test_one_scopes_outputs_never_feed_another_scopes_proposals(tiny_model):
-    engine = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
-                       drafter=_hybrid(tiny_model, 1), policy=FixedGamma(3))
+    engine = LLMEngine(
+        tiny_model,
+        EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
+        drafter=_hybrid(tiny_model, 1),
+        policy=FixedGamma(3),
+    )
     prompt = _prompts(5, 1)[0]
     assert "memory" not in _run(engine, prompt, "key-a")
     assert "memory" not in _run(engine, prompt, "key-b")  # key-a's output is not key-b's to recall
@@ -192,8 +201,12 @@ def test_one_scopes_outputs_never_feed_another_scopes_proposals(tiny_model):
 
 
 def test_a_request_that_opts_out_is_not_remembered(tiny_model):
-    engine = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
-                       drafter=_hybrid(tiny_model, 2), policy=FixedGamma(3))
+    engine = LLMEngine(
+        tiny_model,
+        EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
+        drafter=_hybrid(tiny_model, 2),
+        policy=FixedGamma(3),
+    )
     prompt = _prompts(6, 1)[0]
     _run(engine, prompt, "", remember=False)
     assert engine.memory.added == 0
@@ -201,8 +214,12 @@ def test_a_request_that_opts_out_is_not_remembered(tiny_model):
 
 
 def test_the_memory_survives_a_drafter_swap(tiny_model):
-    engine = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
-                       drafter=_hybrid(tiny_model, 3), policy=FixedGamma(3))
+    engine = LLMEngine(
+        tiny_model,
+        EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
+        drafter=_hybrid(tiny_model, 3),
+        policy=FixedGamma(3),
+    )
     prompt = _prompts(7, 1)[0]
     _run(engine, prompt, "")
     engine.swap_drafter(_hybrid(tiny_model, 4))  # a new draft version: the memory stays the engine's

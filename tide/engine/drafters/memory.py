@@ -159,10 +159,11 @@ class SuffixIndex:
     def _key(self, e: int, k: int) -> int:
         """The hash of the k-gram ending before global position e (collisions are verified away)."""
         i = e - self._base
-        return hash(tuple(self._tokens[i - k:i]))
+        return hash(tuple(self._tokens[i - k : i]))
 
-    def query(self, context: list[int], depth: int, max_match: int = 32, max_candidates: int = 64,
-              max_nodes: int = 64) -> Continuations:
+    def query(
+        self, context: list[int], depth: int, max_match: int = 32, max_candidates: int = 64, max_nodes: int = 64
+    ) -> Continuations:
         """Continuations of the longest suffix of `context` (≥ the shortest anchor, ≤ `max_match`
         tokens) among the most recent `max_candidates` occurrences of its anchor, `depth` deep."""
         for k in self.anchors:
@@ -189,13 +190,13 @@ class SuffixIndex:
         collided): the longest L in [k, len(tail)] with tokens[e-L:e] == tail[-L:], by bisection."""
         i = e - self._base
         toks = self._tokens
-        if toks[i - k:i] != tail[-k:]:
+        if toks[i - k : i] != tail[-k:]:
             return 0
         hi = min(len(tail), i)
         lo = k  # matches; find the largest matching length in (lo, hi]
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if toks[i - mid:i] == tail[-mid:]:
+            if toks[i - mid : i] == tail[-mid:]:
                 lo = mid
             else:
                 hi = mid - 1
@@ -208,7 +209,7 @@ class SuffixIndex:
         for e in hits:
             i = e - self._base
             node = 0
-            for t in toks[i:i + depth]:
+            for t in toks[i : i + depth]:
                 if t == SEP:
                     break
                 nxt = child.get((node, t))
@@ -232,8 +233,9 @@ class SpeculationMemory:
     the same way matches into the answer; whole long prompts (shared system prompts, files) would
     fill the budget with text that prompt lookup already copies within the request."""
 
-    def __init__(self, budget_bytes: int, anchors: tuple[int, ...] = (4, 16), prompt_tokens: int = 256,
-                 max_match: int = 32) -> None:
+    def __init__(
+        self, budget_bytes: int, anchors: tuple[int, ...] = (4, 16), prompt_tokens: int = 256, max_match: int = 32
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.anchors = anchors
         self.prompt_tokens = prompt_tokens
@@ -260,7 +262,7 @@ class SpeculationMemory:
         """Remember one finished request: the last `prompt_tokens` of its prompt, then its output."""
         if not output:
             return
-        doc = prompt[-self.prompt_tokens:] + output if self.prompt_tokens else list(output)
+        doc = prompt[-self.prompt_tokens :] + output if self.prompt_tokens else list(output)
         index = self._scopes.get(scope)
         if index is None:
             index = self._scopes[scope] = SuffixIndex(self.anchors)
