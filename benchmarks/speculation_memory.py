@@ -35,7 +35,7 @@ SETS = {
     "templated_extraction": str(WORKLOADS / "templated_extraction.jsonl.gz") + "[:24]",
     "coding_agents": str(WORKLOADS / "coding_agents.jsonl.gz") + "[:24]",
     "repair_loop": str(WORKLOADS / "repair_loop.jsonl.gz") + "[:24]",
-    "control_spec_bench": "spec_bench_questions.jsonl[::3][:24]",
+    "control_spec_bench": "spec_bench_questions.jsonl[0:72:3]",
 }
 STARTER = Path(__file__).resolve().parents[1] / "tide" / "starter_drafts" / "smollm2-135m-instruct"
 SOURCES = {"ngram": "copy", "memory": "memory", "eagle3": "draft"}
