@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import resource
 import statistics
@@ -52,7 +53,10 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
 # the output; longer prompts are left out of the speculation rows.
 SPEC_MAX_LEN = 2048
 DRAFTERS = ("ngram", "eagle3", "hybrid")  # hybrid: EAGLE-3 with prompt lookup (tide/engine/drafters/hybrid.py)
-TREE_DRAFTERS = ("eagle3", "hybrid")  # the drafters that grow draft trees (propose_tree)
+# hybrid+memory (--drafters, not a default): the hybrid with a speculation memory of the run's
+# earlier requests (--speculation-memory-mb; tide/engine/drafters/memory.py)
+KNOWN_DRAFTERS = (*DRAFTERS, "hybrid+memory")
+TREE_DRAFTERS = ("eagle3", "hybrid", "hybrid+memory")  # the drafters that grow draft trees (propose_tree)
 
 
 def decode_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -90,7 +94,7 @@ def decode_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
 
 def spec_sweep(model: LlamaModel, eagle: Eagle3Drafter, prompts: list[list[int]], batches: list[int],
                gammas: list[int], drafters: list[str], max_tokens: int, profile,
-               trees: list[TreeShape] = ()) -> list[dict]:
+               trees: list[TreeShape] = (), memory_mb: int = 64) -> list[dict]:
     """Rows per #30's interface: per batch, plain decoding (γ = 0), each drafter at each γ (chains:
     `tree` null), each drafter that grows trees at each tree shape (`gamma` its depth, `tree`
     {"topk", "tokens"}), and the adaptive γ policy on the last drafter listed (`"policy": "adaptive"`).
@@ -99,33 +103,41 @@ def spec_sweep(model: LlamaModel, eagle: Eagle3Drafter, prompts: list[list[int]]
     from tide.engine.drafters.hybrid import HybridDrafter
     from tide.policies.registry import make_policy
 
-    make = {"ngram": NgramDrafter, "eagle3": lambda: eagle, "hybrid": lambda: HybridDrafter(eagle)}
+    make = {"ngram": NgramDrafter, "eagle3": lambda: eagle, "hybrid": lambda: HybridDrafter(eagle),
+            "hybrid+memory": lambda: HybridDrafter(eagle)}
     rows: list[dict] = []
     for b in batches:
-        cfg = EngineConfig(max_batch=b, max_seq_len=min(SPEC_MAX_LEN, model.cfg.max_position_embeddings))
+        base = EngineConfig(max_batch=b, max_seq_len=min(SPEC_MAX_LEN, model.cfg.max_position_embeddings))
+        # Each run starts with an empty memory: it learns from that run's earlier requests only.
+        with_memory = dataclasses.replace(base, speculation_memory_mb=memory_mb)
+
+        def config(name: str, base=base, with_memory=with_memory) -> EngineConfig:
+            return with_memory if name == "hybrid+memory" else base
+
+        cfg = base
         runs: list[tuple[dict, dict]] = []
         plain = decode_all(LLMEngine(model, cfg), prompts, max_tokens)
         for name in drafters:
             for g in gammas:
                 if g > 0:
                     key = {"drafter": name, "batch": b, "gamma": g, "tree": None}
-                    runs.append((key, decode_all(LLMEngine(model, cfg, drafter=make[name](), policy=FixedGamma(g)),
-                                                 prompts, max_tokens)))
+                    runs.append((key, decode_all(LLMEngine(model, config(name), drafter=make[name](),
+                                                           policy=FixedGamma(g)), prompts, max_tokens)))
                     print(f"  {name:6s} γ={g} b={b:2d}: {runs[-1][1]['tok_s']:7.1f} tok/s  accept "
                           f"{runs[-1][1]['accept_length']:.2f}", flush=True)
             for shape in trees if name in TREE_DRAFTERS else ():
                 key = {"drafter": name, "batch": b, "gamma": shape.depth,
                        "tree": {"topk": shape.topk, "tokens": shape.tokens}}
                 policy = FixedTree(shape.depth, shape.topk, shape.tokens)
-                runs.append((key, decode_all(LLMEngine(model, cfg, drafter=make[name](), policy=policy),
+                runs.append((key, decode_all(LLMEngine(model, config(name), drafter=make[name](), policy=policy),
                                              prompts, max_tokens)))
                 print(f"  {name:6s} tree {shape.key()} b={b:2d}: {runs[-1][1]['tok_s']:7.1f} tok/s  accept "
                       f"{runs[-1][1]['accept_length']:.2f}", flush=True)
         if drafters:
             policy = make_policy("adaptive", {}, profile)
             key = {"drafter": drafters[-1], "batch": b, "gamma": None, "tree": None, "policy": "adaptive"}
-            runs.append((key, decode_all(LLMEngine(model, cfg, drafter=make[drafters[-1]](), policy=policy),
-                                         prompts, max_tokens)))
+            runs.append((key, decode_all(LLMEngine(model, config(drafters[-1]), drafter=make[drafters[-1]](),
+                                                   policy=policy), prompts, max_tokens)))
         again = decode_all(LLMEngine(model, cfg), prompts, max_tokens)
         plain["tok_s"] = round((plain["tok_s"] + again["tok_s"]) / 2, 2)
         rows.append({"drafter": "none", "batch": b, "gamma": 0, "tree": None, **plain, "x_plain": 1.0})
@@ -396,7 +408,7 @@ def run(args) -> dict:
     res["D0_ms"] = res["D_ms"][1]
     res["spec"] = spec_sweep(model, eagle, spec_prompts, batches, gammas, args.drafters, max_tokens,
                              profile_latency(model, eagle, batches, list(range(1, max(gammas) + 2)), reps=reps),
-                             args.trees or [])
+                             args.trees or [], args.speculation_memory_mb)
     plain = next((r for r in res["spec"] if r["batch"] == 1 and r["gamma"] == 0), None)
     if plain is not None:
         res["plain_tok_s"] = plain["tok_s"]  # batch 1, every prompt of --prompts one after another
@@ -484,7 +496,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "comma-separated (e.g. 4:2:6,5:4:12), for the drafters that grow trees [none]")
     parser.add_argument("--drafters", type=lambda v: v.split(","), default=list(DRAFTERS),
                         help="speculation rows: drafters, the last also under the adaptive policy "
-                             f"[{','.join(DRAFTERS)}]")
+                             f"[{','.join(DRAFTERS)}; also hybrid+memory]")
+    parser.add_argument("--speculation-memory-mb", type=int, default=64,
+                        help="MiB of the hybrid+memory drafter's speculation memory (TIDE_SPECULATION_MEMORY_MB) [64]")
     parser.add_argument("--spec-only", action="store_true", help="only T(n), D(b) and the speculation rows")
     parser.add_argument("--serve", metavar="URL", help="also break a served token's time down layer by layer "
                                                        "against the stack whose gateway is at URL (serve_breakdown)")

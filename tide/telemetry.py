@@ -10,9 +10,10 @@ import json
 from dataclasses import asdict, dataclass, field
 
 # Sources of draft tokens that take no draft model: a copy of the request's own context (a few
-# dictionary probes, microseconds against a draft step's ~2 ms). The γ policy prices them at 0 draft
+# dictionary probes, microseconds against a draft step's ~2 ms) and a recall from the speculation
+# memory (tide.engine.drafters.memory: tens of slice compares). The γ policy prices them at 0 draft
 # ms; a draft version's statistics leave them out.
-COPY_SOURCES = frozenset({"ngram"})
+COPY_SOURCES = frozenset({"ngram", "memory"})
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class GenerationRequest:
     workload: str = ""
     capture: bool = False  # may be captured for training (services/gateway/governance.py)
     key_id: str = ""  # the caller's API key id, recorded with captured rows
+    no_memory: bool = False  # not added to the workers' speculation memory (`store: false`, a no-train key)
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,7 @@ def to_proto(request: GenerationRequest) -> inference_pb2.GenerateRequest:
         prompt_token_ids=inference_pb2.TokenIds(ids=request.prompt_token_ids),
         no_capture=not request.capture,
         key_id=request.key_id,
+        no_memory=request.no_memory,
     )
     if request.speculative is not None:
         msg.speculative = request.speculative

@@ -41,6 +41,13 @@ class Eligibility:
     reason: str = ""  # why not ("" when eligible)
     key_id: str = ""  # the caller's API key id ("" without auth)
 
+    @property
+    def may_remember(self) -> bool:
+        """Whether the worker's speculation memory may keep the request's text: not when the client or
+        its key opted out of keeping it (`store: false`, a no-train key); the operator's training
+        exclusions and the stack switch concern training only."""
+        return self.reason not in ("store_false", "api_key_policy")
+
     def header(self) -> str:
         return "eligible" if self.eligible else f"excluded; reason={self.reason}"
 

@@ -359,6 +359,7 @@ class OpenAIServing:
                         request.workload,
                         capture=caller.eligible,
                         key_id=caller.key_id,
+                        no_memory=not caller.may_remember,
                     )
                 )
         return out

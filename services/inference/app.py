@@ -198,7 +198,8 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
                           forced_gamma=settings.forced_gamma, seed=settings.seed, worker_id=settings.worker_id,
                           target_model=model_id, prefix_cache=settings.prefix_cache,
                           prefix_cache_host_mb=settings.prefix_cache_host_mb,
-                          unseeded_sampling=SamplingScheme(settings.unseeded_sampling))
+                          unseeded_sampling=SamplingScheme(settings.unseeded_sampling),
+                          speculation_memory_mb=settings.speculation_memory_mb)
     engine = LLMEngine(model, config, tokenizer=tokenizer)
     names = streams.StreamNames(settings.storage.stream_prefix)
     rclient = settings.storage.redis_client(socket_connect_timeout=1.0, socket_timeout=2.0)
@@ -231,7 +232,7 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
                     train_on_traffic=settings.train_on_traffic,
                     max_queue=settings.max_queue, profile=profile,
                     drafter_factory=functools.partial(make_drafter, eagle3=drafts.drafter),
-                    device=str(model.device))
+                    device=str(model.device), memory_scope=settings.speculation_memory_scope)
     drafts.attach(functools.partial(worker.offer_drafter, DRAFTER_NAME))
     engine.step_listeners.append(telemetry.publish)
     live = LiveStats()

@@ -60,6 +60,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     speculative: bool | None = None  # None = the policy decides; False = never; True = always
     workload: str = ""
+    no_memory: bool = False  # True: not added to the speculation memory
     logprobs: int | None = None  # top alternatives per generated token's logprob entry; None = off
     prompt_logprobs: int | None = None  # the same for prompt tokens 1..n-1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
@@ -70,7 +71,9 @@ class GenerationRequest:
     min_p: float = 0.0
     grammar: GrammarSpec | None = None  # output constraint; None = unconstrained
     capture: bool = True  # False: opted out of training, never captured (the gateway decides)
-    key_id: str = ""  # the API key's id (a hash, never the key) recorded with captured rows
+    # the API key's id (a hash, never the key; "" without keys): recorded with captured rows, and the
+    # request's speculation-memory scope
+    key_id: str = ""
 
 
 def _invalid(message: str) -> RequestRejected:
@@ -181,6 +184,8 @@ class RequestHandle:
     draft_version: str = ""
     done: bool = False
     grammar: CompiledGrammar | None = None  # params.grammar compiled by `Worker.submit` (off the loop)
+    memory_scope: str = ""  # the speculation memory it reads and, with `remember`, is added to
+    remember: bool = True
 
     def speculation(self) -> SpeculationStats:
         s = self.seq

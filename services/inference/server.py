@@ -92,6 +92,7 @@ def generation_request(r: inference_pb2.GenerateRequest) -> GenerationRequest:
         workload=r.workload,
         capture=not r.no_capture,
         key_id=r.key_id,
+        no_memory=r.no_memory,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         logit_bias=tuple(sorted(s.logit_bias.items())),

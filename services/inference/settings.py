@@ -37,6 +37,7 @@ from tide.settings import (
 )
 
 DRAFTERS = ("ngram", "none", "eagle3")
+MEMORY_SCOPES = ("key", "stack")
 SAMPLING_SCHEMES = ("coupled", "rejection")  # tide.engine.sampling.SamplingScheme's values (torch-free here)
 PROFILE_AT_START = ("auto", "", "1", "0", "true", "false", "yes", "no", "on", "off")
 
@@ -89,6 +90,20 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
                                 "tokens occurred earlier in its context proposes what followed them (no draft "
                                 "forward), the others the EAGLE-3 draft's tokens (tide/engine/drafters/hybrid.py); "
                                 "lossless either way")
+    # A memory of what the worker served, recalled where a request's context ends as an earlier
+    # one's did (tide/engine/drafters/memory.py). Default: see docs/results/speculation-memory.
+    speculation_memory_mb: NonNegative = Field(0, description="with TIDE_DRAFTER=eagle3 and prompt lookup: MiB "
+                                               "for a memory of the token ids of finished requests (a prompt's "
+                                               "last 256 tokens and the output), shared by the worker's requests "
+                                               "and proposing what followed where a request's last tokens occurred "
+                                               "in it (no draft forward; lossless); oldest evicted first; 0 = off")
+    # Speculation never changes a response's text, but it changes its timing: a response that
+    # streams faster because it matched another client's text would tell that client something of
+    # it. So by default each API key (tide.v1.GenerateRequest.key_id) has its own memory.
+    speculation_memory_scope: Annotated[str, one_of(MEMORY_SCOPES)] = Field(
+        "key", description="key = a request reads and feeds only the memory of its own API key (requests "
+        "without keys share one), so no client's timing depends on another's text; stack = one memory for all "
+        "(more recalls, for a deployment whose keys trust each other)")
     registry_addr: str = Field(DEFAULT_REGISTRY_ADDR, validation_alias=REGISTRY_ADDR_ENV,
                                description='draft registry gRPC host:port (watched while "eagle3" is used)')
     draft_wait_s: Seconds = Field(15.0, description='with TIDE_DRAFTER=eagle3: at start, wait up to this long for '

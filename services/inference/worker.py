@@ -65,12 +65,15 @@ class Worker:
     def __init__(self, engine: LLMEngine, *, policy: PolicySpec, drafter: str = "ngram", tokenizer=None,
                  exporter=None, collection: bool = False, max_queue: int = 64,
                  profile: LatencyProfile | None = None, drafter_factory: DrafterFactory = make_drafter,
-                 device: str = "cpu", train_on_traffic: bool = True) -> None:
+                 device: str = "cpu", train_on_traffic: bool = True, memory_scope: str = "key") -> None:
         self.engine = engine
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.exporter = exporter
         self.max_queue, self.profile = max_queue, profile
         self.drafter_factory, self.device = drafter_factory, device
+        # "key": a request reads and feeds the speculation memory of its API key only; "stack": one
+        # memory for all (settings.py says why the default keeps keys apart).
+        self.memory_scope = memory_scope
         self.started_s = time.monotonic()
         self._estimates_at = 0.0  # monotonic s of the last estimates export (ESTIMATES_EVERY_S)
         self._lock = threading.Lock()
@@ -121,7 +124,9 @@ class Worker:
         cfg = self.engine.config
         prompt, params = prepare(req, self.tokenizer, self.engine.model.cfg.vocab_size, cfg.max_seq_len)
         handle = RequestHandle(req.request_id, prompt, params, req.speculative, req.workload,
-                               grammar=self._compile_grammar(params))
+                               grammar=self._compile_grammar(params),
+                               memory_scope=req.key_id if self.memory_scope == "key" else "",
+                               remember=not req.no_memory)
         with self._lock:
             if self._stopping:
                 raise RequestRejected(ErrorKind.UNAVAILABLE, "the worker is shutting down")
@@ -319,7 +324,8 @@ class Worker:
             return
         try:
             h.seq = self.engine.add_request(h.request_id, h.prompt_ids, h.params, speculative=h.speculative,
-                                            workload=h.workload, grammar=h.grammar)
+                                            workload=h.workload, grammar=h.grammar, memory_scope=h.memory_scope,
+                                            remember=h.remember)
         except ValueError as e:
             self._end(h, ErrorEvent(ErrorKind.INVALID_ARGUMENT, str(e)), "invalid")
             return

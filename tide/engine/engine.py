@@ -17,6 +17,7 @@ import torch
 from tide.engine.constraints import CompiledGrammar, GrammarCompiler
 from tide.engine.detokenizer import IncrementalText
 from tide.engine.drafters.base import DraftAlgorithm, Drafter, TreeDrafter, copy_match, draft_source
+from tide.engine.drafters.memory import SpeculationMemory
 from tide.engine.features import FeatureStore
 from tide.engine.llama import LlamaModel
 from tide.engine.logits import has_penalties, needs_processing, process
@@ -82,6 +83,9 @@ class EngineConfig:
     unseeded_sampling: SamplingScheme = SamplingScheme.REJECTION
     worker_id: str = "local"
     target_model: str = ""
+    # Speculation memory across requests (tide.engine.drafters.memory): its byte budget in MiB, 0 =
+    # none. Drafters with an `attach_memory` (the hybrid) propose from it.
+    speculation_memory_mb: float = 0
 
 
 @dataclass
@@ -184,6 +188,9 @@ class LLMEngine:
                          if tokenizer is not None else None)
         self._step = 0
         self._default_rng = torch.Generator().manual_seed(config.seed)
+        # Outlives drafters (hot swaps hand it to the new one); requests are added as they finish.
+        self.memory = (SpeculationMemory(int(config.speculation_memory_mb * 2**20))
+                       if config.speculation_memory_mb > 0 else None)
         if drafter is not None:
             self.swap_drafter(drafter)
 
@@ -197,11 +204,14 @@ class LLMEngine:
         speculative: bool | None = None,
         workload: str = "",
         grammar: CompiledGrammar | None = None,
+        memory_scope: str = "",
+        remember: bool = True,
     ) -> Sequence:
         """Queue a request. `speculative`: None = the γ policy decides; True = it drafts every step
         (at least `config.forced_gamma` where the policy says 0); False = it never drafts.
         `grammar`: `params.grammar` already compiled (the worker compiles off the engine thread);
-        compiled here (cached) when not given. Raises ValueError for a bad prompt or constraint."""
+        compiled here (cached) when not given. `memory_scope`: the speculation memory it reads and
+        (with `remember`, at its end) is added to. Raises ValueError for a bad prompt or constraint."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         if max(prompt_ids) >= self.model.cfg.vocab_size or min(prompt_ids) < 0:
@@ -213,7 +223,7 @@ class LLMEngine:
             matcher = grammar.matcher()
         seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt=len(prompt_ids),
                        params=params, speculative=speculative, workload=workload, arrival_s=time.monotonic(),
-                       matcher=matcher)
+                       matcher=matcher, memory_scope=memory_scope, remember=remember)
         self.scheduler.add(seq)
         if has_penalties(params):
             self._counts[request_id] = Counter()
@@ -267,6 +277,9 @@ class LLMEngine:
             for seq in self.scheduler.active.values():
                 old.remove_sequence(seq)
         self.drafter = drafter
+        attach = getattr(drafter, "attach_memory", None)
+        if attach is not None:
+            attach(self.memory)
         self._drafter_trees = isinstance(drafter, TreeDrafter)  # a protocol check (~10 us): once, not per step
         if drafter is not None:
             for seq in self.scheduler.active.values():
@@ -625,6 +638,12 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.slot >= 0 and self.drafter is not None:
             self.drafter.remove_sequence(seq)
+        # Into the memory when it ends, not token by token: the request's own text is prompt
+        # lookup's while it runs, a document is indexed once (its k-grams in one pass), and the
+        # memory's contents stay fixed within a step. Cancelled and failed outputs are not kept.
+        if (self.memory is not None and seq.remember and seq.num_output > 0
+                and reason in (FinishReason.STOP, FinishReason.LENGTH)):
+            self.memory.add(seq.memory_scope, seq.token_ids[:seq.num_prompt], seq.output_ids)
         keep = 0
         if reason is not FinishReason.ERROR:
             keep = seq.num_cached if self._reuse_decoded else min(seq.num_cached, seq.num_prompt)

@@ -167,6 +167,10 @@ class Sequence:
     # A sampled request that draws coupled (tide.engine.sampling.position_uniform): the key of its
     # draws, its seed or one the engine chose. None: greedy, or rejection sampling.
     sample_seed: int | None = None
+    # The speculation memory (tide.engine.drafters.memory) this request reads and, when it finishes
+    # and `remember` holds, is added to: a scope per API key unless the operator shares one.
+    memory_scope: str = ""
+    remember: bool = True
 
     RECENT_STEPS = 16  # how many steps of history a policy sees per request
 

@@ -25,3 +25,15 @@ def test_rows_cover_every_configuration_and_decode_every_prompt(tiny_model):
         assert {r["output_tokens"] for r in mine} == {mine[0]["output_tokens"]}  # the same decode each time
         assert mine[0]["output_tokens"] > 5 * 4  # every prompt decoded, not just one
         assert mine[1]["accept_length"] > 1.0  # the repeated prompts gave the n-gram copies to accept
+
+
+def test_the_hybrid_with_a_memory_recalls_the_runs_earlier_requests(tiny_model):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 96) for _ in range(10)] for _ in range(2)] * 2  # each prompt twice
+    eagle = tiny_eagle3_drafter(tiny_model, max_batch=1, max_len=2100)
+    profile = profile_latency(tiny_model, eagle, [1], [1, 2, 3], reps=1)
+    rows = spec_sweep(tiny_model, eagle, prompts, [1], [2], ["hybrid", "hybrid+memory"], 12, profile, memory_mb=1)
+    by = {(r["drafter"], r.get("policy")): r for r in rows}
+    assert "memory" not in by[("hybrid", None)]["by_source"]
+    assert by[("hybrid+memory", None)]["by_source"]["memory"]["steps"] > 0
+    assert by[("hybrid+memory", None)]["output_tokens"] == by[("hybrid", None)]["output_tokens"]

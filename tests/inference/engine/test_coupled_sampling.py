@@ -93,7 +93,7 @@ def plain_seeded(tiny_model, prompts):
 
 
 @pytest.mark.parametrize("drafter_kind", ["oracle", "random", "ngram", "eagle3", "eagle3-argmax", "hybrid",
-                                          "tree-oracle", "tree-eagle3"])
+                                          "hybrid-memory", "tree-oracle", "tree-eagle3", "tree-memory"])
 def test_a_seeded_request_gives_the_plain_seeded_tokens_under_speculation(tiny_model, prompts, plain_seeded,
                                                                          drafter_kind):
     """Fails where seeded sampling consumes randomness along the draft's path (rejection sampling):
@@ -111,6 +111,19 @@ def test_a_seeded_request_gives_the_plain_seeded_tokens_under_speculation(tiny_m
         drafter.coupled_drafts = drafter_kind == "eagle3"
     elif drafter_kind == "hybrid":
         drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=2), min_match=2)
+    elif drafter_kind in ("hybrid-memory", "tree-memory"):
+        # The memory holds the prompts' seeded outputs under other seeds: recalls that are partly right.
+        drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=6), min_match=2)
+        if drafter_kind == "tree-memory":
+            policy = FixedTree(4, 2, 6)
+        engine = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256, max_tokens_per_step=64,
+                                                    speculation_memory_mb=1), drafter=drafter, policy=policy)
+        other = [SamplingParams(**{**p.__dict__, "seed": p.seed + 1}) for p in SEEDED]
+        engine.generate(prompts, other)
+        seqs = engine.generate(prompts, SEEDED)
+        assert [s.output_ids for s in seqs] == plain_seeded
+        assert drafter.recalled > 0
+        return
     elif drafter_kind == "tree-oracle":
         drafter, policy = ScriptedTreeDrafter(ids, VOCAB, corrupt_every=4), FixedTree(4, 3, 9)
     else:

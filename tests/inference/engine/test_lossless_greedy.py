@@ -45,7 +45,7 @@ def plain_outputs(tiny_model, prompts):
 
 @pytest.mark.parametrize("gamma", [1, 2, 3, 5])
 @pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("drafter_kind", ["good", "random", "ngram", "eagle3", "hybrid"])
+@pytest.mark.parametrize("drafter_kind", ["good", "random", "ngram", "eagle3", "hybrid", "hybrid-memory"])
 def test_speculative_equals_plain(tiny_model, prompts, plain_outputs, gamma, batch, drafter_kind):
     prompts, expected = prompts[:batch], plain_outputs[:batch]
     if drafter_kind == "good":
@@ -54,12 +54,19 @@ def test_speculative_equals_plain(tiny_model, prompts, plain_outputs, gamma, bat
         drafter = RandomDrafter(VOCAB, seed=gamma)
     elif drafter_kind == "eagle3":
         drafter = tiny_eagle3_drafter(tiny_model, seed=gamma)
-    elif drafter_kind == "hybrid":  # EAGLE-3 + prompt lookup: copies and drafts
+    elif drafter_kind.startswith("hybrid"):  # EAGLE-3 + prompt lookup: copies and drafts
         drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, seed=gamma), min_match=2)
     else:
         drafter = NgramDrafter()
     engine = _engine(tiny_model, drafter, FixedGamma(gamma))
+    if drafter_kind == "hybrid-memory":  # and recalls: the memory holds a first run of the prompts
+        engine = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256, max_tokens_per_step=64,
+                                                    speculation_memory_mb=1), drafter=drafter, policy=FixedGamma(gamma))
+        engine.generate(prompts, GREEDY)
+        recalled = drafter.recalled
     seqs = engine.generate(prompts, GREEDY)
+    if drafter_kind == "hybrid-memory":
+        assert drafter.recalled > recalled
     assert [s.output_ids for s in seqs] == expected
     drafted = sum(s.draft_tokens for s in seqs)
     accepted = sum(s.accepted_tokens for s in seqs)

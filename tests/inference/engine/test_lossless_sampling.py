@@ -91,6 +91,30 @@ def test_sampling_with_prompt_lookup_matches_target_distribution(tiny_model):
     assert chi_square_p_value(second, p2) > ALPHA
 
 
+def test_sampling_with_the_speculation_memory_matches_target_distribution(tiny_model):
+    """EAGLE-3 + prompt lookup + the memory: after the first 64 requests the memory holds earlier
+    samples of the same prompt, so the second and third tokens are proposed from it (the most
+    frequent continuation so far: a proposal that depends on earlier requests' draws, never on
+    this one's), meeting the verifier beside copies and drafts. Rejection sampling: where the
+    proposal's q matters (coupled draws ignore it; test_coupled_sampling covers the memory there)."""
+    from tide.engine.drafters.hybrid import HybridDrafter
+
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    vocab = tiny_model.cfg.vocab_size
+    prompt = list(range(3, vocab, 2)) + [5, 17, 5]
+    p1, p2 = exact_first_two(tiny_model, prompt, params)
+    drafter = HybridDrafter(tiny_eagle3_drafter(tiny_model, max_batch=64))
+    config = EngineConfig(max_batch=64, max_seq_len=128, speculation_memory_mb=4)
+    engine = LLMEngine(tiny_model, config, drafter=drafter, policy=FixedGamma(3))
+    seqs = sample_many(engine, prompt, params)
+    assert drafter.recalled > 500
+    assert sum(s.accepted_tokens for s in seqs) > 0
+    first = torch.bincount(torch.tensor([s.output_ids[0] for s in seqs]), minlength=p1.numel())
+    second = torch.bincount(torch.tensor([s.output_ids[1] for s in seqs]), minlength=p1.numel())
+    assert chi_square_p_value(first, p1) > ALPHA
+    assert chi_square_p_value(second, p2) > ALPHA
+
+
 def test_sampling_matches_the_quantized_targets_distribution(tiny_model_quantized):
     """With weight-only int8 / int4 weights the exact distribution is the quantized model's own."""
     model = tiny_model_quantized

@@ -18,6 +18,7 @@ class DraftAlgorithm(enum.Enum):
     NONE = "none"
     NGRAM = "ngram"
     EAGLE3 = "eagle3"
+    MEMORY = "memory"  # a source of the hybrid drafter (its speculation memory), never a drafter alone
 
     def is_none(self) -> bool:
         return self is DraftAlgorithm.NONE

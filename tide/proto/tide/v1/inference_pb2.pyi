@@ -77,7 +77,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_text", "sampling", "speculative", "workload", "no_capture", "key_id")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_text", "sampling", "speculative", "workload", "no_capture", "key_id", "no_memory")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class GenerateRequest(_message.Message):
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     NO_CAPTURE_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    NO_MEMORY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: TokenIds
     prompt_text: str
@@ -94,7 +95,8 @@ class GenerateRequest(_message.Message):
     workload: str
     no_capture: bool
     key_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[bool] = ..., workload: _Optional[str] = ..., no_capture: _Optional[bool] = ..., key_id: _Optional[str] = ...) -> None: ...
+    no_memory: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[bool] = ..., workload: _Optional[str] = ..., no_capture: _Optional[bool] = ..., key_id: _Optional[str] = ..., no_memory: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "prompt_logprobs")

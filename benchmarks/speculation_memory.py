@@ -1,0 +1,126 @@
+"""Accept length with and without the speculation memory on deployment-like workloads.
+
+    python -m benchmarks.speculation_memory --json memory.json [--max-tokens 64] [--gamma 5]
+
+Per workload (benchmarks/workloads.py, and Spec-Bench questions as the non-repetitive control), the
+reference model decodes every prompt greedily at one stream (one after another, in file order, as a
+server would see them), with today's default drafter (the starter EAGLE-3 draft with prompt lookup)
+and with the same drafter plus a speculation memory (`--memory-mb`). The γ is fixed (`--gamma`) so
+that every number is a deterministic count: no timing, no latency profile. Per run: tokens per
+speculative step (accept length, the bonus token included) and, per source of drafts (copy =
+prompt lookup, memory, draft = EAGLE-3), its steps, accept length and the share of output tokens
+that were its accepted drafts. Plain decoding is 1 token a step by definition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from benchmarks.report import cpu_name, write_json
+from tide.engine.drafters.eagle3 import Eagle3Drafter
+from tide.engine.drafters.hybrid import HybridDrafter
+from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.llama import LlamaModel
+from tide.engine.sequence import SamplingParams
+from tide.policies import FixedGamma
+from tide.precision import resolve_weights
+from tide.prompts import encode_prompt, load_prompts
+from tide.target import load_tokenizer, resolve_target
+
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+SETS = {
+    "repeated_questions": str(WORKLOADS / "repeated_questions.jsonl.gz"),
+    "templated_extraction": str(WORKLOADS / "templated_extraction.jsonl.gz") + "[:24]",
+    "coding_agents": str(WORKLOADS / "coding_agents.jsonl.gz") + "[:24]",
+    "repair_loop": str(WORKLOADS / "repair_loop.jsonl.gz") + "[:24]",
+    "control_spec_bench": "spec_bench_questions.jsonl[0:72:3]",
+}
+STARTER = Path(__file__).resolve().parents[1] / "tide" / "starter_drafts" / "smollm2-135m-instruct"
+SOURCES = {"ngram": "copy", "memory": "memory", "eagle3": "draft"}
+
+
+def decode(model, drafter, prompts: list[list[int]], gamma: int, max_tokens: int, memory_mb: int) -> dict:
+    engine = LLMEngine(
+        model,
+        EngineConfig(max_batch=1, max_seq_len=2048, speculation_memory_mb=memory_mb),
+        drafter=drafter,
+        policy=FixedGamma(gamma),
+    )
+    per: dict[str, list[int]] = {}  # source -> [steps, emitted tokens, accepted drafts]
+
+    def on_step(rec) -> None:
+        for g, a, src in zip(rec.gammas, rec.accepted, rec.sources, strict=False):
+            if g > 0:
+                s = per.setdefault(SOURCES.get(src, src), [0, 0, 0])
+                s[0] += 1
+                s[1] += a + 1
+                s[2] += a
+
+    engine.step_listeners.append(on_step)
+    out = steps = 0
+    for p in prompts:  # one stream: each request finishes (and is remembered) before the next
+        seq = engine.generate([p], SamplingParams(max_tokens=max_tokens))[0]
+        out += seq.num_output
+        steps += seq.verify_steps + seq.plain_steps
+    spec_steps = sum(s[0] for s in per.values())
+    spec_tokens = sum(s[1] for s in per.values())
+    return {
+        "output_tokens": out,
+        "accept_length": round(spec_tokens / spec_steps, 3) if spec_steps else 1.0,
+        "tokens_per_step": round((out - len(prompts)) / steps, 3) if steps else 1.0,  # the prefill's token aside
+        "by_source": {
+            k: {"steps": s[0], "accept_length": round(s[1] / s[0], 3), "token_share": round(s[2] / out, 3)}
+            for k, s in sorted(per.items())
+        },
+        "memory_bytes": engine.memory.nbytes if engine.memory is not None else 0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--gamma", type=int, default=5)
+    ap.add_argument("--memory-mb", type=int, default=64)
+    ap.add_argument("--sets", nargs="+", default=list(SETS))
+    args = ap.parse_args(argv)
+    target = resolve_target("ref")
+    dtype, weights = resolve_weights("auto", "auto")
+    model = LlamaModel.load(target, dtype=dtype, weight_format=weights)
+    tok = load_tokenizer(target)
+    res = {
+        "cpu": cpu_name(),
+        "gamma": args.gamma,
+        "max_tokens": args.max_tokens,
+        "memory_mb": args.memory_mb,
+        "draft": STARTER.name,
+        "rows": [],
+    }
+    t0 = time.perf_counter()
+    for name in args.sets:
+        prompts = [encode_prompt(tok, p) for p in load_prompts(SETS[name])]
+        for mode, mb in (("default", 0), ("default+memory", args.memory_mb)):
+            eagle = Eagle3Drafter.from_checkpoint(STARTER, model, "starter", 1, 2048 + 16)
+            row = {
+                "workload": name,
+                "mode": mode,
+                "prompts": len(prompts),
+                **decode(model, HybridDrafter(eagle), prompts, args.gamma, args.max_tokens, mb),
+            }
+            res["rows"].append(row)
+            shares = ", ".join(f"{k} {v['token_share']:.2f}" for k, v in row["by_source"].items())
+            print(
+                f"{name:22s} {mode:15s} accept {row['accept_length']:.2f}  tokens/step "
+                f"{row['tokens_per_step']:.2f}  ({shares})",
+                flush=True,
+            )
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        write_json(res, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
