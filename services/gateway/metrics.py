@@ -33,7 +33,7 @@ def endpoint_label(path: str) -> str:
     if path in KNOWN_ENDPOINTS:
         return path
     if path.startswith("/v1/responses/"):
-        return "/v1/responses/{id}"
+        return "/v1/responses/{id}/input_items" if path.endswith("/input_items") else "/v1/responses/{id}"
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 

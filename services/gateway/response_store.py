@@ -21,6 +21,7 @@ from dataclasses import dataclass
 class StoredResponse:
     response: dict  # the response object as returned
     conversation: list[dict]  # chat messages ({role, content, tool_calls?, tool_call_id?})
+    input_items: list[dict]  # this turn's input items, with ids (GET /v1/responses/{id}/input_items)
     size: int  # bytes of both as JSON
     expires_at: float  # time.monotonic() seconds
 
@@ -42,12 +43,13 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response_id: str, response: dict, conversation: list[dict]) -> bool:
+    def put(self, response_id: str, response: dict, conversation: list[dict], input_items: list[dict] = ()) -> bool:
         """Store a response; False when it alone is larger than the whole budget (it is not kept)."""
-        size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
+        input_items = list(input_items)
+        size = sum(len(json.dumps(part, ensure_ascii=False)) for part in (response, conversation, input_items))
         if size > self.max_bytes:
             return False
-        entry = StoredResponse(response, conversation, size, self.clock() + self.ttl_s)
+        entry = StoredResponse(response, conversation, input_items, size, self.clock() + self.ttl_s)
         with self._lock:
             self._drop(response_id)
             self._entries[response_id] = entry

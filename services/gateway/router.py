@@ -16,9 +16,9 @@ import asyncio
 import hmac
 import logging
 from dataclasses import asdict
-from typing import TypeVar
+from typing import Literal, TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -208,6 +208,13 @@ async def create_response(request: Request) -> Response:
 async def retrieve_response(request: Request, response_id: str) -> Response:
     """A stored response (`store` was true, and it has not expired or been evicted)."""
     return JSONResponse(gateway(request).responses.retrieve(response_id))
+
+
+@router.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(require_api_key)])
+async def list_input_items(request: Request, response_id: str, limit: int = Query(20, ge=1, le=100),
+                           order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Response:
+    """The input items of a stored response, newest first unless `order=asc` (OpenAI's list page)."""
+    return JSONResponse(gateway(request).responses.input_items(response_id, limit, order, after))
 
 
 @router.delete("/v1/responses/{response_id}", dependencies=[Depends(require_api_key)])

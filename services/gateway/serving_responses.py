@@ -20,7 +20,8 @@ response. A failure after the stream started is an `error` event followed by `re
 The finished response carries TIDE's `speculation` object, as chat's does.
 
 With `store` (true by default) the response and its conversation are kept (response_store: bounded
-and expiring), for `previous_response_id`, GET /v1/responses/{id} and DELETE; `store: false` keeps
+and expiring), for `previous_response_id`, GET /v1/responses/{id} (and its input_items) and DELETE;
+`store: false` keeps
 nothing and is passed on to the chat request (so it is not collected for training either where the
 stack honours that).
 """
@@ -91,6 +92,22 @@ def input_messages(request: ResponsesRequest) -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+    return out
+
+
+def listed_items(request: ResponsesRequest) -> list[dict]:
+    """The request's input items as GET /v1/responses/{id}/input_items lists them (each with an id)."""
+    items = [{"role": "user", "content": request.input}] if isinstance(request.input, str) else \
+        [i.model_dump() for i in request.input]
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item["content"]
+            parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+            item = {"type": "message", "role": item["role"], "content": parts, "status": "completed"}
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+        out.append({"id": f"{prefix}_{uuid.uuid4().hex}", **item})
     return out
 
 
@@ -243,6 +260,19 @@ class OpenAIServingResponses:
             raise not_found(response_id)
         return entry.response
 
+    def input_items(self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> dict:
+        """The stored response's input items (OpenAI's list page: newest first unless order=asc)."""
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise not_found(response_id)
+        items = entry.input_items if order == "asc" else entry.input_items[::-1]
+        if after is not None:
+            ids = [i["id"] for i in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
     def delete(self, response_id: str) -> DeletedResponse:
         if not self.store.delete(response_id):
             raise not_found(response_id)
@@ -341,7 +371,8 @@ class OpenAIServingResponses:
         )
         response.speculation = SpeculationInfo(finish.speculation)
         if request.store:
-            self.store.put(response.id, response.model_dump(), [*conversation, builder.assistant_message()])
+            self.store.put(response.id, response.model_dump(), [*conversation, builder.assistant_message()],
+                           listed_items(request))
         return closing
 
     async def _stream(self, request: ResponsesRequest, response: ResponseObject, conversation: list[dict],

@@ -138,6 +138,8 @@ def test_previous_response_id_continues_the_conversation(oai):
                {"role": "user", "content": "And then?"}]
     assert second.output_text == chat_text(oai, history)  # instructions are not carried over (OpenAI's rule)
     assert oai.responses.retrieve(second.id).output_text == second.output_text
+    [listed] = oai.responses.input_items.list(second.id).data
+    assert listed.type == "message" and listed.role == "user" and listed.content[0].text == "And then?"
     oai.responses.delete(second.id)
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve(second.id)
