@@ -74,3 +74,11 @@ def test_the_check_accepts_folders_files_and_placeholders() -> None:
         "docs/" + "results/bootstrap/ab-*-eval.json, an HTTP " + _WORD + ", the " + _WORD + "s of a user."
     )
     assert check_text(text) == []
+
+
+def test_every_results_topic_is_indexed() -> None:
+    """docs/results/README.md lists every topic folder (and only those)."""
+    results = ROOT / "docs" / "results"
+    folders = {d.name for d in results.iterdir() if d.is_dir()}
+    indexed = set(re.findall(r"^\| \[([\w-]+)\]\(\1/README\.md\)", (results / "README.md").read_text(), re.M))
+    assert indexed == folders
