@@ -61,3 +61,19 @@ def test_chains_and_trees_equal_plain_decoding(tmp_path, prompts, family, dtype)
         assert drafted > 0, (family, name, "nothing was verified")
         if name.endswith("scripted"):
             assert 0 < accepted < drafted, (family, name)  # accepting and rejecting paths both ran
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "olmo2", "phi3"])
+def test_quantized_weights_are_lossless_on_other_families(tmp_path, prompts, family, weights):
+    """TIDE_WEIGHTS=int8 / int4 (tide.quant): lossless with respect to the quantized model's own
+    plain decoding, on families with extra norms, soft-caps, windows, or fused checkpoint weights."""
+    model = LlamaModel.load(save_tiny_target(tmp_path, arch=family, layers=4), dtype=torch.float32,
+                            weight_format=weights)
+    plain = [s.output_ids for s in _engine(model).generate(prompts, GREEDY)]
+    script = {f"gen-0-{i}": o for i, o in enumerate(plain)}
+    for drafter, policy in ((ScriptedDrafter(script, VOCAB, corrupt_every=3), CyclingGamma([3, 1, 0, 5, 2])),
+                            (ScriptedTreeDrafter(script, VOCAB, corrupt_every=3), FixedTree(4, 3, 8))):
+        seqs = _engine(model, drafter, policy).generate(prompts, GREEDY)
+        assert [s.output_ids for s in seqs] == plain, (family, weights, type(drafter).__name__)
+        assert 0 < sum(s.accepted_tokens for s in seqs) < sum(s.draft_tokens for s in seqs)
