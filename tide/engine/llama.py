@@ -427,6 +427,10 @@ class LlamaModel:
             self._ropes["local"] = cfg.local_rope
         self.cos = None
         self.ensure_positions(cfg.max_position_embeddings)
+        # Per layer for the per-op loop: (extras or None, sliding?, RoPE table): Gemma 3's sliding
+        # layers take the local base. Looked up once here, not per layer per step.
+        self._layer_plan = [(self.extras[i], cfg.sliding(i), "local" if cfg.local_rope and cfg.sliding(i) else "global")
+                            for i in range(cfg.num_layers)]
         self._aux = cfg.aux_layers if cfg.num_layers >= 4 else ()
 
     @staticmethod
@@ -544,9 +548,11 @@ class LlamaModel:
         if cfg.family.embed_scale:  # Gemma: sqrt(hidden), rounded to the compute dtype as transformers does
             x = x * torch.tensor(cfg.hidden_size ** 0.5, dtype=x.dtype)
         # RoPE rows of each table at the batch's positions: [B, q, hd], and [B, 1, q, hd] for apply_rope.
-        ropes = {name: (c[fb.positions], s_[fb.positions]) for name, (c, s_) in self.tables.items()}
-        cos_rows, sin_rows = ropes["global"]
-        cos, sin = cos_rows.unsqueeze(1), sin_rows.unsqueeze(1)
+        ropes = {}
+        for name, (c, s_) in self.tables.items():
+            c, s_ = c[fb.positions], s_[fb.positions]
+            ropes[name] = (c, s_, c.unsqueeze(1), s_.unsqueeze(1))
+        cos_rows, sin_rows, cos, sin = ropes["global"]
         # RoPE and the cache writes as one kernel (tide.kernels) where the cache is the CPU's float32 one
         fused = kernel_ops() if self.device.type == "cpu" and cache.k[0].dtype == torch.float32 else None
         tree = fb.tree
@@ -601,7 +607,7 @@ class LlamaModel:
         layer_args = self._prefill_layer_args if prefill_float else self._layer_args
         one_call = (fused is not None and small and span is None and not pair and layer_args is not None
                     and fused.has_decode_attention and x.dtype == torch.bfloat16 and self._fused_layer)
-        softcap, scale = cfg.attn_softcap, cfg.attn_scale
+        softcap, scale, silu = cfg.attn_softcap, cfg.attn_scale, cfg.activation == "silu"
         slot_lo, slot_hi = fb.slot_range or (-1, -1)
         # Each residual add is fused with the norm after it (add_rms_norm): the MLP's output waits
         # in `delta` for the next layer's input norm, or the final norm.
@@ -617,7 +623,7 @@ class LlamaModel:
                 continue
             if prefill_float:
                 qkv_proj, o_proj, gate_up_proj, down_proj = self.prefill_linears[i]
-            extra = self.extras[i]
+            extra, sliding, table = self._layer_plan[i]
             if ln1 is None:  # OLMo 2: no pre-norm, the residual stream itself
                 x, delta = (x if delta is None else x + delta), None
                 h = x
@@ -628,13 +634,8 @@ class LlamaModel:
             qkv = qkv_proj(h)[:, :1] if pair else qkv_proj(h)
             if extra is not None and extra.q_norm is not None:
                 qkv = self._qk_norm(qkv, extra)
-            sliding = cfg.sliding(i)
             layer_bias = window_bias if sliding and slides and grouped else bias
-            if "local" in ropes and sliding:  # Gemma 3's sliding layers: their own RoPE base
-                cos_rows, sin_rows = ropes["local"]
-            else:
-                cos_rows, sin_rows = ropes["global"]
-            cos, sin = cos_rows.unsqueeze(1), sin_rows.unsqueeze(1)
+            cos_rows, sin_rows, cos, sin = ropes[table]
             kc, vc = cache.k[i], cache.v[i]
             if fused is not None:  # the same bits as the torch ops below, in one pass
                 qh = fused.rope_kv_cache(qkv, cos_rows, sin_rows, kc, vc, fb.slots, write_at, nh, nkv)
@@ -681,7 +682,7 @@ class LlamaModel:
             else:
                 x, h = add_rms_norm(x, out, ln2, cfg.rms_norm_eps)
             gate_up = gate_up_proj(h)
-            delta = down_proj(silu_mul(gate_up) if cfg.activation == "silu" else _gelu_tanh_mul(gate_up))
+            delta = down_proj(silu_mul(gate_up) if silu else _gelu_tanh_mul(gate_up))
             if extra is not None and extra.mlp_out is not None:
                 delta = rms_norm(delta, extra.mlp_out, cfg.rms_norm_eps)
             if fb.capture and i in self._aux:
