@@ -49,13 +49,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] for RoPE, with Llama-3 ("llama3") or linear scaling."""
+    """Inverse frequencies [head_dim/2] for RoPE with any scaling transformers has (its
+    modeling_rope_utils): default, linear, dynamic, yarn, longrope, llama3. Cos and sin are then
+    multiplied by `rope_attention_factor` (yarn, longrope).
+
+    "dynamic" (NTK) changes the base only past `max_position_embeddings`, which the engine never
+    serves (EngineConfig refuses longer contexts): its frequencies are the default ones. "longrope"
+    takes its short factors, as transformers does while the sequence is within
+    `original_max_position_embeddings` (past it transformers switches every position to the long
+    factors, which a KV cache cannot follow; TIDE keeps the short ones)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in (None, "default"):
+    if rope_type in (None, "default", "dynamic"):
         return inv_freq.float()
     if rope_type == "linear":
         return (inv_freq / float(scaling["factor"])).float()
+    if rope_type == "longrope":
+        return (inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)).float()
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     if rope_type == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
         factor = float(scaling["factor"])
@@ -70,6 +82,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, blended, scaled).float()
     raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: interpolated (divided by `factor`) low frequencies, extrapolated (kept) high ones, a
+    linear ramp between the dimensions that turn beta_slow and beta_fast times (defaults 1 and 32,
+    the paper's) over the original context."""
+    factor = float(scaling["factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the base frequency), 0: interpolate (divided by factor)
+    return (inv_freq / factor * (1 - keep) + inv_freq * keep).float()
+
+
+def rope_attention_factor(scaling: dict | None, max_position_embeddings: int) -> float:
+    """The factor transformers multiplies RoPE's cos and sin by: YaRN's mscale, LongRoPE's
+    sqrt(1 + ln(s) / ln(original context)), s = max_position_embeddings / original context; 1 else."""
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    if rope_type not in ("yarn", "longrope"):
+        return 1.0
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else max_position_embeddings / old_ctx
+    if rope_type == "longrope":
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 def rope_table(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,11 +241,14 @@ def _can_pack(dtype: torch.dtype) -> bool:
     return _PACK_OK[dtype]
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Batch-invariant attention for few query tokens (decode / verify) with grouped KV heads.
 
     q: [B, Hq, t, D]; k, v: [B, Hkv, L, D]; bias: additive [B, t, L] (0 or -inf) or None.
     Query head h uses KV head h // (Hq / Hkv), as in HF's repeat_kv. Computed in float32.
+    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask; the
+    kernels do not do it, so such attention always takes the torch ops below.
 
     Why this shape of computation: greedy speculative decoding must emit exactly the tokens plain
     decoding emits, so a token's logits may not depend on how many other tokens share its forward.
@@ -210,7 +269,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     the former K @ Q^T form (g = 3 output columns) and 4-D matmuls ran 2-3x slower — at batch 32
     with 640 keys, 6.8 vs 2.7 ms per layer, most of a generation step.
     """
-    kern = _kernel_attention(q, k, v)
+    kern = _kernel_attention(q, k, v) if softcap is None else None
     if kern is not None:
         # The same contract in one AVX-512 kernel (tide.kernels): ~4x less time at batch 1, and no
         # per-position GEMM loop for verification. Batch-invariant by construction; not the same bits.
@@ -227,6 +286,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     outs = []
     for j in range(t):
         scores = torch.bmm(qt[j], kt)  # [B*Hkv, g, L]: softmax over a contiguous last dim
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if bias is not None:
             scores = (scores.view(B, hkv, g, L) + bias[:, None, j, None, :]).view(B * hkv, g, L)
         outs.append(torch.bmm(torch.softmax(scores, dim=-1), vf))  # [B*Hkv, g, D]
@@ -235,7 +296,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor,
-                   paths: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+                   paths: torch.Tensor, starts: torch.Tensor, window: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """`grouped_attention` for the t nodes of draft trees (tide.engine.llama.TreeRows), each node's
     row bit for bit what plain decoding computes for its path.
 
@@ -249,8 +311,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     at another index than in plain decoding (siblings share depths) the last bit could differ; here
     each node instead reads a copy of its keys with its path placed at starts .. starts + depth,
     where plain decoding holds it, under plain decoding's causal mask. Cost: a copy of the keys and
-    values per node and layer, on the torch path only (no kernels: tests with them off, GPUs)."""
-    if _kernel_attention(q, k, v) is not None:
+    values per node and layer, on the torch path only (no kernels: tests with them off, GPUs).
+    `window`: a sliding-window layer's (the bias then already hides keys at index <= position -
+    window); `softcap`: as in grouped_attention."""
+    if softcap is None and _kernel_attention(q, k, v) is not None:
         return grouped_attention(q, k, v, bias)
     B, _, t, _ = q.shape
     L, P = k.shape[2], paths.shape[2]
@@ -264,9 +328,28 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         kj[b_idx, :, at] = kj[b_idx, :, src]
         vj[b_idx, :, at] = vj[b_idx, :, src]
         causal = torch.zeros((B, 1, L), dtype=torch.float32, device=q.device)
-        causal.masked_fill_((keys[None, :] > positions[:, j, None])[:, None, :], float("-inf"))
-        outs.append(grouped_attention(q[:, :, j:j + 1], kj, vj, causal))
+        hidden = keys[None, :] > positions[:, j, None]
+        if window is not None:
+            hidden |= keys[None, :] <= positions[:, j, None] - window
+        causal.masked_fill_(hidden[:, None, :], float("-inf"))
+        outs.append(grouped_attention(q[:, :, j:j + 1], kj, vj, causal, softcap))
     return torch.cat(outs, dim=2)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    softcap: float | None) -> torch.Tensor:
+    """Prompt attention with soft-capped scores (Gemma 2), which SDPA cannot do: q [B, Hq, t, D],
+    k, v [B, Hkv, L, D], mask [B, 1, t, L] bool (True = attend). float32 inside, as transformers'
+    eager attention upcasts its softmax."""
+    g = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(g, dim=1)
+    vf = v.float().repeat_interleave(g, dim=1)
+    scores = torch.matmul(q.float(), kf.transpose(2, 3)) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), vf).to(q.dtype)
 
 
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

@@ -49,6 +49,15 @@ class TargetFiles:
     def config(self) -> dict:
         return json.loads((self.path / "config.json").read_text())
 
+    def generation_eos_ids(self) -> tuple[int, ...]:
+        """The stop tokens generation_config.json adds to config.json's (an int or a list: Llama 3
+        and Gemma instruct models end turns with tokens their config.json does not name)."""
+        file = self.path / "generation_config.json"
+        if not file.exists():
+            return ()
+        eos = json.loads(file.read_text()).get("eos_token_id")
+        return tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
     def safetensors_files(self) -> list[Path]:
         files = sorted(self.path.glob("*.safetensors"))
         if not files:

@@ -361,8 +361,29 @@ class Stack:
         self.processes, self.servers = [], []
 
 
+def unservable(target: str) -> str | None:
+    """Why the engine cannot run a HF-directory target (an architecture tide.engine.families does
+    not describe, mixture-of-experts, a missing feature), or None: said before any service starts,
+    instead of by every worker's crash. GGUF and "ref" targets are checked once converted."""
+    path = Path(target)
+    if target == "ref" or not (path / "config.json").is_file():
+        return None
+    from tide.engine.families import UnsupportedModel
+    from tide.engine.llama import LlamaConfig
+
+    try:
+        LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
+    except UnsupportedModel as e:
+        return f"target {target} cannot be served: {e}"
+    return None
+
+
 def up(cfg: StackConfig, out=sys.stdout) -> int:
     """Run the stack until SIGINT/SIGTERM (0), restarting what dies; 1 if it cannot start."""
+    refusal = unservable(cfg.target)
+    if refusal is not None:
+        print(refusal, file=out)
+        return 1
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack, t0 = Stack(cfg, stop, out), time.monotonic()

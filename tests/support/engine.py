@@ -13,26 +13,53 @@ import torch
 from tide.engine.drafters.base import DraftAlgorithm, Proposal
 from tide.target import TargetFiles
 
+# Per family: transformers' (config class, model class) and what a tiny config of it sets beyond the
+# common fields, so that every feature of the family is exercised: sliding windows shorter than
+# the tests' sequences (12 tokens; longer than any test tree is deep), soft-caps, an attention
+# scale other than head_dim ** -0.5, Gemma 3's two RoPE bases.
+FAMILY_TARGETS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"head_dim": 16}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": 12}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 12,
+                                                     "query_pre_attn_scalar": 24, "attn_logit_softcapping": 20.0,
+                                                     "final_logit_softcapping": 15.0, "pad_token_id": 0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 12,
+                                                         "query_pre_attn_scalar": 24, "pad_token_id": 0,
+                                                         "sliding_window_pattern": 2}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0}),
+}
+
 
 def save_tiny_target(path: Path, vocab: int = 96, layers: int = 8, arch: str = "llama", seed: int = 0,
                      init_std: float = 0.15, **overrides) -> TargetFiles:
-    """A random HF checkpoint. init_std well above HF's 0.02 makes logits peaked enough that
-    greedy outputs vary with the context instead of repeating one token."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A random HF checkpoint of a family in FAMILY_TARGETS. init_std well above HF's 0.02 makes
+    logits peaked enough that greedy outputs vary with the context instead of repeating one token."""
+    import transformers
 
     torch.manual_seed(seed)
+    config_name, model_name, extra = FAMILY_TARGETS[arch]
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=init_std, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=False, **extra)
     common.update(overrides)
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(head_dim=16, **common))
+    if arch == "gemma3" and "layer_types" not in common:  # sliding, full, sliding, full, ...
+        n = common.pop("sliding_window_pattern")
+        common["layer_types"] = ["full_attention" if (i + 1) % n == 0 else "sliding_attention"
+                                 for i in range(common["num_hidden_layers"])]
+    common.pop("sliding_window_pattern", None)
+    config = getattr(transformers, config_name)(**common)
+    model = getattr(transformers, model_name)(config)
+    if arch in ("gemma2", "gemma3", "olmo2"):  # norm weights start at 0 (Gemma) or 1: make them random
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return TargetFiles(model_id=f"tiny-{arch}-{seed}", path=path)
-
 
 
 class ScriptedDrafter:

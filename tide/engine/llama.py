@@ -1,4 +1,6 @@
-"""Llama-family target forward (Llama 2/3, SmolLM2, Qwen2-style qkv bias) over a slot KV cache.
+"""The target forward over a slot KV cache, for every family tide.engine.families describes
+(Llama 2/3.x, SmolLM2, Mistral, Qwen 2/2.5/3, Gemma 2/3, Phi-3, OLMo 2): one generic forward,
+the families' differences read from a per-architecture description and the checkpoint's config.
 
 Weights are plain tensors with fused projections (q|k|v and gate|up, one matmul each) to keep
 per-step operator count low: at batch 1 a decode step is bound by per-op overhead, not FLOPs.
@@ -9,20 +11,24 @@ The forward also hands out, with no extra pass, the EAGLE-3 auxiliary states (ou
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from tide.engine.families import LLAMA, Family, UnsupportedModel, family_for, layer_types
 from tide.kernels import ops as kernel_ops
 from tide.layers import (
     Linear,
     add_rms_norm,
     apply_rope,
+    eager_attention,
     grouped_attention,
     pad_keys,
     rms_norm,
+    rope_attention_factor,
     rope_inv_freq,
     rope_table,
     silu_mul,
@@ -49,34 +55,80 @@ class LlamaConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # What the family description and the config add (the defaults are Llama's).
+    architecture: str = "LlamaForCausalLM"
+    family: Family = LLAMA
+    layer_types: tuple[str, ...] = ()  # "full_attention" / "sliding_attention" per layer; () = all full
+    sliding_window: int | None = None  # a sliding layer's query sees keys at positions > its own - this
+    local_rope: tuple[float, dict | None] | None = None  # (theta, scaling) of sliding layers (Gemma 3)
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    attn_scale: float | None = None  # query_pre_attn_scalar ** -0.5 (Gemma) where not head_dim ** -0.5
+    activation: str = "silu"  # "silu" or "gelu_tanh" of the gate, times up
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
-        # transformers 5 nests RoPE settings in `rope_parameters`; 4.x uses rope_theta/rope_scaling.
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        heads = int(cfg["num_attention_heads"])
+        arch, family = family_for(cfg)
         eos = cfg.get("eos_token_id")
+        if cfg.get("text_config"):  # multimodal Gemma 3: its text decoder's config
+            cfg = {**cfg["text_config"], "architectures": [arch]}
+        # transformers 5 nests RoPE settings in `rope_parameters` (keyed by layer type for Gemma 3);
+        # 4.x uses rope_theta / rope_scaling (and Gemma 3's rope_local_base_freq).
+        params = dict(cfg.get("rope_parameters") or {})
+        local_rope = None
+        if family.rope_per_layer_type and "full_attention" in params:
+            local = dict(params.get("sliding_attention") or {})
+            params = dict(params["full_attention"])
+            local_rope = _rope(cfg, local)
+        elif family.rope_per_layer_type:
+            local_rope = (float(cfg.get("rope_local_base_freq", 10000.0)), None)
+        theta, scaling = _rope(cfg, params)
+        heads = int(cfg["num_attention_heads"])
+        if eos is None:
+            eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        n_layers = int(cfg["num_hidden_layers"])
+        types = layer_types(cfg, family, n_layers)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") is not False else None
+        if window is None or "sliding_attention" not in types:
+            types, window = (), None
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+                      "gelu_new": "gelu_tanh"}.get(act)
+        if activation is None:
+            raise UnsupportedModel(f"{arch}: activation {act!r} (the engine has silu and gelu-tanh)")
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        qpas = cfg.get("query_pre_attn_scalar")
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=n_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 has biases on q/k/v only; Llama's `attention_bias` adds them there too.
-            attention_bias=bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2",
+            attention_bias=bool(cfg.get("attention_bias", False)) or family.qkv_bias,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            architecture=arch,
+            family=family,
+            layer_types=types,
+            sliding_window=int(window) if window is not None else None,
+            local_rope=local_rope,
+            attn_softcap=_float_or_none(cfg.get("attn_logit_softcapping")),
+            final_softcap=_float_or_none(cfg.get("final_logit_softcapping")),
+            attn_scale=float(qpas) ** -0.5 if qpas is not None and float(qpas) != head_dim else None,
+            activation=activation,
         )
+
+    def sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     @property
     def aux_layers(self) -> tuple[int, int, int]:
@@ -87,6 +139,44 @@ class LlamaConfig:
         if n < 4:
             raise ValueError(f"EAGLE-3 capture needs a target with >= 4 layers, this one has {n}")
         return (1, n // 2 - 1, n - 4)
+
+
+def _float_or_none(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def _rope(cfg: dict, params: dict) -> tuple[float, dict | None]:
+    """(theta, scaling or None) from a rope_parameters dict (transformers 5) or the 4.x fields, with
+    the config-level values a scaling reads filled in (original_max_position_embeddings: Phi-3 keeps
+    it beside rope_scaling; the factor of YaRN and LongRoPE when omitted: max / original)."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if float(params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        raise UnsupportedModel(f"{cfg.get('architectures')}: partial rotary embeddings (partial_rotary_factor "
+                               f"< 1) are missing from the engine's RoPE")
+    scaling = dict(cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else {}))
+    if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        return theta, None
+    if "original_max_position_embeddings" not in scaling and cfg.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    if scaling.get("factor") is None and scaling.get("original_max_position_embeddings"):
+        scaling["factor"] = cfg.get("max_position_embeddings", 4096) / scaling["original_max_position_embeddings"]
+    return theta, scaling
+
+
+@dataclass(frozen=True)
+class LayerExtras:
+    """What a family adds to a decoder layer: q/k RMSNorm weights ([head_dim] per head, or the
+    whole projection's for OLMo 2) and post-norms of the attention's and the MLP's outputs."""
+
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    attn_out: torch.Tensor | None
+    mlp_out: torch.Tensor | None
+
+    @property
+    def empty(self) -> bool:
+        return all(t is None for t in (self.q_norm, self.k_norm, self.attn_out, self.mlp_out))
 
 
 @dataclass
@@ -216,6 +306,12 @@ def _faster_head(weight: torch.Tensor) -> Linear:
     return packed if best["packed"] < best["plain"] else plain
 
 
+def _gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up from a fused gate|up output (Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def vocab_logits(rows: torch.Tensor, head) -> torch.Tensor:
     """rows [R, H] @ head[V, H].T in GEMMs of 2 to LOGITS_BLOCK_ROWS rows (batch-invariant). A lone
     row goes as two, as in the projections (see Linear): MKL's float32 GEMV rounds differently
@@ -265,8 +361,18 @@ class LlamaModel:
             w = tensor(names[0]) if len(names) == 1 else torch.cat([tensor(n) for n in names])
             return logits_head(w) if head else Linear(w, bias, keep_weight=False)
 
+        fam = cfg.family
+
+        def norm(name: str | None) -> torch.Tensor | None:  # an RMSNorm weight as rms_norm takes it
+            if name is None:
+                return None
+            if fam.norm_offset == 0.0:
+                return tensor(name)
+            # Gemma's zero-centred weights scale by (1 + w): added once here, in float32, then rounded.
+            return (weights[name].float() + fam.norm_offset).to(device=device, dtype=dtype)
+
         self.embed = tensor("model.embed_tokens.weight")
-        self.norm = tensor("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
             else "lm_head.weight"
         self.head = linear([head_name], head=True, fmt=weight_format)
@@ -280,16 +386,22 @@ class LlamaModel:
         # decode path or the reverse, so plain decoding and verification still see the same bits.
         self.prefill_linears: list[tuple] = []
         self.prefill_head = linear([head_name], head=True) if quantized else self.head
+        # Per layer, what the family adds to the Llama layer (q/k norms, post-norms), or None.
+        self.extras: list[LayerExtras | None] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            attn = [p + f"self_attn.{x}_proj" for x in ("q", "k", "v")]
+            attn = [p + n for n in fam.qkv]
             names = ([n + ".weight" for n in attn], [p + "self_attn.o_proj.weight"],
-                     [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [p + "mlp.down_proj.weight"])
+                     [p + n + ".weight" for n in fam.gate_up], [p + "mlp.down_proj.weight"])
             bias = [n + ".bias" for n in attn] if cfg.attention_bias else None
             qkv, o, gate_up, down = (linear(n, bias if j == 0 else None, fmt=weight_format)
                                      for j, n in enumerate(names))
-            self.layers.append((tensor(p + "input_layernorm.weight"), qkv, o,
-                                tensor(p + "post_attention_layernorm.weight"), gate_up, down))
+            role = {r: p + n + ".weight" for r, n in fam.norms.items()}
+            # ln1 / ln2: the attention's and the MLP's pre-norms (None for OLMo 2's post-norm layers).
+            self.layers.append((norm(role.get("attn_in")), qkv, o, norm(role.get("mlp_in")), gate_up, down))
+            qk = (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight") if fam.qk_norm else (None, None)
+            extra = LayerExtras(*(norm(n) for n in (*qk, role.get("attn_out"), role.get("mlp_out"))))
+            self.extras.append(None if extra.empty else extra)
             if quantized:
                 self.prefill_linears.append(tuple(linear(n, bias if j == 0 else None) for j, n in enumerate(names)))
         # A lone decode row goes through the projections as two (see `forward`) unless every one of
@@ -304,8 +416,21 @@ class LlamaModel:
         # Whether decoding's projections run on tide.kernels' GEMMs (then on the kernels' own threads:
         # ModelRunner.decode_threads).
         self.projections_on_kernels = self._layer_args is not None
-        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # Whether a decode layer may be tide.kernels' decode_layer, which computes Llama's layer only:
+        # families with q/k norms, sandwich or post norms, (1 + w) norms, sliding windows, soft-caps,
+        # another attention scale or gelu take the per-op loop (on the kernels' ops where they apply;
+        # see tide.engine.families for which family takes which path).
+        self._fused_layer = (fam.fused_layer_ok and not cfg.layer_types and cfg.attn_softcap is None
+                             and cfg.attn_scale is None and cfg.activation == "silu")
+        self._ropes = {"global": (cfg.rope_theta, cfg.rope_scaling)}
+        if cfg.local_rope is not None:
+            self._ropes["local"] = cfg.local_rope
+        self.cos = None
         self.ensure_positions(cfg.max_position_embeddings)
+        # Per layer for the per-op loop: (extras or None, sliding?, RoPE table): Gemma 3's sliding
+        # layers take the local base. Looked up once here, not per layer per step.
+        self._layer_plan = [(self.extras[i], cfg.sliding(i), "local" if cfg.local_rope and cfg.sliding(i) else "global")
+                            for i in range(cfg.num_layers)]
         self._aux = cfg.aux_layers if cfg.num_layers >= 4 else ()
 
     @staticmethod
@@ -314,21 +439,48 @@ class LlamaModel:
         return args if args and all(a is not None for layer in args for a in layer) else None
 
     def ensure_positions(self, n: int) -> None:
-        """Make the RoPE tables cover positions [0, n) (the cache may hold slack rows past the context)."""
-        if getattr(self, "cos", None) is not None and self.cos.shape[0] >= n:
+        """Make the RoPE tables cover positions [0, n) (the cache may hold slack rows past the context):
+        `cos`/`sin` for full-attention layers, `tables["local"]` for Gemma 3's sliding layers."""
+        if self.cos is not None and self.cos.shape[0] >= n:
             return
-        cos, sin = rope_table(self._inv_freq, n)
-        self.cos, self.sin = cos.to(device=self.device, dtype=self.dtype), sin.to(device=self.device, dtype=self.dtype)
+        self.tables = {}
+        for name, (theta, scaling) in self._ropes.items():
+            cos, sin = rope_table(rope_inv_freq(self.cfg.head_dim, theta, scaling), n)
+            factor = rope_attention_factor(scaling, self.cfg.max_position_embeddings)
+            if factor != 1.0:  # YaRN / LongRoPE scale cos and sin (transformers' attention_scaling)
+                cos, sin = cos * factor, sin * factor
+            self.tables[name] = (cos.to(device=self.device, dtype=self.dtype),
+                                 sin.to(device=self.device, dtype=self.dtype))
+        self.cos, self.sin = self.tables["global"]
 
     @classmethod
     def load(cls, target: TargetFiles, dtype: torch.dtype = torch.bfloat16, device="cpu",
              weight_format: str = "float") -> LlamaModel:
+        """A HF directory's model (any number of safetensors shards, any float dtype). The decoder's
+        weights are read under their own prefix (`model.`, or a multimodal Gemma 3's
+        `model.language_model.` / `language_model.model.`, its vision tower left unread) and named
+        `model.` here; the stop tokens are the config's and generation_config.json's."""
         cfg = LlamaConfig.from_hf(target.config)
+        eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *target.generation_eos_ids())))
+        cfg = replace(cfg, eos_token_ids=eos)
+        files = target.safetensors_files()
+        names: dict[str, Path] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                names.update(dict.fromkeys(f.keys(), file))
+        embed = next((n for n in names if n.endswith("embed_tokens.weight") and "vision" not in n), None)
+        if embed is None:
+            raise UnsupportedModel(f"{target.path}: no embed_tokens.weight in its safetensors")
+        prefix = embed[:-len("embed_tokens.weight")]
+        wanted = {n: "model." + n[len(prefix):] for n in names if n.startswith(prefix)}
+        wanted.update({n: "lm_head.weight" for n in names if n.split(".")[-2:] == ["lm_head", "weight"]
+                       and "vision" not in n})
         weights: dict[str, torch.Tensor] = {}
-        for file in target.safetensors_files():
+        for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    weights[name] = f.get_tensor(name)
+                    if name in wanted:
+                        weights[wanted[name]] = f.get_tensor(name)
         return cls(cfg, weights, dtype, device, weight_format)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
@@ -340,8 +492,10 @@ class LlamaModel:
 
     def _grouped_prefill(self, fused) -> bool:
         """Prompt chunks take the kernels' attention where their projections are on the kernels too
-        (then a prompt runs on the kernels' threads alone: ModelRunner.prefill_threads)."""
-        return fused is not None and fused.has_decode_attention and self._prefill_layer_args is not None
+        (then a prompt runs on the kernels' threads alone: ModelRunner.prefill_threads). Soft-capped
+        attention (Gemma 2) has no kernel: its prompts take `eager_attention`."""
+        return (fused is not None and fused.has_decode_attention and self._prefill_layer_args is not None
+                and self.cfg.attn_softcap is None)
 
     @property
     def split_invariant_prefill(self) -> bool:
@@ -363,6 +517,21 @@ class LlamaModel:
         float projections for prompts: LlamaModel.prefill_linears)."""
         return self.split_invariant_prefill and not self.prefill_linears
 
+    def _qk_norm(self, qkv: torch.Tensor, extra: LayerExtras) -> torch.Tensor:
+        """qkv [.., (nh + 2 nkv) hd] with q and k RMS-normalised: per head (Qwen 3, Gemma 3) or over
+        the whole projection (OLMo 2). Before RoPE, so the fused RoPE + cache-write kernel still applies."""
+        cfg = self.cfg
+        nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qp, kp, vp = qkv.split([nq, nk, nk], dim=-1)
+        if cfg.family.qk_norm == "head":
+            lead, hd = qp.shape[:-1], cfg.head_dim
+            qp = rms_norm(qp.reshape(*lead, -1, hd).contiguous(), extra.q_norm, cfg.rms_norm_eps).reshape(*lead, nq)
+            kp = rms_norm(kp.reshape(*lead, -1, hd).contiguous(), extra.k_norm, cfg.rms_norm_eps).reshape(*lead, nk)
+        else:
+            qp = rms_norm(qp.contiguous(), extra.q_norm, cfg.rms_norm_eps)
+            kp = rms_norm(kp.contiguous(), extra.k_norm, cfg.rms_norm_eps)
+        return torch.cat([qp, kp, vp], dim=-1)
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, cache: KVCache):
         """Return (logits [R, V] for `fb.logits_rows` (all rows if None), final [B, q, H] post-norm
@@ -376,8 +545,14 @@ class LlamaModel:
         # here costs one copy per layer (the attention output) instead of one per projection.
         pair = B * q == 1 and self._pair_single_row
         x = F.embedding(fb.input_ids.expand(1, 2) if pair else fb.input_ids, self.embed)
-        cos_rows, sin_rows = self.cos[fb.positions], self.sin[fb.positions]  # [B, q, hd]
-        cos, sin = cos_rows.unsqueeze(1), sin_rows.unsqueeze(1)  # [B, 1, q, hd]
+        if cfg.family.embed_scale:  # Gemma: sqrt(hidden), rounded to the compute dtype as transformers does
+            x = x * torch.tensor(cfg.hidden_size ** 0.5, dtype=x.dtype)
+        # RoPE rows of each table at the batch's positions: [B, q, hd], and [B, 1, q, hd] for apply_rope.
+        ropes = {}
+        for name, (c, s_) in self.tables.items():
+            c, s_ = c[fb.positions], s_[fb.positions]
+            ropes[name] = (c, s_, c.unsqueeze(1), s_.unsqueeze(1))
+        cos_rows, sin_rows, cos, sin = ropes["global"]
         # RoPE and the cache writes as one kernel (tide.kernels) where the cache is the CPU's float32 one
         fused = kernel_ops() if self.device.type == "cpu" and cache.k[0].dtype == torch.float32 else None
         tree = fb.tree
@@ -388,18 +563,39 @@ class LlamaModel:
         kv_len = fb.kv_len
         span = fb.slot_span if small and fb.slot_range is None and tree is None else None
         write_at = fb.positions if tree is None else tree.cache_index  # cache index of each row's key and value
+        window = cfg.sliding_window
+        # Sliding-window layers (Mistral, Qwen, Gemma) see keys at index > position - window only,
+        # on top of the batch's mask (for tree rows index-based too: a node's ancestors lie within
+        # the window while the window is longer than the tree is deep, as every real model's is).
+        slides = window is not None and int(fb.positions.max()) - window >= 0
+        window_bias = window_mask = None
         if grouped:
             kv_len = pad_keys(kv_len)
-            if fb.mask is not None or kv_len != fb.kv_len:
+
+            def to_bias(visible: torch.Tensor) -> torch.Tensor:  # [B, q, L] bool -> additive 0 / -inf
+                out = torch.zeros(visible.shape, dtype=torch.float32, device=x.device)
+                out = out.masked_fill_(~visible.to(x.device), float("-inf"))
+                if span is None:
+                    return out
+                span_bias = torch.zeros((span[1] - span[0], q, kv_len), dtype=torch.float32, device=x.device)
+                span_bias[fb.slots - span[0]] = out  # rows of idle slots: garbage in, ignored
+                return span_bias
+
+            if fb.mask is not None or kv_len != fb.kv_len or slides:
                 visible = fb.mask[:, 0] if fb.mask is not None else torch.ones((B, q, fb.kv_len), dtype=torch.bool)
                 visible = F.pad(visible, (0, kv_len - fb.kv_len), value=False)
-                bias = torch.zeros(visible.shape, dtype=torch.float32, device=x.device)
-                bias = bias.masked_fill_(~visible.to(x.device), float("-inf"))  # [B, q, L]
+                bias = to_bias(visible)
+                if slides:
+                    keys_at = torch.arange(kv_len, device=visible.device)
+                    window_bias = to_bias(visible & (keys_at > fb.positions[:, :, None].to(visible.device) - window))
             if span is not None:
                 rows = fb.slots - span[0]  # each sequence's row in the span
-                span_bias = torch.zeros((span[1] - span[0], q, kv_len), dtype=torch.float32, device=x.device)
-                span_bias[rows] = bias if bias is not None else 0.0  # rows of idle slots: garbage in, ignored
-                bias = span_bias
+                if bias is None:
+                    bias = torch.zeros((span[1] - span[0], q, kv_len), dtype=torch.float32, device=x.device)
+        elif slides:
+            base = fb.mask if fb.mask is not None else torch.ones((B, 1, q, kv_len), dtype=torch.bool)
+            keys_at = torch.arange(kv_len, device=base.device)
+            window_mask = base & (keys_at > fb.positions[:, None, :, None].to(base.device) - window)
         single = B == 1 and fb.slot_range is not None and fused is None and tree is None  # torch-op cache write
         if single:
             s0, p0 = fb.slot_range[0], int(fb.positions[0, 0])
@@ -410,7 +606,8 @@ class LlamaModel:
         # (tide.kernels' decode_layer: the same kernels in the same order as the loop below).
         layer_args = self._prefill_layer_args if prefill_float else self._layer_args
         one_call = (fused is not None and small and span is None and not pair and layer_args is not None
-                    and fused.has_decode_attention and x.dtype == torch.bfloat16)
+                    and fused.has_decode_attention and x.dtype == torch.bfloat16 and self._fused_layer)
+        softcap, scale, silu = cfg.attn_softcap, cfg.attn_scale, cfg.activation == "silu"
         slot_lo, slot_hi = fb.slot_range or (-1, -1)
         # Each residual add is fused with the norm after it (add_rms_norm): the MLP's output waits
         # in `delta` for the next layer's input norm, or the final norm.
@@ -426,11 +623,19 @@ class LlamaModel:
                 continue
             if prefill_float:
                 qkv_proj, o_proj, gate_up_proj, down_proj = self.prefill_linears[i]
-            if delta is None:
+            extra, sliding, table = self._layer_plan[i]
+            if ln1 is None:  # OLMo 2: no pre-norm, the residual stream itself
+                x, delta = (x if delta is None else x + delta), None
+                h = x
+            elif delta is None:
                 h = rms_norm(x, ln1, cfg.rms_norm_eps)
             else:
                 x, h = add_rms_norm(x, delta, ln1, cfg.rms_norm_eps)
             qkv = qkv_proj(h)[:, :1] if pair else qkv_proj(h)
+            if extra is not None and extra.q_norm is not None:
+                qkv = self._qk_norm(qkv, extra)
+            layer_bias = window_bias if sliding and slides and grouped else bias
+            cos_rows, sin_rows, cos, sin = ropes[table]
             kc, vc = cache.k[i], cache.v[i]
             if fused is not None:  # the same bits as the torch ops below, in one pass
                 qh = fused.rope_kv_cache(qkv, cos_rows, sin_rows, kc, vc, fb.slots, write_at, nh, nkv)
@@ -449,21 +654,37 @@ class LlamaModel:
                 keys, values = kc[a:b, :, :kv_len], vc[a:b, :, :kv_len]
             else:
                 keys, values = kc[fb.slots, :, :kv_len], vc[fb.slots, :, :kv_len]
+            if scale is not None:  # every attention below scales by head_dim ** -0.5: fold the rest into q
+                qh = qh * (scale * hd ** 0.5)
             if tree is not None:
-                attn = tree_attention(qh, keys, values, bias, fb.positions, tree.paths, tree.starts)
+                attn = tree_attention(qh, keys, values, layer_bias, fb.positions, tree.paths, tree.starts,
+                                      window if sliding else None, softcap)
             elif span is not None:
                 q_span = qh.new_zeros((b - a, *qh.shape[1:]))
                 q_span[rows] = qh
-                attn = grouped_attention(q_span, keys, values, bias)[rows]
+                attn = grouped_attention(q_span, keys, values, layer_bias, softcap)[rows]
             elif grouped:
-                attn = grouped_attention(qh, keys, values, bias)
+                attn = grouped_attention(qh, keys, values, layer_bias, softcap)
             else:
-                attn = F.scaled_dot_product_attention(qh, keys.to(qh.dtype), values.to(qh.dtype), attn_mask=fb.mask,
-                                                      enable_gqa=nkv != nh)
+                mask = window_mask if sliding and window_mask is not None else fb.mask
+                if softcap is not None:
+                    attn = eager_attention(qh, keys, values, mask, softcap)
+                else:
+                    attn = F.scaled_dot_product_attention(qh, keys.to(qh.dtype), values.to(qh.dtype), attn_mask=mask,
+                                                          enable_gqa=nkv != nh)
             attn = attn.transpose(1, 2).reshape(B, q, nh * hd)
-            x, h = add_rms_norm(x, o_proj(attn.expand(1, 2, -1).contiguous() if pair else attn), ln2,
-                                cfg.rms_norm_eps)
-            delta = down_proj(silu_mul(gate_up_proj(h)))
+            out = o_proj(attn.expand(1, 2, -1).contiguous() if pair else attn)
+            if extra is not None and extra.attn_out is not None:  # Gemma's and OLMo 2's post-attention norm
+                out = rms_norm(out, extra.attn_out, cfg.rms_norm_eps)
+            if ln2 is None:
+                x = x + out
+                h = x
+            else:
+                x, h = add_rms_norm(x, out, ln2, cfg.rms_norm_eps)
+            gate_up = gate_up_proj(h)
+            delta = down_proj(silu_mul(gate_up) if silu else _gelu_tanh_mul(gate_up))
+            if extra is not None and extra.mlp_out is not None:
+                delta = rms_norm(delta, extra.mlp_out, cfg.rms_norm_eps)
             if fb.capture and i in self._aux:
                 x, delta = x + delta, None
                 aux[i] = x[:, :1] if pair else x
@@ -475,6 +696,8 @@ class LlamaModel:
         flat = final.view(B * q, -1)
         rows = flat if fb.logits_rows is None else flat.index_select(0, fb.logits_rows)
         logits = vocab_logits(rows, self.prefill_head if fb.prefill else self.head)
+        if cfg.final_softcap is not None:  # Gemma 2
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         if not fb.capture:
             return logits, None, None
         if len(self._aux) != 3:
