@@ -152,3 +152,28 @@ def _attributes(obj: object) -> Iterable[object]:
         if hasattr(obj, slot):
             values.append(getattr(obj, slot))
     return values
+
+
+def available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
+    """(bytes this process may still take, where that came from): the kernel's MemAvailable (free
+    plus reclaimable page cache), and less where this process's cgroup (v2) has a memory limit: its
+    `memory.max` minus its `memory.current`. None where neither can be read."""
+    found: list[tuple[int, str]] = []
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "MemAvailable"))  # the value is in kB
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open(os.path.join(cgroup, "memory.current")) as f:
+                used = int(f.read().strip())
+            found.append((max(0, int(limit) - used), "cgroup memory.max - memory.current"))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None

@@ -169,7 +169,8 @@ def worker_view(name: str, address: str, healthy: bool, st: inference_pb2.Worker
     live = st.live
     out.update(
         worker_id=st.worker_id, model_id=st.model_id, device=st.device, engine=st.engine,
-        running=st.running_requests, waiting=st.waiting_requests, max_batch=st.max_batch_size, load=_r(st.load),
+        running=st.running_requests, waiting=st.waiting_requests, max_batch=st.max_batch_size,
+        max_model_len=st.max_model_len, load=_r(st.load),
         kv_cache_usage=_r(st.kv_cache_usage), tokens_per_s=_r(live.tokens_per_s, 2), tokens_total=live.tokens_total,
         steps_total=live.steps_total, drafter=st.drafter, draft_version=st.draft_version,
         registry_draft_version=st.registry_draft_version, wanted_draft_version=st.wanted_draft_version,

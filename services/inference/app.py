@@ -9,6 +9,7 @@ telemetry.py and exporter.py).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import logging
@@ -33,6 +34,7 @@ from services.inference.worker import Worker
 from tide import blobs, streams
 from tide.decisions import PolicySpec
 from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.kv_budget import BUDGET_FRACTION, DEFAULT_SLOTS, KVPlan, default_budget, model_slot_cost, plan
 from tide.engine.profiling import (
     PROFILE_POLICIES,
     LiveProfile,
@@ -43,6 +45,7 @@ from tide.engine.profiling import (
 )
 from tide.engine.sampling import SamplingScheme
 from tide.grpcutil import GrpcServer
+from tide.memory import available_bytes
 from tide.policies.profile import LatencyProfile
 from tide.precision import weights_label
 from tide.target import cache_dir, resolve_target
@@ -69,6 +72,37 @@ def load_target(settings: InferenceSettings):
     return model, tokenizer, target.model_id
 
 
+def kv_budget(settings: InferenceSettings, device) -> tuple[int | None, str]:
+    """(the KV cache's byte budget, where it came from): TIDE_KV_CACHE_MB, else a share of the memory
+    available now (call it after the weights are loaded: they are then no longer available) —
+    tide.engine.kv_budget.BUDGET_FRACTION says why that share. None: the memory is unknown."""
+    if settings.kv_cache_mb is not None:
+        return settings.kv_cache_mb * 2**20, "TIDE_KV_CACHE_MB"
+    if device.type == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device)
+        found = (free, "free GPU memory")
+    else:
+        found = available_bytes()
+    if found is None:
+        return None, "available memory unknown"
+    avail, source = found
+    return default_budget(avail), f"{BUDGET_FRACTION:.0%} of {avail / 2**20:.0f} MiB available ({source})"
+
+
+def kv_plan(settings: InferenceSettings, model, max_new_per_step: int) -> KVPlan:
+    """The slots and context the worker serves with (tide.engine.kv_budget.plan): TIDE_MAX_BATCH and
+    TIDE_MAX_SEQ_LEN where set, the rest derived from the budget. Raises KVBudgetError (a ValueError)
+    when what is set does not fit."""
+    cost = model_slot_cost(model, max_new_per_step)
+    budget, source = kv_budget(settings, model.device)
+    if budget is None:  # no limit known: the values set, else the defaults
+        budget = 1 << 62
+    return plan(cost, budget, model.cfg.max_position_embeddings, slots=settings.max_batch,
+                context=settings.max_seq_len, budget_source=source)
+
+
 def policy_spec(name: str, params) -> PolicySpec:
     """Scalar parameters go in `params`, structured ones in `table_json` (as the proto has it)."""
     scalars = {k: float(v) for k, v in params.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
@@ -76,12 +110,15 @@ def policy_spec(name: str, params) -> PolicySpec:
     return PolicySpec(name, scalars, json.dumps(rest, sort_keys=True) if rest else "")
 
 
-def start_profile(settings: InferenceSettings, model, model_id: str) -> LatencyProfile | None:
+def start_profile(settings: InferenceSettings, model, model_id: str,
+                  max_batch: int | None = None) -> LatencyProfile | None:
     """The worker's latency profile: TIDE_LATENCY_PROFILE's file, else (TIDE_PROFILE_AT_START) one
     measured here — from the disk cache when this target/dtype/device/threads/drafter was profiled
     before — as a `LiveProfile` that a `reprofile` decision re-measures. None: no profile. With
     TIDE_DRAFTER=eagle3 the draft is timed in the production shape (8192-token draft vocabulary,
-    random weights): the registry's draft arrives after start, and latency depends on shape only."""
+    random weights): the registry's draft arrives after start, and latency depends on shape only.
+    `max_batch`: the worker's slots (the profile's largest batch; default TIDE_MAX_BATCH or 16)."""
+    max_batch = max_batch or settings.max_batch or DEFAULT_SLOTS
     if settings.latency_profile:
         return LatencyProfile.load(settings.latency_profile)
     if not wants_profile(settings.policy, settings.profile_at_start):
@@ -92,7 +129,7 @@ def start_profile(settings: InferenceSettings, model, model_id: str) -> LatencyP
         drafter = Eagle3Drafter(random_draft(model, min(8192, model.cfg.vocab_size)), "shape", 1, 1)
     else:
         drafter = make_drafter(settings.drafter)
-    batches, ns, lags = default_grid(settings.max_batch, settings.max_gamma)
+    batches, ns, lags = default_grid(max_batch, settings.max_gamma)
     cache = Path(settings.profile_cache_dir) if settings.profile_cache_dir else None
 
     def measure(refresh: bool) -> LatencyProfile:
@@ -193,13 +230,15 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
     if model is None:
         model, tokenizer, model_id = load_target(settings)
     model_id = model_id or settings.target
-    config = EngineConfig(max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
-                          max_tokens_per_step=settings.max_tokens_per_step, max_gamma=settings.max_gamma,
+    config = EngineConfig(max_tokens_per_step=settings.max_tokens_per_step, max_gamma=settings.max_gamma,
                           forced_gamma=settings.forced_gamma, seed=settings.seed, worker_id=settings.worker_id,
                           target_model=model_id, prefix_cache=settings.prefix_cache,
                           prefix_cache_host_mb=settings.prefix_cache_host_mb,
                           unseeded_sampling=SamplingScheme(settings.unseeded_sampling),
                           speculation_memory_mb=settings.speculation_memory_mb)
+    kv = kv_plan(settings, model, config.max_new_per_step)
+    log.info("%s", kv.describe())
+    config = dataclasses.replace(config, max_batch=kv.slots, max_seq_len=kv.context)
     engine = LLMEngine(model, config, tokenizer=tokenizer)
     names = streams.StreamNames(settings.storage.stream_prefix)
     rclient = settings.storage.redis_client(socket_connect_timeout=1.0, socket_timeout=2.0)
@@ -218,14 +257,14 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
                              flush_interval_s=settings.flush_interval_s, key_prefix=settings.chunk_prefix,
                              pin_memory=model.device.type == "cuda", spool_dir=spool_dir(settings),
                              spool_max_bytes=settings.chunk_spool_bytes, keyring=settings.storage.keyring())
-    profile = start_profile(settings, model, model_id)
+    profile = start_profile(settings, model, model_id, config.max_batch)
     params = dict(settings.policy_params)
     if profile is not None and settings.policy in PROFILE_POLICIES:
         params.setdefault("profile", profile.to_dict())  # GetStatus shows the table the policy runs on
     # "eagle3" = the registry's current draft for this target; the registry is watched from the
     # first time "eagle3" is asked for (at start with TIDE_DRAFTER=eagle3, or by a decision).
     drafts = DraftWatcher(model_id, s3=s3, cache_dir=settings.draft_cache_dir or cache_dir() / "drafts",
-                          model=model, max_batch=settings.max_batch, max_len=engine.runner.cache.max_len,
+                          model=model, max_batch=config.max_batch, max_len=engine.runner.cache.max_len,
                           registry_addr=settings.registry_addr, prompt_lookup=settings.prompt_lookup)
     worker = Worker(engine, policy=policy_spec(settings.policy, params), drafter=settings.drafter,
                     tokenizer=tokenizer, exporter=exporter, collection=settings.collection,
@@ -251,6 +290,6 @@ def finish(settings: InferenceSettings, parts: _Prepared) -> InferenceService:
         log.info("registry draft %s before serving (%.1f s): %s", "settled" if settled else "not settled",
                  time.monotonic() - t0, drafts.version or "fallback drafter")
     server = serve(worker, settings.listen, settings.admin_token,
-                   max_workers=settings.max_batch + settings.max_queue + 8, drafts=drafts, live=live,
+                   max_workers=worker.engine.config.max_batch + settings.max_queue + 8, drafts=drafts, live=live,
                    stream_interval_s=settings.stream_interval_ms / 1e3)
     return InferenceService(settings, worker, server, telemetry, exporter, drafts)

@@ -39,6 +39,7 @@ from tide.settings import (
 DRAFTERS = ("ngram", "none", "eagle3")
 MEMORY_SCOPES = ("key", "stack")
 SAMPLING_SCHEMES = ("coupled", "rejection")  # tide.engine.sampling.SamplingScheme's values (torch-free here)
+OptionalCount = Annotated[int | None, check(lambda v: v is None or v >= 1, ">= 1")]
 PROFILE_AT_START = ("auto", "", "1", "0", "true", "false", "yes", "no", "on", "off")
 
 
@@ -58,8 +59,20 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     cpus: CpuSet = Field("", description="CPUs this worker runs on (affinity, and torch threads = their count; keep "
                          "the trainer's TIDE_TRAINER_CPUS apart; `tide up` starts its other services on the remaining "
                          "CPUs)")
-    max_batch: Count = Field(16, description="KV-cache slots = most sequences decoded per step")
-    max_seq_len: Count = Field(2048, description="prompt + output tokens per sequence")
+    # Unset, the slots and the context are derived from the KV-cache budget (tide.engine.kv_budget):
+    # 16 slots × 2048 tokens (or the model's context if shorter) where they fit, else fewer slots.
+    max_batch: OptionalCount = Field(None, json_schema_extra=shown_default("16, fewer to fit TIDE_KV_CACHE_MB"),
+                                     description="KV-cache slots = most sequences decoded per step")
+    max_seq_len: OptionalCount = Field(
+        None, json_schema_extra=shown_default("2048 (the model's if shorter), less to fit TIDE_KV_CACHE_MB"),
+        description="prompt + output tokens per sequence")
+    # Half of what is free by default: the rest of the stack shares the machine (kv_budget.BUDGET_FRACTION).
+    kv_cache_mb: OptionalCount = Field(
+        None, json_schema_extra=shown_default("50% of the memory available after the weights load"),
+        description="byte budget (MiB) of everything the worker allocates per KV slot: the target's K/V (float32 on "
+        "CPU), and the EAGLE-3 draft's K/V and feature rows; the slots and context not set are derived to fit it, "
+        "and a TIDE_MAX_BATCH × TIDE_MAX_SEQ_LEN that does not fit is refused at start. Available memory = "
+        "MemAvailable, or less under a cgroup memory.max (the GPU's free memory on cuda)")
     max_tokens_per_step: Count = Field(512, description="prefill token budget per step")
     prefix_cache: bool = Field(True, description="a prompt that starts like an earlier request's reuses the KV "
                                "entries that request left in its slot instead of prefilling them again (exact: "

@@ -87,6 +87,13 @@ class EngineConfig:
     # none. Drafters with an `attach_memory` (the hybrid) propose from it.
     speculation_memory_mb: float = 0
 
+    @property
+    def max_new_per_step(self) -> int:
+        """The most tokens one step feeds a sequence: a prompt chunk, a chain's γ + 1 rows, or a
+        tree's nodes and its root (ModelRunner.run_tree). Its KV slot has this many rows (+ 1) past
+        max_seq_len, for the padded rows of a step near the end (tide.engine.kv_budget counts them)."""
+        return max(self.prefill_chunk, self.max_gamma + 1, self.max_tree_tokens + 1)
+
 
 @dataclass
 class RequestOutput:
@@ -152,9 +159,7 @@ class LLMEngine:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
-        # A tree's verification feeds its nodes and root (ModelRunner.run_tree), a chain γ + 1 rows.
-        self.runner = ModelRunner(model, config.max_batch, config.max_seq_len,
-                                  max(config.prefill_chunk, config.max_gamma + 1, config.max_tree_tokens + 1))
+        self.runner = ModelRunner(model, config.max_batch, config.max_seq_len, config.max_new_per_step)
         # How much of a finished sequence's cache a later prompt may reuse, exactly: every fed token
         # where decoding leaves the entries a prompt chunk would; else its prompt, at any token where
         # prompts are split-invariant, or in whole chunks (tide.engine.prefix_cache).
