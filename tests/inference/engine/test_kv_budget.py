@@ -8,7 +8,6 @@ import pytest
 import torch
 from support.engine import save_tiny_target
 
-from services.inference.settings import InferenceSettings
 from tide.engine.drafters.eagle3 import TREE_SCRATCH, Eagle3Drafter
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.kv_budget import (
@@ -126,11 +125,3 @@ def test_available_memory_reads_meminfo_and_the_cgroup(tmp_path):
     assert available_bytes(str(meminfo), str(cg)) == (5 << 30, "cgroup memory.max - memory.current")
     assert available_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None
 
-
-def test_settings_leave_slots_and_context_to_the_budget():
-    s = InferenceSettings.from_env({})
-    assert s.max_batch is None and s.max_seq_len is None and s.kv_cache_mb is None
-    s = InferenceSettings.from_env({"TIDE_KV_CACHE_MB": "512", "TIDE_MAX_BATCH": "4"})
-    assert (s.kv_cache_mb, s.max_batch, s.max_seq_len) == (512, 4, None)
-    with pytest.raises(ValueError, match="TIDE_KV_CACHE_MB"):
-        InferenceSettings.from_env({"TIDE_KV_CACHE_MB": "0"})
