@@ -145,25 +145,93 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def decoder_config(config: dict) -> dict:
+    """The text decoder's HF config: `config` itself, or a multimodal checkpoint's `text_config`
+    (Gemma 3 4B and up) with the top-level architecture and tying flag it inherits."""
+    text = config.get("text_config")
+    if not text:
+        return config
+    return {"tie_word_embeddings": config.get("tie_word_embeddings"), **text,
+            "architectures": config.get("architectures")}
+
+
+@dataclass(frozen=True)
+class HeadSemantics:
+    """How a family's target turns its last layer's output into logits, beyond Llama's
+    `lm_head(rms_norm(x, w))`: Gemma's final norm scales by (1 + w) (`norm_offset`), Gemma 2 soft-caps
+    the logits (`logit_softcap`: cap * tanh(logits / cap)), tied heads are the embedding. The
+    embedding scale (Gemma: x sqrt(hidden)) is recorded for completeness: an EAGLE-3 draft RMS-normalises
+    the embedding it reads (`input_layernorm`), so it takes the raw table, as the engine serves it."""
+
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    logit_softcap: float | None = None
+    tied: bool = False
+
+    @classmethod
+    def of(cls, config: dict) -> HeadSemantics:
+        from tide.engine.families import LLAMA, UnsupportedModel, family_for
+
+        cfg = decoder_config(config)
+        try:
+            _, family = family_for(config)
+        except UnsupportedModel:  # a hand-written config naming no architecture: Llama's head
+            family = LLAMA
+        cap = cfg.get("final_logit_softcapping")
+        return cls(norm_offset=family.norm_offset,
+                   embed_scale=float(cfg["hidden_size"]) ** 0.5 if family.embed_scale else 1.0,
+                   logit_softcap=None if cap is None else float(cap),
+                   tied=bool(cfg.get("tie_word_embeddings", False)))
+
+
+def _head_names(names) -> dict[str, str]:
+    """Checkpoint tensor name -> canonical head name (EMBED_TENSOR / NORM_TENSOR / LM_HEAD_TENSOR):
+    the decoder's own prefix (`model.`, or a multimodal Gemma 3's `model.language_model.` /
+    `language_model.model.`), found as tide.engine.llama.LlamaModel.load finds it."""
+    names = list(names)
+    embed = next((n for n in names if n.endswith("embed_tokens.weight") and "vision" not in n), None)
+    if embed is None:
+        return {}
+    prefix = embed[:-len("embed_tokens.weight")]
+    out = {embed: EMBED_TENSOR}
+    if prefix + "norm.weight" in names:
+        out[prefix + "norm.weight"] = NORM_TENSOR
+    head = next((n for n in names if n.split(".")[-2:] == ["lm_head", "weight"] and "vision" not in n), None)
+    if head is not None:
+        out[head] = LM_HEAD_TENSOR
+    return out
+
+
 def load_head_tensors(target: TargetFiles, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Read only the embedding, final norm and lm_head of a target (tied heads share storage).
+    """Read only the embedding, final norm and lm_head of a target, as a Llama head computes with them:
+    the final norm is the weight `rms_norm` multiplies by (Gemma's zero-centred weight + 1), the
+    lm_head is the embedding where the config ties them or the checkpoint has none (shared storage),
+    the embedding is the raw table (see HeadSemantics). Whatever the checkpoint's prefix, the tensors
+    are returned under EMBED_TENSOR, NORM_TENSOR and LM_HEAD_TENSOR.
 
     Decoder-layer tensors are never read: the trainer must work without the target's body.
     """
     from safetensors import safe_open
 
-    wanted = {EMBED_TENSOR, NORM_TENSOR, LM_HEAD_TENSOR}
-    found: dict[str, torch.Tensor] = {}
-    for file in target.safetensors_files():
+    semantics = HeadSemantics.of(target.config)
+    files = target.safetensors_files()
+    where: dict[str, Path] = {}
+    for file in files:  # names first: a sharded checkpoint's head tensors may lie in different shards
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if name in wanted:
-                    if name.startswith(LAYER_TENSOR_PREFIX):  # defensive; never true for `wanted`
-                        raise RuntimeError(f"refusing to load decoder tensor {name}")
-                    found[name] = f.get_tensor(name).to(dtype)
+            where.update(dict.fromkeys(f.keys(), file))
+    found: dict[str, torch.Tensor] = {}
+    for name, canonical in _head_names(where).items():
+        if name.startswith(LAYER_TENSOR_PREFIX):  # defensive; never true for head tensors
+            raise RuntimeError(f"refusing to load decoder tensor {name}")
+        with safe_open(str(where[name]), framework="pt") as f:
+            found[canonical] = f.get_tensor(name).to(dtype)
     if EMBED_TENSOR not in found:
         raise KeyError(f"{target.path}: no {EMBED_TENSOR}")
-    if LM_HEAD_TENSOR not in found:  # tied embeddings (SmolLM2)
+    if NORM_TENSOR not in found:
+        raise KeyError(f"{target.path}: no final norm ({NORM_TENSOR})")
+    if semantics.norm_offset:
+        found[NORM_TENSOR] = (found[NORM_TENSOR].float() + semantics.norm_offset).to(dtype)
+    if semantics.tied or LM_HEAD_TENSOR not in found:  # tied embeddings (SmolLM2, Gemma)
         found[LM_HEAD_TENSOR] = found[EMBED_TENSOR]
     return found
 

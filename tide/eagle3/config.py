@@ -80,11 +80,12 @@ class Eagle3Config:
     def for_target(cls, target: dict, draft_vocab_size: int, torch_dtype: str = "bfloat16",
                    intermediate_size: int | None = None) -> Eagle3Config:
         """A draft shaped like one decoder layer of `target` (its HF config.json dict)."""
+        from tide.target import decoder_config
+
         t = target_facts(target)
+        target = decoder_config(target)  # a multimodal Gemma 3's text decoder
         heads = int(target["num_attention_heads"])
-        rope = dict(target.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", target.get("rope_theta", 10000.0)))
-        scaling = target.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        theta, scaling = draft_rope(target)
         return cls(
             hidden_size=t.hidden_size,
             intermediate_size=int(intermediate_size or target["intermediate_size"]),
@@ -183,6 +184,27 @@ def _aux_layers_from_json(d: dict) -> tuple[int, ...] | None:
     return ours or theirs  # None: neither engine is pinned; both use their (identical) default
 
 
+def draft_rope(target: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) of a draft for `target` (a decoder's HF config dict): the
+    target's full-attention RoPE. transformers 5 nests it in `rope_parameters`, keyed by layer type
+    where layers differ (Gemma 3: its global base, not the sliding layers' local one); 4.x has
+    rope_theta / rope_scaling (Gemma 3's local base apart, in rope_local_base_freq). The draft's one
+    layer attends over the whole draft context, as a full-attention layer does; its RoPE is its own
+    (trained with it), so any consistent choice serves, and this one is what SGLang derives too.
+    A scaling's config-level fields (original_max_position_embeddings: Phi-3) are filled in."""
+    params = dict(target.get("rope_parameters") or {})
+    if "full_attention" in params:
+        params = dict(params["full_attention"] or {})
+    theta = float(params.pop("rope_theta", target.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)
+    scaling = target.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    if scaling and "original_max_position_embeddings" not in scaling and target.get("original_max_position_embeddings"):
+        scaling = {**scaling, "original_max_position_embeddings": target["original_max_position_embeddings"]}
+    return theta, (dict(scaling) if scaling else None)
+
+
 @dataclass(frozen=True)
 class TargetFacts:
     """What a draft must agree with about its target."""
@@ -195,6 +217,9 @@ class TargetFacts:
 def target_facts(target) -> TargetFacts:
     """From an HF config dict, or an object with vocab_size/hidden_size/aux_layers (engine LlamaConfig)."""
     if isinstance(target, dict):
+        from tide.target import decoder_config
+
+        target = decoder_config(target)  # a multimodal Gemma 3's text decoder
         layers = int(target["num_hidden_layers"])
         return TargetFacts(int(target["vocab_size"]), int(target["hidden_size"]), default_aux_layers(layers))
     return TargetFacts(int(target.vocab_size), int(target.hidden_size), tuple(target.aux_layers))

@@ -63,7 +63,8 @@ def evaluate(draft: Eagle3Draft, data: Dataset, head: TargetHead, gammas=GAMMAS,
     draft.eval()
     G = max(gammas)
     targets = torch.arange(draft.cfg.draft_vocab_size, device=draft.d2t.device) + draft.d2t
-    objective = Eagle3Objective(draft, head.lm_head[targets.cpu()].to(device), ttt_steps, mask)
+    objective = Eagle3Objective(draft, head.lm_head[targets.cpu()].to(device), ttt_steps, mask,
+                                logit_softcap=head.logit_softcap)
     accepted = {g: 0.0 for g in gammas}
     judged, right = torch.zeros(G), torch.zeros(G)
     ttt = torch.zeros(ttt_steps, 3)

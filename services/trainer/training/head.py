@@ -16,7 +16,7 @@ import torch
 from tide.eagle3 import Eagle3Config, Eagle3Draft
 from tide.layers import Linear
 from tide.precision import resolve_dtype
-from tide.target import EMBED_TENSOR, LM_HEAD_TENSOR, NORM_TENSOR, TargetFiles, load_head_tensors
+from tide.target import EMBED_TENSOR, LM_HEAD_TENSOR, NORM_TENSOR, HeadSemantics, TargetFiles, load_head_tensors
 
 # Rows per lm_head matmul when computing greedy tokens: bounds the [rows, V] bf16 logits to
 # ~100 MB for a 49k vocabulary.
@@ -49,13 +49,16 @@ class GreedyHead:
 
 @dataclass
 class TargetHead:
-    """The target's embedding [V, T], final norm weight [T] and lm_head [V, T] (float32, CPU)."""
+    """The target's embedding [V, T], final norm weight [T] and lm_head [V, T] (float32, CPU), as a
+    Llama head computes with them (tide.target.load_head_tensors: Gemma's (1 + w) norm folded in,
+    tied heads resolved), and the soft-cap its logits take (Gemma 2: cap * tanh(logits / cap); None)."""
 
     model_id: str
     config: dict  # the target's HF config.json
     embed: torch.Tensor
     norm: torch.Tensor
     lm_head: torch.Tensor
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         weight = self.lm_head.to(greedy_dtype())
@@ -64,7 +67,8 @@ class TargetHead:
     @classmethod
     def load(cls, target: TargetFiles) -> TargetHead:
         t = load_head_tensors(target, torch.float32)
-        return cls(target.model_id, target.config, t[EMBED_TENSOR], t[NORM_TENSOR], t[LM_HEAD_TENSOR])
+        return cls(target.model_id, target.config, t[EMBED_TENSOR], t[NORM_TENSOR], t[LM_HEAD_TENSOR],
+                   HeadSemantics.of(target.config).logit_softcap)
 
     @property
     def vocab_size(self) -> int:
@@ -110,8 +114,9 @@ def new_draft(head: TargetHead, d2t: torch.Tensor, t2d: torch.Tensor, seed: int,
               torch_dtype: str = "bfloat16") -> Eagle3Draft:
     """A from-scratch draft for the target: random layer (seeded), the given vocabulary, the draft
     lm_head initialised from the target's lm_head rows of the kept tokens and the draft's final
-    norm from the target's final norm (so a draft state that mimics the target's last hidden state
-    already yields the target's logits), fp32 parameters for training."""
+    norm from the target's final norm as a Llama norm multiplies by (Gemma's 1 + w), so that a draft
+    state that mimics the target's last hidden state already yields the target's logits (before
+    any soft-cap); fp32 parameters for training."""
     cfg = Eagle3Config.for_target(head.config, draft_vocab_size=int(d2t.shape[0]), torch_dtype=torch_dtype)
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)

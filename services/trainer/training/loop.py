@@ -162,7 +162,7 @@ def train(draft: Eagle3Draft, head: TargetHead, data: Dataset, cfg: TrainConfig)
     scale = scale_vector(exponents, draft.cfg.target_hidden_size) if exponents else None
     targets = (torch.arange(draft.cfg.draft_vocab_size, device=device) + draft.d2t).cpu()
     objective = Eagle3Objective(draft, head.lm_head[targets], cfg.ttt_steps, cfg.ttt_mask, cfg.step_decay,
-                                cfg.feature_noise, scale).to(device)
+                                cfg.feature_noise, scale, head.logit_softcap).to(device)
     for p in (*draft.lm_head.parameters(), *draft.norm.parameters()):
         p.requires_grad_(not cfg.freeze_head)
     trainable = [p for p in draft.parameters() if p.requires_grad]

@@ -78,14 +78,17 @@ def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
 class Eagle3Objective(nn.Module):
     """forward(batch, unroll=K) -> (loss, stats [K, 3] = per step: loss, correct, counted; zero rows
     past `unroll`, the steps unrolled in this call); one module so that DDP sees a single forward.
-    `target_rows` [Vd, T]: the target's lm_head rows of the draft vocab.
-    With `aux_scale`, the draft's fc weight must be in training units (training.aux_scale)."""
+    `target_rows` [Vd, T]: the target's lm_head rows of the draft vocab; `logit_softcap`: the
+    target's final logit soft-cap (Gemma 2), applied before its softmax. With `aux_scale`, the
+    draft's fc weight must be in training units (training.aux_scale)."""
 
     def __init__(self, draft: Eagle3Draft, target_rows: torch.Tensor, ttt_steps: int = 3,
                  mask: str = "specforge", step_decay: float = STEP_DECAY, feature_noise: float = 0.0,
-                 aux_scale: torch.Tensor | None = None) -> None:
+                 aux_scale: torch.Tensor | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
         self.draft = draft
+        # the target's logit soft-cap (Gemma 2): its distribution is softmax(cap * tanh(logits / cap))
+        self.logit_softcap = logit_softcap
         # [3T] powers of two the aux states are divided by before fc (training.aux_scale); None: as served
         self.register_buffer("aux_scale", aux_scale, persistent=False)
         self.register_buffer("target_rows", target_rows.float(), persistent=False)
@@ -107,7 +110,10 @@ class Eagle3Objective(nn.Module):
             labelled = ((seg >= 0) & batch.loss_mask).flatten()
             slot = torch.cumsum(labelled, 0) - 1
             final = batch.final.flatten(0, 1)[labelled]
-            p_all = torch.softmax((final.float() @ self.target_rows.T).float(), dim=-1)  # [N, Vd]; autocast: bf16 GEMM
+            logits = (final.float() @ self.target_rows.T).float()  # [N, Vd]; autocast: bf16 GEMM
+            if self.logit_softcap is not None:
+                logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+            p_all = torch.softmax(logits, dim=-1)
         attend = TTTAttention(seg, self.mask)
         aux = batch.aux
         if self.training and self.feature_noise > 0:
