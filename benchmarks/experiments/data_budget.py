@@ -2,8 +2,8 @@
 (issue #61's measurement: "a 30-minute collection run at the default settings keeps the bucket
 within its budget, and the loop still trains and promotes")
 
-    nice -n 19 python -m benchmarks.experiments.data_budget --minutes 30 --budget-mib 96 \
-        --json docs/results/data-handling/budget-96mib.json
+    nice -n 19 python -m benchmarks.experiments.data_budget --minutes 30 --budget-mib 128 --pause-s 2 \
+        --json docs/results/data-handling/budget-128mib.json
 
 Starts the default stack in-process (`tide up`'s Stack: the reference target, the online loop on,
 the generated data key) with one change: the trainer's TIDE_CHUNK_BUCKET_BYTES (`--budget-mib`; 0 =
