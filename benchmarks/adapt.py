@@ -285,7 +285,8 @@ def _serve_mode(mode: str, args, stack, ep, env: dict, draft_dir: Path, prompts,
         time.sleep(args.flush_s + 1)  # the workers' last partial chunks
         s3 = StorageSettings.from_env(service_env("trainer", stack.cfg, ep)).s3_client()
         res["collected_chunks"] = horizon.download_chunks(s3, BUCKET, "chunks/",
-                                                          Path(stack.cfg.data_dir) / "collected-chunks")
+                                                          Path(stack.cfg.data_dir) / "collected-chunks",
+                                                          ep.data_key_file)
         res["collected_tokens"] = trainer_accepted_tokens(ep)
         res["candidates"] = [{**c, "t_s": round(c.pop("created_unix_s") - t0_unix, 2)} for c in
                              fetch_drafts(stack, ep, model_id, Path(stack.cfg.data_dir) / "draft-cache")]

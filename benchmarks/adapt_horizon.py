@@ -167,14 +167,17 @@ def time_to_recover(static: list[dict], online: list[dict], horizon_s: float) ->
     return None
 
 
-def download_chunks(s3, bucket: str, prefix: str, dest: Path) -> int:
-    """Every chunk blob under `prefix` into `dest` (verified against its stored SHA-256); the count."""
+def download_chunks(s3, bucket: str, prefix: str, dest: Path, key_file: str = "") -> int:
+    """Every chunk blob under `prefix` into `dest` (verified against its stored SHA-256; opened with
+    the stack's data keys `key_file` when it has one: the offline trainer reads plain chunks); the count."""
     from tide import blobs
+    from tide.datakeys import Keyring
 
+    ring = Keyring.load(path=key_file) if key_file else Keyring.empty()
     dest.mkdir(parents=True, exist_ok=True)
     keys = blobs.list_keys(s3, bucket, prefix)
     for i, key in enumerate(keys):
-        (dest / f"{i:06d}.chunk").write_bytes(blobs.get_bytes(s3, bucket, key))
+        (dest / f"{i:06d}.chunk").write_bytes(ring.open(blobs.get_bytes(s3, bucket, key)))
     return len(keys)
 
 

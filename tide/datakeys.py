@@ -60,8 +60,9 @@ class Keyring:
     def parse(cls, spec: str) -> Keyring:
         """Keys from "id:base64key" items separated by commas or newlines (`#` starts a comment)."""
         keys: list[tuple[str, bytes]] = []
-        for line in re.split(r"[,\n]", spec):
-            item = line.split("#", 1)[0].strip()
+        items = (i for line in spec.splitlines() for i in line.split("#", 1)[0].split(","))  # a comment may hold ","
+        for item in items:
+            item = item.strip()
             if not item:
                 continue
             kid, sep, b64 = item.partition(":")
@@ -145,3 +146,53 @@ def new_key_line(key_id: str) -> str:
     if not _KEY_ID.fullmatch(key_id):
         raise KeyringError(f"bad key id {key_id!r}")
     return f"{key_id}:{base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode()}"
+
+
+def ensure_key_file(path: str | Path, key_id: str) -> bool:
+    """Create `path` (mode 0600) holding one fresh key line named `key_id` unless it exists; True
+    when it was created. An existing file is kept as it is (the same key across restarts) and must
+    hold at least one key (KeyringError otherwise, naming the file, never a key). Used by `tide up`
+    and docker-compose's `datakeys` step, so that a default stack seals what it stores."""
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, f"# TIDE data key (AES-256-GCM), generated once: keep it secret, back it up\n"
+                         f"{new_key_line(key_id)}\n".encode())
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.link(tmp, path)  # atomic, and never over a file another process created meanwhile
+            return True
+        except FileExistsError:
+            pass
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+    if not Keyring.load(path=str(path)).keys:
+        raise KeyringError(f"the data key file {path} holds no key")
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tide.datakeys PATH [KEY_ID]`: ensure_key_file (docker-compose's one-shot step)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(args) <= 2:
+        print("usage: python -m tide.datakeys PATH [KEY_ID]", file=sys.stderr)
+        return 2
+    try:
+        created = ensure_key_file(args[0], args[1] if len(args) > 1 else "k1")
+    except (KeyringError, OSError) as e:
+        print(f"tide.datakeys: {e}", file=sys.stderr)
+        return 1
+    print(f"data key file {args[0]}: {'created' if created else 'kept (exists)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

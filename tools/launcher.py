@@ -9,6 +9,10 @@ worker can serve). Logs go to `<data dir>/run-<time>/<service>.log`, with `stack
 pids, each part's state and restarts) and `admin-token` beside them. S3 data persists in
 `<data dir>/s3`, Redis's in `<data dir>/redis` (append-only file, fsynced every second), so chunk
 references, consumer groups and dead letters survive a Redis crash and a restart of the stack.
+Captured traffic is encrypted at rest by default: unless the operator gives the services data keys
+(`TIDE_DATA_KEYS` / `TIDE_DATA_KEY_FILE`), the first start writes `<data dir>/data-keys` (one fresh
+AES-256 key, mode 0600; every later start reuses it; the key is never printed) and the trainer and
+the workers get `TIDE_DATA_KEY_FILE` pointing at it (docs/data-handling.md).
 
 If a service fails to start, those already started are stopped and its log tail is shown. Once the
 stack is up, a process that dies (a service, Redis or S3) is restarted on the same address with
@@ -33,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tide.datakeys import KeyringError, ensure_key_file
 from tide.grpcutil import ADMIN_TOKEN_ENV
 from tide.probe import grpc_serving, http_ok
 from tide.resources import cpus_left, parse_cpus, started_on
@@ -59,6 +64,9 @@ BUCKET, STREAM_PREFIX = "tide", "tide"
 # size; drafter and γ policy stay as each worker was configured (TIDE_DRAFTER, ...); the controller
 # adds collection on/off (TIDE_CONTROLLER_COLLECTION).
 DECISION = {"speculation": True, "reason": "static decision (tide up / compose)"}
+DATA_KEY_FILE = "data-keys"  # in the data dir: the stack's generated data key (unless the operator has keys)
+DATA_KEY_VARS = ("TIDE_DATA_KEYS", "TIDE_DATA_KEY_FILE")
+SEALING = ("trainer", "inference")  # the services that seal or open chunk blobs
 
 
 class StackError(RuntimeError):
@@ -110,6 +118,7 @@ class Endpoints:
     gateway_port: int
     metrics: dict[str, int] = field(default_factory=dict)  # service (inference-<i>) -> Prometheus port
     work_dir: str = "var/trainer"
+    data_key_file: str = ""  # TIDE_DATA_KEY_FILE of the trainer and workers ("" = the operator's keys, if any)
     stack_state: str = ""  # the supervisor's stack.json (the gateway's /v1/status reads it)
 
 
@@ -123,6 +132,8 @@ def service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int = 0) -> d
 def _service_env(name: str, cfg: StackConfig, ep: Endpoints, index: int) -> dict[str, str]:
     s3 = {"TIDE_S3_ENDPOINT": ep.s3_endpoint, "TIDE_S3_ACCESS_KEY": ep.s3_access_key,
           "TIDE_S3_SECRET_KEY": ep.s3_secret_key, "TIDE_S3_BUCKET": BUCKET}
+    if name in SEALING and ep.data_key_file:  # encryption at rest of the captured traffic
+        s3["TIDE_DATA_KEY_FILE"] = ep.data_key_file
     redis = {"TIDE_REDIS_URL": ep.redis_url, "TIDE_STREAM_PREFIX": STREAM_PREFIX}
     admin = {"TIDE_ADMIN_TOKEN": ep.admin_token}
     port = lambda key: str(ep.metrics.get(key, 0))  # noqa: E731
@@ -266,7 +277,7 @@ class Stack:
                 self.servers.append(s3)
             self.say(f"redis ready on {redis.url} ({redis.startup_s:.1f} s, pid {redis.pid})\n"
                      f"s3 ready on {s3.url} ({s3.startup_s:.1f} s, pid {s3.pid}; data in {s3.workdir})")
-            self.endpoints = ep = self._endpoints(redis.url, s3.endpoint)
+            self.endpoints = ep = self._endpoints(redis.url, s3.endpoint, self._data_key_file())
             token_file = self.run_dir / "admin-token"
             token_file.write_text(ep.admin_token)
             token_file.chmod(0o600)
@@ -310,7 +321,21 @@ class Stack:
         if self.supervisor.tick():
             self._write_state()
 
-    def _endpoints(self, redis_url: str, s3) -> Endpoints:  # s3: tide.servers.S3Endpoint
+    def _data_key_file(self) -> str:
+        """The stack's data key file, created on the first start ("" when the operator gave the
+        trainer or the workers keys of their own: theirs are used, as given)."""
+        if any(self.cfg.setting(name, var) for name in SEALING for var in DATA_KEY_VARS):
+            self.say("data keys: the operator's (TIDE_DATA_KEYS / TIDE_DATA_KEY_FILE)")
+            return ""
+        path = Path(self.cfg.data_dir).resolve() / DATA_KEY_FILE
+        try:
+            created = ensure_key_file(path, time.strftime("k%Y%m%d%H%M%S"))
+        except (KeyringError, OSError) as e:
+            raise StackError(f"cannot set up the data key file: {e}") from None
+        self.say(f"data key file {path} ({'created' if created else 'reused'}): chunks are encrypted at rest")
+        return str(path)
+
+    def _endpoints(self, redis_url: str, s3, data_key_file: str = "") -> Endpoints:  # s3: tide.servers.S3Endpoint
         names = ["registry", "trainer", "controller"] + [f"inference-{i}" for i in range(self.cfg.workers)]
         return Endpoints(
             redis_url=redis_url, s3_endpoint=s3.endpoint, s3_access_key=s3.access_key, s3_secret_key=s3.secret_key,
@@ -321,7 +346,7 @@ class Stack:
             controller=f"{LOOPBACK}:{free_port()}",
             workers=tuple(f"{LOOPBACK}:{free_port()}" for _ in range(self.cfg.workers)), gateway_host=LOOPBACK,
             gateway_port=self.cfg.port or free_port(), metrics={n: free_port() for n in names},
-            work_dir=str(Path(self.cfg.data_dir).resolve() / "trainer"),
+            work_dir=str(Path(self.cfg.data_dir).resolve() / "trainer"), data_key_file=data_key_file,
             stack_state=str((self.run_dir / "stack.json").resolve()))
 
     def _spawn(self, name: str, ep: Endpoints, index: int) -> ServiceProcess:

@@ -150,8 +150,12 @@ def request_key(request: Request) -> str:
 
 
 def caller_of(request: Request, body) -> Eligibility:
-    """Whether `body` (a chat or completion request) may be trained on (services/gateway/governance.py)."""
-    return decide(gateway(request).settings, body, request_key(request))
+    """Whether `body` (a chat or completion request) may be trained on (services/gateway/governance.py);
+    counted for /v1/status (`opt_out`)."""
+    state = gateway(request)
+    caller = decide(state.settings, body, request_key(request))
+    state.status.training_decisions[caller.reason or "eligible"] += 1
+    return caller
 
 
 def deciding(request: Request):

@@ -12,7 +12,9 @@ document is still served):
   stack.json, which has every process's state (ready / starting / restarting / failed) and restart
   count, Redis and S3 included, and (the gateway runs beside them) each one's resident memory
   (`rss_bytes`, also summed at the top level). Under docker compose, Docker restarts containers and the restart
-  counts are not visible here (null).
+  counts are not visible here (null);
+- this gateway's own training decisions since it started (`opt_out`: requests eligible, and excluded
+  by reason; services/gateway/governance.py).
 
 Everything is asked concurrently, `PROBE_TIMEOUT_S` each (the registry, whose pointer is per target,
 after the others when no worker has named the target yet). `status` is "ok" when every part known is
@@ -27,7 +29,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +79,9 @@ class StatusSources:
     services: dict[str, str]  # service name -> gRPC address ("" = not configured)
     stack_state: Path | None = None  # tide up's stack.json
     memory: TrainingMemory = field(default_factory=TrainingMemory)  # what the gateway has seen of training
+    # this gateway's training decisions since it started: "eligible" or the exclusion's reason -> requests
+    training_decisions: Counter = field(default_factory=Counter)
+    started_unix_s: float = field(default_factory=time.time)
 
 
 def supervisor_view(path: Path | None) -> dict[str, dict]:
@@ -258,6 +263,13 @@ def trainer_view(st: trainer_pb2.TrainerStatus) -> dict:
             "last_outcome": _outcome(st.last_outcome) if st.last_outcome.run_id else None}
 
 
+def opt_out_view(decisions: Counter, since_unix_s: float) -> dict:
+    """What this gateway decided about training on the requests it served (X-TIDE-Training)."""
+    excluded = {reason: n for reason, n in sorted(decisions.items()) if reason != "eligible"}
+    return {"available": True, "since_unix_s": since_unix_s, "eligible": decisions.get("eligible", 0),
+            "excluded": excluded, "excluded_total": sum(excluded.values())}
+
+
 def _provenance(text: str) -> dict:
     try:
         p = json.loads(text or "{}")
@@ -411,7 +423,7 @@ async def stack_status(sources: StatusSources, engine: EngineClient) -> dict:
                       "tokens_per_s": _r(sum(w["tokens_per_s"] for w in up), 2),
                       "running": sum(w["running"] for w in up), "waiting": sum(w["waiting"] for w in up)},
             "workers": workers, "controller": controller, "registry": registry, "trainer": trainer,
-            "training": training,
+            "training": training, "opt_out": opt_out_view(sources.training_decisions, sources.started_unix_s),
             "backlog": {"available": trainer["available"], "buffered_chunks": trainer.get("buffered_chunks"),
                         "buffered_tokens": trainer.get("buffered_tokens"),
                         "dead_letters": trainer.get("chunks_dead_lettered")}}

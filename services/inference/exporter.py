@@ -11,8 +11,11 @@ It encodes the chunk (safetensors + SHA-256), writes the blob to S3 and only the
 S3 down: the chunk goes to the on-disk spool (`ChunkSpool`, when one is configured) and is uploaded
 from there, oldest first, once S3 answers again (retried with exponential backoff, 0.5 s doubling
 to 30 s; while spooled chunks wait, new ones join the spool behind them instead of each waiting out
-a failing S3 call). A chunk is dropped (counted by reason) only when the spool is full
-("spool_full") or unwritable ("spool_error"), when a spooled blob fails its checksum on reading
+a failing S3 call). The spool is a byte budget, oldest first: a new chunk that does not fit evicts
+the oldest spooled chunks (never the one being uploaded) until it does ("spool_evicted", and
+`tide_chunk_spool_deleted_total{reason="budget"}`). A chunk is dropped (counted by reason) only then,
+when it cannot fit even so ("spool_full": bigger than the budget, or the rest is waiting refs), when
+the spool is unwritable ("spool_error"), when a spooled blob fails its checksum on reading
 back ("spool_corrupt"), or, without a spool, at once ("s3"). Redis down: the ref waits in a
 bounded queue (`max_pending_refs`; beyond it the oldest is dropped and counted, "ref_queue_full":
 its blob is in S3, where the trainer's reconciler finds it) and is retried; waiting refs are also
@@ -71,7 +74,9 @@ class ExporterStats:
     chunks_dropped_invalid: int = 0  # chunks that failed validation (e.g. non-finite states)
     chunks_dropped_s3: int = 0  # chunks whose blob never reached S3 (spool full, unwritable or corrupt; no spool)
     tokens_dropped_s3: int = 0
-    chunks_dropped_spool_full: int = 0  # of chunks_dropped_s3: the spool had no room
+    chunks_dropped_spool_full: int = 0  # of chunks_dropped_s3: the spool had no room, even evicting
+    chunks_evicted_spool: int = 0  # of chunks_dropped_s3: spooled, then evicted (oldest first) for a newer one
+    bytes_evicted_spool: int = 0
     chunks_spooled: int = 0  # chunks written to the spool because S3 failed (or spooled ones were waiting)
     tokens_spooled: int = 0
     chunks_unspooled: int = 0  # spooled chunks uploaded to S3 after all
@@ -112,7 +117,8 @@ class ChunkSpool:
     restarts. `open()` removes temporary files, blobs without a JSON (a crash mid-write) and blobs of
     "ref" entries (a crash between the two steps of `mark_stored`); unreadable JSON is dropped and
     counted. A blob is verified (size, SHA-256 against its ref) whenever it is read back.
-    `bytes` (every entry's files) never exceeds `max_bytes`: `put_*` returns None when full.
+    `bytes` (every entry's files) never exceeds `max_bytes`: `put_*` returns None when full (the
+    exporter evicts its oldest chunks first, `entry_size` says how much room a new one needs).
     """
 
     FORMAT = 1
@@ -163,6 +169,10 @@ class ChunkSpool:
                 path.unlink(missing_ok=True)
         self._next = max(self.entries, default=-1) + 1
         return [self.entries[k] for k in sorted(self.entries)], bad
+
+    def entry_size(self, ref: streams.ChunkRef, data: bytes | None) -> int:
+        """The bytes a new entry for `ref` (with `data`: state "blob") takes in the spool."""
+        return len(self._meta("blob" if data is not None else "ref", ref)) + (len(data) if data is not None else 0)
 
     def put_chunk(self, ref: streams.ChunkRef, data: bytes) -> SpoolEntry | None:
         """Spool a chunk's bytes (state "blob"); None when it does not fit. OSError: disk trouble."""
@@ -318,6 +328,7 @@ class ChunkExporter:
         self._unspooler: threading.Thread | None = None
         self._backlog: deque[SpoolEntry] = deque()
         self._intents: list[SpoolEntry] = []  # a previous run's, until S3 says whether their blobs are stored
+        self._uploading: SpoolEntry | None = None  # the backlog's chunk the unspooler is uploading (never evicted)
         self._retry_at, self._retry_s = 0.0, RETRY_MIN_S
         self.spool = ChunkSpool(spool_dir, spool_max_bytes) if spool_dir and spool_max_bytes > 0 else None
         if self.spool is not None:
@@ -554,6 +565,9 @@ class ChunkExporter:
             return
         with self._io:
             try:
+                need = self.spool.entry_size(ref, data)
+                if self.spool.bytes + need > self.spool.max_bytes:
+                    self._make_room(need)
                 entry = self.spool.put_chunk(ref, data)
             except OSError as e:
                 self.stats.spool_errors += 1
@@ -563,8 +577,9 @@ class ChunkExporter:
                 return
             if entry is None:
                 if not self._spool_full:
-                    log.warning("chunk export: spool %s is full (%d of %d bytes); dropping chunks until it drains",
-                                self.spool.dir, self.spool.bytes, self.spool.max_bytes)
+                    log.warning("chunk export: spool %s is full (%d of %d bytes) and has no chunk left to evict for "
+                                "one of %d bytes; dropping chunks until it drains", self.spool.dir, self.spool.bytes,
+                                self.spool.max_bytes, self.spool.entry_size(ref, data))
                     self._spool_full = True
                 self.stats.chunks_dropped_spool_full += 1
                 self._count_dropped("spool_full", ref)
@@ -575,6 +590,30 @@ class ChunkExporter:
             metrics.CHUNKS_SPOOLED.inc()
             self._spool_gauges()
         self._unspool_wake.set()
+
+    def _make_room(self, need: int) -> None:
+        """(`_io` held) Evict the oldest spooled chunks (not the one in upload) until `need` more bytes
+        fit; none when even evicting all of them would not make room."""
+        victims = [e for e in self._backlog if e is not self._uploading]
+        if self.spool.max_bytes - self.spool.bytes + sum(e.size for e in victims) < need:
+            return
+        first = True
+        for entry in victims:
+            if self.spool.bytes + need <= self.spool.max_bytes:
+                break
+            if first and not self._spool_full:
+                log.warning("chunk export: spool %s is full (%d of %d bytes); evicting its oldest chunks for new ones "
+                            "until S3 takes them", self.spool.dir, self.spool.bytes, self.spool.max_bytes)
+                self._spool_full = True
+            first = False
+            size = entry.size
+            self._backlog.remove(entry)
+            self._forget(entry)
+            self.stats.chunks_evicted_spool += 1
+            self.stats.bytes_evicted_spool += size
+            metrics.SPOOL_DELETED.labels("budget").inc()
+            metrics.SPOOL_BYTES_DELETED.labels("budget").inc(size)
+            self._count_dropped("spool_evicted", entry.ref)
 
     def _count_dropped(self, reason: str, ref: streams.ChunkRef | None) -> None:
         """A chunk that never reached S3 (`ref` None: an unreadable spool entry, size unknown)."""
@@ -645,6 +684,7 @@ class ChunkExporter:
             with self._io:
                 entry = self._backlog[0] if self._backlog else None
                 wait_s = self._retry_at - time.monotonic()
+                self._uploading = entry if entry is not None and wait_s <= 0 else None
             if entry is None or wait_s > 0:
                 self._unspool_wake.wait(1.0 if entry is None else min(wait_s, 1.0))
                 self._unspool_wake.clear()
@@ -654,6 +694,9 @@ class ChunkExporter:
             except Exception:  # never let the thread die: log, back off, go on
                 log.exception("chunk export: uploading spooled chunk %s failed", entry.ref.chunk_id)
                 self._s3_failed(None)
+            finally:
+                with self._io:
+                    self._uploading = None
 
     def _unspool(self, entry: SpoolEntry) -> None:
         try:
@@ -661,7 +704,7 @@ class ChunkExporter:
         except SpoolCorrupt as e:
             log.error("chunk export: dropping spooled chunk %s: %s", entry.ref.chunk_id, e)
             with self._io:
-                self._backlog.popleft()
+                self._backlog.remove(entry)
                 self._forget(entry)
                 self._count_dropped("spool_corrupt", entry.ref)
             return
@@ -671,7 +714,7 @@ class ChunkExporter:
             self._s3_failed(e)
             return
         with self._io:
-            self._backlog.popleft()
+            self._backlog.remove(entry)  # (the oldest: the entry in upload is never evicted)
             self.stats.chunks_unspooled += 1
             metrics.CHUNKS_UNSPOOLED.inc()
             try:

@@ -42,12 +42,17 @@ TELEMETRY_BUFFERED = Gauge("tide_telemetry_records_buffered", "Step records wait
 CHUNKS_WRITTEN = Counter("tide_chunks_written", "Hidden-state chunks stored in S3 and announced on the stream")
 CHUNK_TOKENS = Counter("tide_chunk_tokens_exported", "Token rows in announced chunks")
 CHUNK_TOKENS_DROPPED = Counter("tide_chunk_tokens_dropped", "Token rows dropped before reaching S3", ["reason"])
-# reasons: invalid, spool_full, spool_error, spool_corrupt, s3 (no spool), ref_queue_full (blob stored, ref
+# reasons: invalid, spool_evicted (spooled, then evicted oldest first for a newer chunk), spool_full (no room
+# even evicting), spool_error, spool_corrupt, s3 (no spool), ref_queue_full (blob stored, ref
 # dropped while Redis was down: the trainer's reconciler re-enqueues it)
 CHUNKS_DROPPED = Counter("tide_chunks_dropped", "Chunks dropped before or after S3", ["reason"])
 CHUNK_BYTES = Counter("tide_chunk_bytes_written", "Bytes of chunk blobs written to S3")
 CHUNKS_SPOOLED = Counter("tide_chunks_spooled", "Chunks written to the local spool because S3 writes failed")
 CHUNKS_UNSPOOLED = Counter("tide_chunks_unspooled", "Spooled chunks uploaded to S3 once it answered again")
+SPOOL_DELETED = Counter("tide_chunk_spool_deleted", "Spooled chunks deleted before S3 took them", ["reason"])
+# reason: budget (the oldest, evicted for a newer chunk when the spool is at TIDE_CHUNK_SPOOL_BYTES)
+SPOOL_BYTES_DELETED = Counter("tide_chunk_spool_deleted_bytes", "Bytes of spooled chunks deleted before S3 took them",
+                              ["reason"])
 SPOOL_BYTES = Gauge("tide_chunk_spool_bytes", "Bytes in the chunk spool (chunks waiting for S3, refs for Redis)")
 SPOOL_ENTRIES = Gauge("tide_chunk_spool_entries", "Spool entries: chunk = waiting for S3, ref = waiting for Redis",
                       ["kind"])

@@ -149,8 +149,9 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
         "in progress: uploaded / announced when S3 / Redis answer again, and re-sent by the next worker started "
         "on it, which also announces the blobs a killed predecessor stored but never announced (give each "
         "worker its own, on a disk that outlives the process; `tide up`: <data dir>/spool/worker-<i>)")
-    chunk_spool_bytes: NonNegative = Field(1 << 30, description="most bytes the chunk spool holds; a chunk that "
-                                           "does not fit is dropped (counted); 0 = no spool: drop at once")
+    chunk_spool_bytes: NonNegative = Field(1 << 30, description="most bytes the chunk spool holds; a new chunk "
+                                           "that does not fit evicts the oldest spooled ones (counted); 0 = no "
+                                           "spool: drop at once")
     telemetry_batch: Count = Field(64, description="step records per XADD pipeline")
     telemetry_interval_s: Seconds = Field(0.5, description="seconds between telemetry flushes")
     telemetry_buffer: Count = Field(10_000, description="step records kept while Redis is unreachable (oldest "

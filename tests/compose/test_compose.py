@@ -25,7 +25,8 @@ COMPOSE = REPO / "docker-compose.yml"
 OMITTED = {"inference": {"TIDE_WORKER_ID": "containers have unique hostnames: the default hostname-pid is unique"},
            "gateway": {"TIDE_STACK_STATE": "Docker supervises the containers: no tide up process table"}}
 EP = Endpoints(redis_url="r", s3_endpoint="s", s3_access_key="a", s3_secret_key="k", admin_token="t",
-               registry="h:1", trainer="h:2", controller="h:3", workers=("h:4",), gateway_host="h", gateway_port=5)
+               registry="h:1", trainer="h:2", controller="h:3", workers=("h:4",), gateway_host="h", gateway_port=5,
+               data_key_file="/keys/data-keys")
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +125,25 @@ def test_dockerfile_builds_what_compose_runs(compose):
         for src in sources.split():
             assert (REPO / src).exists() and src not in ignored, src
     assert {".git", ".venv", "var", "tests"} <= ignored
+
+
+def test_chunks_are_encrypted_at_rest_by_default(compose):
+    """tide up's generated data key file, the compose way: a one-shot step writes it to a volume
+    (tide.datakeys, created once, kept), the trainer and the worker read it from there, read-only,
+    once it has run; the image makes the mount point the unprivileged user's (mode 0700)."""
+    keys = compose["datakeys"]
+    assert keys["command"] == ["python", "-m", "tide.datakeys", "/keys/data-keys"]
+    assert keys["volumes"] == ["data-keys:/keys"] and keys["restart"] == "no"  # runs once, exits 0
+    for name in ("trainer", "inference"):
+        assert env(compose, name)["TIDE_DATA_KEY_FILE"] == "/keys/data-keys"
+        assert "data-keys:/keys:ro" in compose[name]["volumes"]
+        assert compose[name]["depends_on"]["datakeys"] == {"condition": "service_completed_successfully"}
+    for name in ("registry", "controller", "gateway"):
+        assert "TIDE_DATA_KEY_FILE" not in env(compose, name)
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"chown tide:tide [^\n]*/keys", text) and "chmod 700 /keys" in text
+    assert re.search(r"chown tide:tide [^\n]*/spool", text)  # the worker's spool volume is writable too
+    assert "data-keys" in yaml.safe_load(COMPOSE.read_text())["volumes"]
 
 
 def _compose_config(extra_env: dict[str, str]) -> subprocess.CompletedProcess:

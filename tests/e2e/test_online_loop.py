@@ -423,23 +423,27 @@ def test_collection_training_promotion_and_hot_swap_raise_live_acceptance(loop):
 
 def burst_refs(lp: Loop, n: int) -> list[ChunkRef]:
     """`n` more valid chunks, stored in S3 but not announced yet: a worker chunk's content under fresh
-    chunk ids (the trainer accepts them as new data)."""
+    chunk ids (the trainer accepts them as new data), sealed with the stack's data key as the
+    worker's are (tide up encrypts chunks at rest by default)."""
     import dataclasses
 
     from tide import blobs
     from tide.chunks import decode_chunk, encode_chunk
+    from tide.datakeys import Keyring
 
+    key_file = lp.stack.endpoints.data_key_file
+    ring = Keyring.load(path=key_file) if key_file else Keyring.empty()
     _, src = lp.chunk_entries()[-1]
     resp = lp.s3.get_object(src.bucket, src.key)
     try:
-        chunk = decode_chunk(resp.read())
+        chunk = decode_chunk(resp.read(), keyring=ring)
     finally:
         resp.close()
         resp.release_conn()
     refs = []
     for i in range(n):
         cid = f"e2e-burst-{i}-{time.time_ns()}"
-        blob = encode_chunk(dataclasses.replace(chunk, meta=dataclasses.replace(chunk.meta, chunk_id=cid)))
+        blob = ring.seal(encode_chunk(dataclasses.replace(chunk, meta=dataclasses.replace(chunk.meta, chunk_id=cid))))
         key = f"chunks/{TARGET}/e2e-test/{cid}.safetensors"
         info = blobs.put_bytes(lp.s3, BUCKET, key, blob)
         refs.append(dataclasses.replace(src, chunk_id=cid, key=key, size_bytes=info.size_bytes, sha256=info.sha256,

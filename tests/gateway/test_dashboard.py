@@ -76,7 +76,17 @@ def fmt(value, f: str) -> str | float:
         return str(value)
     if f == "int":
         return str(math.floor(value + 0.5))
+    if f == "bytes":
+        return fmt_bytes(value)
     return float(value) * (100 if f == "pct" else 1)
+
+
+def fmt_bytes(n: float) -> str:
+    """dashboard.js fmt(x, "bytes"): binary units, two decimals under 10, one above."""
+    units, i = ("B", "KiB", "MiB", "GiB", "TiB"), 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.{2 if n < 10 else 1}f} {units[i]}" if i else f"{math.floor(n + 0.5)} {units[i]}"
 
 
 def shown_number(text: str, f: str) -> float:
@@ -108,6 +118,11 @@ def load(url: str, stop: threading.Event, outcomes: list[int], clients: int = 3)
                     "model": MODEL_NAME, "max_tokens": 48, "temperature": 0,
                     "messages": [{"role": "user", "content": f"Count the days of the week, take {i}: monday"}]})
                 outcomes.append(r.status_code)
+                if i == 0:  # one client also opts out (store: false): the page's opt-out counts
+                    r = c.post("/v1/chat/completions", json={
+                        "model": MODEL_NAME, "max_tokens": 4, "store": False,
+                        "messages": [{"role": "user", "content": "not for training"}]})
+                    outcomes.append(r.status_code)
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
@@ -151,7 +166,7 @@ def test_dashboard_shows_the_live_stack(browser, spawn_worker, chat_target, toke
     trainer = build_trainer(TrainerSettings(
         listen="127.0.0.1:0", metrics_port=0, target=str(chat_target), device="cpu", consumer="t-dash",
         work_dir=str(tmp_path / "trainer"), storage=storage, auto_train=False, registry_addr=registry.address,
-        admin_token=TOKEN),
+        admin_token=TOKEN, chunk_bucket_bytes=3 << 30),  # the data store's budget, shown against the bucket
         storage_timeout_s=10)
     monkeypatch.setattr(dashboard, "SAMPLE_INTERVAL_S", 1.0)  # a chart's worth of samples within the test
     stop = threading.Event()
@@ -172,7 +187,8 @@ def test_dashboard_shows_the_live_stack(browser, spawn_worker, chat_target, toke
                 ready = (doc.get("fleet", {}).get("tokens_per_s", 0) > 0 and len(seen["history"]) >= 6
                          and (doc["controller"].get("last_decision") or {}).get("applied_to")
                          and doc["controller"].get("drafts") and doc["trainer"].get("available")
-                         and any(s.get("acceptance_rate") is not None for s in seen["history"]))
+                         and any(s.get("acceptance_rate") is not None for s in seen["history"])
+                         and doc.get("opt_out", {}).get("excluded", {}).get("store_false"))
                 if ready:
                     break
                 assert time.monotonic() < deadline, f"the page never showed the stack at work ({outcomes[:5]}): {doc}"
@@ -213,8 +229,17 @@ def test_dashboard_shows_the_live_stack(browser, spawn_worker, chat_target, toke
               "registry.versions.0.eval_metrics.accept_length", "controller.collection.reason",
               "controller.last_decision.reason", "controller.drafts.0.acceptance_rate_short",
               "training.cycles.0.eval_after", "training.cycles.0.duration_s", "training.rollbacks",
-              "backlog.buffered_chunks", "backlog.dead_letters", "history.acceptance_rate", "history.mean_gamma"):
+              "backlog.buffered_chunks", "backlog.dead_letters", "history.acceptance_rate", "history.mean_gamma",
+              "trainer.data.bucket_chunk_bytes", "trainer.data.bucket_budget_bytes", "trainer.data.chunks_quarantined",
+              "trainer.data.chunk_bytes_deleted", "trainer.data.stream_entries_trimmed", "opt_out.eligible",
+              "opt_out.excluded.store_false", "opt_out.excluded_total"):
         assert k in paths, f"{k} is not shown"
+    # the data store: the bucket against its budget, deletions by reason (every reason listed), opt-outs
+    assert dict((k, text) for k, _, text in shown)["trainer.data.bucket_budget_bytes"] == "3.00 GiB"
+    reasons = browser.execute_script("return [...document.querySelectorAll('#data [data-reason]')]"
+                                     ".map(e => e.dataset.reason)")
+    assert {"retention_consumed", "retention_unconsumed", "budget", "forget"} <= set(reasons)
+    assert doc["trainer"]["data"]["chunks_quarantined"] == 0 and doc["opt_out"]["eligible"] > 0
 
     # the page's document is the gateway's: stable parts equal a fresh GET /v1/status, live parts agree
     assert fresh["time_unix_s"] - doc["time_unix_s"] < 15 and fresh["fleet"]["tokens_per_s"] > 0

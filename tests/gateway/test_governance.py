@@ -109,6 +109,9 @@ def test_opt_out_end_to_end(tokenizer, collecting_worker, redis_server, s3_serve
             json={"model": MODEL_NAME, "prompt": OPEN, "max_tokens": 2, "stream": True, "store": False},
         )
         assert streamed.headers[TRAINING_HEADER] == "excluded; reason=store_false"
+        opt_out = c.get("/v1/status").json()["opt_out"]  # what the status page shows of these decisions
+        assert (opt_out["eligible"], opt_out["excluded"], opt_out["excluded_total"]) == (
+            1, {"api_key_policy": 1, "logprobs": 1, "store_false": 3}, 5)
     rc = redis.Redis.from_url(redis_server.url)
     names = streams.StreamNames(prefix)
     want = len(OPEN) + 8 - 1  # the eligible request's rows (prompt + output - 1)

@@ -4,6 +4,7 @@ service reads, the addresses line up, the CLI parses, and the health probes answ
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -100,3 +101,51 @@ def test_the_operators_admin_token_is_kept(monkeypatch, tmp_path):
     monkeypatch.delenv("TIDE_ADMIN_TOKEN")
     generated = stack._endpoints("redis://127.0.0.1:1", s3).admin_token
     assert len(generated) >= 24 and generated != stack._endpoints("redis://127.0.0.1:1", s3).admin_token
+
+
+def test_tide_up_creates_a_data_key_file_once_and_gives_it_to_the_trainer_and_workers(tmp_path, monkeypatch):
+    """Encryption at rest by default: the first start writes <data dir>/data-keys (mode 0600), a later
+    one reuses it; never printed; only the services that seal or open chunks get it."""
+    import io
+    import stat
+    from dataclasses import replace
+    from pathlib import Path
+
+    from tide.datakeys import Keyring
+    from tools.launcher import Stack
+
+    for var in ("TIDE_DATA_KEYS", "TIDE_DATA_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    out = io.StringIO()
+    cfg = StackConfig(data_dir=tmp_path / "var")
+    path = Stack(cfg, out=out)._data_key_file()
+    assert path == str((tmp_path / "var" / "data-keys").resolve())
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    ring = Keyring.load(path=path)
+    assert len(ring.keys) == 1 and ring.current
+    assert Stack(cfg, out=out)._data_key_file() == path and Keyring.load(path=path) == ring  # reused
+    assert "created" in out.getvalue() and "reused" in out.getvalue()
+    b64 = Path(path).read_text().split(":")[-1].strip()
+    assert b64 not in out.getvalue() and ring.keys[0][1].hex() not in out.getvalue()  # the key is never printed
+    ep = replace(EP, data_key_file=path)
+    for name in SERVICES:
+        got = service_env(name, cfg, ep).get("TIDE_DATA_KEY_FILE")
+        assert got == (path if name in ("trainer", "inference") else None), name
+    assert "TIDE_DATA_KEY_FILE" not in service_env("trainer", cfg, EP)  # none: the operator's environment decides
+    # the operator's keys win: no file is made, nothing is set
+    mine = StackConfig(data_dir=tmp_path / "other", env={"inference": {"TIDE_DATA_KEYS": "k:" + "A" * 43 + "="}})
+    assert Stack(mine, out=out)._data_key_file() == "" and not (tmp_path / "other" / "data-keys").exists()
+    monkeypatch.setenv("TIDE_DATA_KEY_FILE", str(tmp_path / "theirs"))
+    assert Stack(StackConfig(data_dir=tmp_path / "third"), out=out)._data_key_file() == ""
+
+
+def test_a_data_key_file_without_a_key_is_refused(tmp_path, monkeypatch):
+    import io
+
+    from tools.launcher import Stack, StackError
+
+    for var in ("TIDE_DATA_KEYS", "TIDE_DATA_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "data-keys").write_text("# emptied by mistake\n")
+    with pytest.raises(StackError, match="holds no key"):
+        Stack(StackConfig(data_dir=tmp_path), out=io.StringIO())._data_key_file()

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -106,6 +107,15 @@ def test_tide_up_serves_keeps_the_workers_cpus_and_ctrl_c_stops_everything(chat_
         (run_dir,) = data.glob("run-*")
         state = json.loads((run_dir / "stack.json").read_text())
         assert set(state["pids"]) == {"redis", "s3", "registry", "trainer", "controller", "inference-0", "gateway"}
+        # encryption at rest by default: one generated key (0600), given to the trainer and the worker only
+        key_file = (data / "data-keys").resolve()
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        for name in ("registry", "trainer", "controller", "inference-0", "gateway"):
+            environ = Path(f"/proc/{state['pids'][name]}/environ").read_bytes().split(b"\0")
+            given = f"TIDE_DATA_KEY_FILE={key_file}".encode() in environ
+            assert given == (name in ("trainer", "inference-0")), name
+        key = key_file.read_text().strip().rsplit(":", 1)[-1]
+        assert key not in up.text and not any(key in log.read_text() for log in run_dir.glob("*.log"))
         for name in ("registry", "trainer", "controller", "inference-0", "gateway"):
             first = (run_dir / f"{name}.log").read_text().splitlines()[0]
             assert json.loads(first)  # JSON logs, one file per service

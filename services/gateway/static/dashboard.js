@@ -21,6 +21,12 @@ function fmt(x, f) {
     case "f3": return Number(x).toFixed(3);
     case "pct": return (100 * x).toFixed(1) + "%";
     case "s": return Number(x).toFixed(1) + " s";
+    case "bytes": {
+      const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+      let n = Number(x), i = 0;
+      while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+      return (i ? n.toFixed(n < 10 ? 2 : 1) : String(Math.round(n))) + " " + units[i];
+    }
     default: return esc(x);
   }
 }
@@ -147,6 +153,39 @@ function renderTraining(d) {
   $("training").innerHTML = `${head}<h3>Cycles</h3>${cycles}`;
 }
 
+// The governed store (docs/data-handling.md): the trainer's trainer.data, and this gateway's opt_out.
+const DELETE_REASONS = ["retention_consumed", "retention_unconsumed", "budget", "forget"];
+function renderData(d) {
+  const t = d.trainer || {}, data = t.data, oo = d.opt_out;
+  let store;
+  if (!t.available) store = down("trainer", t.error);
+  else if (!data) store = '<div class="muted">The trainer reports no data store.</div>';
+  else {
+    const budget = data.bucket_budget_bytes, used = data.bucket_chunk_bytes;
+    const share = budget ? Math.min(1, used / budget) : 0;
+    const over = budget && used > budget;
+    const reasons = [...new Set([...DELETE_REASONS, ...Object.keys(data.chunks_deleted || {})])];
+    const counts = data.chunks_deleted || {};  // reasons with no deletion yet are absent: 0
+    const deleted = reasons.map((r) => `<tr data-reason="${esc(r)}"><td>${esc(r)}</td><td class="num">${r in counts ? v(`trainer.data.chunks_deleted.${r}`, counts[r]) : "0"}</td></tr>`).join("");
+    store = `<dl class="kv">
+      <dt>bucket</dt><dd>${v("trainer.data.bucket_chunk_bytes", used, "bytes")} of ${budget ? v("trainer.data.bucket_budget_bytes", budget, "bytes") : '<span class="muted">no budget</span>'}
+        ${budget ? `${tag(fmt(share, "pct"), over ? "warn" : "ok")}<div class="bar"><div style="width:${(100 * share).toFixed(1)}%"></div></div>` : ""}</dd>
+      <dt>deleted</dt><dd>${v("trainer.data.chunk_bytes_deleted", data.chunk_bytes_deleted, "bytes")} in all</dd>
+      <dt>quarantined</dt><dd>${v("trainer.data.chunks_quarantined", data.chunks_quarantined)} chunks ${data.chunks_quarantined ? tag("failed authentication or checks", "bad") : ""}</dd>
+      <dt>stream trimmed</dt><dd>${v("trainer.data.stream_entries_trimmed", data.stream_entries_trimmed)} entries</dd>
+    </dl><h3>Chunks deleted by reason</h3><table><thead><tr><th>reason</th><th class="num">chunks</th></tr></thead><tbody>${deleted}</tbody></table>`;
+  }
+  let opt = "";
+  if (oo && oo.available) {
+    const rows = Object.entries(oo.excluded || {}).map(([r, n]) => `<tr data-excluded="${esc(r)}"><td>${esc(r)}</td><td class="num">${v(`opt_out.excluded.${r}`, n)}</td></tr>`).join("");
+    opt = `<h3>Opt-out <small class="muted">this gateway's requests since ${clock(oo.since_unix_s)} (X-TIDE-Training)</small></h3>
+      <dl class="kv"><dt>eligible</dt><dd>${v("opt_out.eligible", oo.eligible)}</dd>
+      <dt>excluded</dt><dd>${v("opt_out.excluded_total", oo.excluded_total)}</dd></dl>
+      ${rows ? `<table><thead><tr><th>excluded because</th><th class="num">requests</th></tr></thead><tbody>${rows}</tbody></table>` : ""}`;
+  }
+  $("data").innerHTML = `<div class="two"><div>${store}</div><div>${opt || '<div class="muted">No opt-out counts.</div>'}</div></div>`;
+}
+
 const KINDS = { training: ["trained", "info"], promote: ["promoted", "ok"], rollback: ["rolled back", "bad"], pin: ["pinned", "warn"], unpin: ["unpinned", ""] };
 function renderTimeline(d) {
   const tl = (d.training && d.training.timeline) || [];
@@ -231,7 +270,7 @@ function render(d) {
   $("updated").textContent = clock(d.time_unix_s);
   document.body.dataset.docTime = String(d.time_unix_s);
   renderKpis(d); renderWorkers(d); renderController(d.controller); renderRegistry(d.registry);
-  renderTraining(d); renderTimeline(d); renderServices(d);
+  renderTraining(d); renderTimeline(d); renderData(d); renderServices(d);
   window.tideStatus = d;
   document.body.dataset.rendered = String((Number(document.body.dataset.rendered) || 0) + 1);
 }

@@ -1,6 +1,7 @@
 """The exporter's on-disk spool with real Redis and S3: chunks whose S3 write fails are spooled and
-uploaded (oldest first) once S3 is back, none lost; a full spool drops and counts; a restarted
-worker re-sends what its predecessor spooled, chunks and refs that were waiting for Redis alike."""
+uploaded (oldest first) once S3 is back, none lost; a full spool evicts its oldest chunks for new
+ones and counts them; a restarted worker re-sends what its predecessor spooled, chunks and refs that
+were waiting for Redis alike."""
 
 from __future__ import annotations
 
@@ -118,10 +119,12 @@ def test_chunks_exported_while_s3_hangs_arrive_when_it_resumes(make_service, red
         svc.stop(grace_s=0.5)
 
 
-def test_a_full_spool_drops_and_counts(make_service, redis_server, redis_client, unique_prefix, tmp_path):
+def test_a_full_spool_evicts_its_oldest_chunks_and_counts(make_service, redis_server, redis_client, unique_prefix,
+                                                          tmp_path):
     st = storage(redis_server.url, closed_port_url(), "k", "s", "bucket", unique_prefix)
     spool, cap = tmp_path / "spool", 25_000  # about two of these chunks (16 rows: ~10 KB) fit
-    dropped_before = metric("tide_chunks_dropped_total", reason="spool_full")
+    evicted_before = metric("tide_chunks_dropped_total", reason="spool_evicted")
+    deleted_before = metric("tide_chunk_spool_deleted_total", reason="budget")
     svc = make_service(storage=st, collection=True, chunk_tokens=16, chunk_buffers=8, flush_interval_s=0.2,
                        chunk_spool_dir=str(spool), chunk_spool_bytes=cap)
     run_stream(stub(svc), request("r1", PROMPT, max_tokens=60))
@@ -129,14 +132,66 @@ def test_a_full_spool_drops_and_counts(make_service, redis_server, redis_client,
     assert svc.exporter.wait_idle(20)
     stats = svc.exporter.stats
     # (the first failing S3 call takes a while: rows beyond the 8 buffers are dropped meanwhile)
-    wait_for(lambda: stats.tokens_spooled + stats.tokens_dropped_s3 + stats.tokens_dropped_full == rows(60),
-             what="every row spooled or dropped")
-    assert stats.chunks_spooled >= 1 and stats.chunks_dropped_spool_full >= 2
-    assert stats.chunks_dropped_s3 == stats.chunks_dropped_spool_full
-    assert metric("tide_chunks_dropped_total", reason="spool_full") - dropped_before == stats.chunks_dropped_spool_full
+    wait_for(lambda: stats.tokens_spooled + stats.tokens_dropped_full == rows(60), what="every row spooled or dropped")
+    assert stats.chunks_spooled >= 3 and stats.chunks_evicted_spool >= 1 and stats.chunks_dropped_spool_full == 0
+    assert stats.chunks_dropped_s3 == stats.chunks_evicted_spool  # evicted: the only way a spooled chunk is lost
+    assert metric("tide_chunks_dropped_total", reason="spool_evicted") - evicted_before == stats.chunks_evicted_spool
+    assert metric("tide_chunk_spool_deleted_total", reason="budget") - deleted_before == stats.chunks_evicted_spool
+    assert svc.exporter.spooled_chunks == stats.chunks_spooled - stats.chunks_evicted_spool
     on_disk = sum(p.stat().st_size for p in spool.iterdir())
     assert on_disk == svc.exporter.spool.bytes <= cap
     assert redis_client.xlen(streams.StreamNames(unique_prefix).chunks) == 0
+
+
+def test_the_spool_keeps_the_newest_chunks_within_its_budget(tmp_path):
+    """Oldest first, without servers: S3 refuses every write; six chunks arrive one by one at a spool
+    that holds two and a half. The newest ones stay, the oldest are evicted and counted; none is
+    dropped for want of room."""
+    import time
+
+    import torch
+
+    from services.inference.exporter import ChunkExporter
+    from tide.engine.engine import CapturedRows
+
+    class RefusingS3:
+        def put_object(self, *a, **kw):
+            raise ConnectionError("S3 is down")
+
+    exp = ChunkExporter(RefusingS3(), "b", None, "s:chunks", target_model="t", worker_id="w", hidden_size=8,
+                        chunk_tokens=16, buffers=2, flush_interval_s=60, spool_dir=tmp_path / "spool",
+                        spool_max_bytes=1 << 30).start()
+    deleted_before = metric("tide_chunk_spool_deleted_total", reason="budget")
+    bytes_before = metric("tide_chunk_spool_deleted_bytes_total", reason="budget")
+
+    def add_chunk(i: int) -> None:
+        rows_ = CapturedRows(f"r{i}", "", 4, 0, list(range(16)), torch.zeros(16, 3 * 8), torch.zeros(16, 8))
+        exp.add([rows_], {f"r{i}": 4})  # 16 rows: one full chunk, written (spooled) by the flusher
+        deadline = time.monotonic() + 10
+        while exp.stats.chunks_spooled < i + 1:
+            assert time.monotonic() < deadline, "the chunk was never spooled"
+            time.sleep(0.01)
+
+    try:
+        add_chunk(0)
+        one = exp.spool.bytes
+        exp.spool.max_bytes = cap = int(2.5 * one)
+        for i in range(1, 6):
+            add_chunk(i)
+            assert exp.spool.bytes <= cap
+        kept = [e.ref.request_ids for e in exp._backlog]
+        assert kept[-2:] == [["r4"], ["r5"]], kept  # the newest stay, in order
+        assert exp.stats.chunks_dropped_spool_full == 0
+        assert exp.stats.chunks_evicted_spool == 6 - len(kept) >= 3
+        assert exp.stats.chunks_dropped_s3 == exp.stats.chunks_evicted_spool
+        deleted = metric("tide_chunk_spool_deleted_total", reason="budget") - deleted_before
+        assert deleted == exp.stats.chunks_evicted_spool
+        assert metric("tide_chunk_spool_deleted_bytes_total", reason="budget") - bytes_before \
+            == exp.stats.bytes_evicted_spool >= 3 * one * 0.9
+        on_disk = sorted(p.name for p in (tmp_path / "spool").iterdir() if p.name.endswith(".safetensors"))
+        assert len(on_disk) == len(kept)
+    finally:
+        exp.stop(timeout_s=5)
 
 
 def served_while_s3_is_unreachable(make_service, redis_server, s3_server, s3_bucket, unique_prefix, spool):
