@@ -166,6 +166,11 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+def sse_event(payload: dict) -> str:
+    """One server-sent event named by its payload's `type` (the Responses and Messages APIs' streams)."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
 def _choices(value: Any) -> list:
     """What a `delta_choice` / `finish_choice` gave, as a list of choices."""
     if value is None:

@@ -44,6 +44,7 @@ from services.gateway.protocol_messages import (
     ToolUseBlock,
 )
 from services.gateway.serving_chat import OpenAIServingChat, ParamNames, RunEvent, RunFinish, template_options
+from services.gateway.serving_engine import sse_event
 from services.gateway.tool_calls import CallArguments, CallStart, Content, render_messages
 
 NAMES = ParamNames(prompt="messages", max_tokens="max_tokens",
@@ -202,10 +203,6 @@ def usage_of(finish: RunFinish) -> MessagesUsage:
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     return MessagesUsage(input_tokens=usage.prompt_tokens - cached, output_tokens=usage.completion_tokens,
                          cache_read_input_tokens=cached)
-
-
-def sse_event(payload: dict) -> str:
-    return f"event: {payload['type']}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
 class AnthropicServingMessages:

@@ -29,7 +29,6 @@ stack honours that).
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -59,6 +58,7 @@ from services.gateway.protocol_responses import (
 )
 from services.gateway.response_store import ResponseStore
 from services.gateway.serving_chat import OpenAIServingChat, ParamNames, RunEvent, RunFinish
+from services.gateway.serving_engine import sse_event
 from services.gateway.tool_calls import CallArguments, CallStart, Content
 
 NAMES = ParamNames(prompt="input", max_tokens="max_output_tokens",
@@ -241,10 +241,6 @@ class OutputBuilder:
         if calls:
             message["tool_calls"] = calls
         return message
-
-
-def sse_event(payload: dict) -> str:
-    return f"event: {payload['type']}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
 class OpenAIServingResponses:
