@@ -15,6 +15,7 @@ that were its accepted drafts. Plain decoding is 1 token a step by definition.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -78,6 +79,51 @@ def decode(model, drafter, prompts: list[list[int]], gamma: int, max_tokens: int
     }
 
 
+
+def worker_profile(model, model_id: str):
+    """The latency profile a worker serving the reference model with an EAGLE-3 draft uses (its
+    shape, default slots and γ cap; services/inference/app.py start_profile), from the disk cache."""
+    from tide.engine.profiling import cached_profile, default_grid, random_draft
+
+    drafter = Eagle3Drafter(random_draft(model, min(8192, model.cfg.vocab_size)), "shape", 1, 1)
+    batches, ns, lags = default_grid(16, 8)
+    return cached_profile(model, drafter, model_id=model_id, batches=batches, ns=ns, lags=lags)[0]
+
+
+def timed(model, prompts: list[list[int]], batch: int, max_tokens: int, memory_mb: int, rounds: int,
+          profile) -> dict:
+    """Tokens/s of plain decoding, today's default (the hybrid drafter under the adaptive γ policy, as
+    the worker serves) and the default with a speculation memory of `memory_mb`, at `batch` streams
+    (1: each request finishes before the next; 4: continuous batching, 4 in flight). Every round runs
+    the three in rotated order, each on a fresh engine (so the memory starts empty and learns from
+    that run's earlier requests only); medians of tok/s and of the per-round ratios to the default."""
+    from tide.policies.registry import make_policy
+
+    def run(mode: str) -> dict:
+        eagle = Eagle3Drafter.from_checkpoint(STARTER, model, "starter", batch, 2048 + 16)
+        cfg = EngineConfig(max_batch=batch, max_seq_len=2048,
+                           speculation_memory_mb=memory_mb if mode == "default+memory" else 0)
+        engine = (LLMEngine(model, cfg, drafter=None) if mode == "plain" else
+                  LLMEngine(model, cfg, drafter=HybridDrafter(eagle), policy=make_policy("adaptive", {}, profile)))
+        params = SamplingParams(max_tokens=max_tokens)
+        t0 = time.perf_counter()
+        if batch == 1:
+            out = sum(engine.generate([p], params)[0].num_output for p in prompts)
+        else:
+            out = sum(s.num_output for s in engine.generate(prompts, params))
+        return {"tok_s": out / (time.perf_counter() - t0), "output_tokens": out}
+
+    modes = ("plain", "default", "default+memory")
+    got: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in modes[r % 3:] + modes[:r % 3]:
+            got[mode].append(run(mode)["tok_s"])
+    med = {m: statistics.median(v) for m, v in got.items()}
+    ratio = {m: statistics.median(a / b for a, b in zip(v, got["default"], strict=True)) for m, v in got.items()}
+    return {m: {"tok_s": round(med[m], 2), "x_default": round(ratio[m], 3), "runs": [round(x, 2) for x in got[m]]}
+            for m in modes}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path)
@@ -85,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--memory-mb", type=int, default=64)
     ap.add_argument("--sets", nargs="+", default=list(SETS))
+    ap.add_argument("--timed", action="store_true",
+                    help="tokens/s of plain, the default (adaptive γ) and the default with the memory instead")
+    ap.add_argument("--batches", default="1,4", help="with --timed: streams")
+    ap.add_argument("--rounds", type=int, default=2, help="with --timed: rounds of the three, rotated")
     args = ap.parse_args(argv)
     target = resolve_target("ref")
     dtype, weights = resolve_weights("auto", "auto")
@@ -99,7 +149,18 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
     t0 = time.perf_counter()
-    for name in args.sets:
+    if args.timed:
+        profile = worker_profile(model, target.model_id)
+        res["timed"] = []
+        for name in args.sets:
+            prompts = [encode_prompt(tok, p) for p in load_prompts(SETS[name])]
+            for b in (int(x) for x in args.batches.split(",")):
+                row = {"workload": name, "batch": b, "prompts": len(prompts),
+                       **timed(model, prompts, b, args.max_tokens, args.memory_mb, args.rounds, profile)}
+                res["timed"].append(row)
+                print(f"{name:22s} b={b}  " + "  ".join(f"{m} {row[m]['tok_s']:.1f} ({row[m]['x_default']:.3f}x)"
+                                                      for m in ("plain", "default", "default+memory")), flush=True)
+    for name in [] if args.timed else args.sets:
         prompts = [encode_prompt(tok, p) for p in load_prompts(SETS[name])]
         for mode, mb in (("default", 0), ("default+memory", args.memory_mb)):
             eagle = Eagle3Drafter.from_checkpoint(STARTER, model, "starter", 1, 2048 + 16)
