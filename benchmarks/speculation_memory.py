@@ -115,12 +115,16 @@ def timed(model, prompts: list[list[int]], batch: int, max_tokens: int, memory_m
 
     modes = ("plain", "default", "default+memory")
     got: dict[str, list[float]] = {m: [] for m in modes}
+    tokens: dict[str, int] = {}  # greedy: every mode decodes the same tokens
     for r in range(rounds):
         for mode in modes[r % 3:] + modes[:r % 3]:
-            got[mode].append(run(mode)["tok_s"])
+            one = run(mode)
+            got[mode].append(one["tok_s"])
+            tokens[mode] = one["output_tokens"]
     med = {m: statistics.median(v) for m, v in got.items()}
     ratio = {m: statistics.median(a / b for a, b in zip(v, got["default"], strict=True)) for m, v in got.items()}
-    return {m: {"tok_s": round(med[m], 2), "x_default": round(ratio[m], 3), "runs": [round(x, 2) for x in got[m]]}
+    return {m: {"tok_s": round(med[m], 2), "x_default": round(ratio[m], 3), "runs": [round(x, 2) for x in got[m]],
+                "output_tokens": tokens[m]}
             for m in modes}
 
 
