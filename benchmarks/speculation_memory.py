@@ -100,11 +100,13 @@ def timed(model, prompts: list[list[int]], batch: int, max_tokens: int, memory_m
     from tide.policies.registry import make_policy
 
     def run(mode: str) -> dict:
-        eagle = Eagle3Drafter.from_checkpoint(STARTER, model, "starter", batch, 2048 + 16)
         cfg = EngineConfig(max_batch=batch, max_seq_len=2048,
                            speculation_memory_mb=memory_mb if mode == "default+memory" else 0)
-        engine = (LLMEngine(model, cfg, drafter=None) if mode == "plain" else
-                  LLMEngine(model, cfg, drafter=HybridDrafter(eagle), policy=make_policy("adaptive", {}, profile)))
+        if mode == "plain":
+            engine = LLMEngine(model, cfg, drafter=None)
+        else:
+            eagle = Eagle3Drafter.from_checkpoint(STARTER, model, "starter", batch, 2048 + 16)
+            engine = LLMEngine(model, cfg, drafter=HybridDrafter(eagle), policy=make_policy("adaptive", {}, profile))
         params = SamplingParams(max_tokens=max_tokens)
         t0 = time.perf_counter()
         if batch == 1:
