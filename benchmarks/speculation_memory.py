@@ -79,25 +79,18 @@ def decode(model, drafter, prompts: list[list[int]], gamma: int, max_tokens: int
     }
 
 
-
-def worker_profile(model, model_id: str):
-    """The latency profile a worker serving the reference model with an EAGLE-3 draft uses (its
-    shape, default slots and γ cap; services/inference/app.py start_profile), from the disk cache."""
-    from tide.engine.profiling import cached_profile, default_grid, random_draft
-
-    drafter = Eagle3Drafter(random_draft(model, min(8192, model.cfg.vocab_size)), "shape", 1, 1)
-    batches, ns, lags = default_grid(16, 8)
-    return cached_profile(model, drafter, model_id=model_id, batches=batches, ns=ns, lags=lags)[0]
-
-
 def timed(model, prompts: list[list[int]], batch: int, max_tokens: int, memory_mb: int, rounds: int,
-          profile) -> dict:
+          profile, policy=None) -> dict:
     """Tokens/s of plain decoding, today's default (the hybrid drafter under the adaptive γ policy, as
     the worker serves) and the default with a speculation memory of `memory_mb`, at `batch` streams
     (1: each request finishes before the next; 4: continuous batching, 4 in flight). Every round runs
     the three in rotated order, each on a fresh engine (so the memory starts empty and learns from
-    that run's earlier requests only); medians of tok/s and of the per-round ratios to the default."""
+    that run's earlier requests only); medians of tok/s and of the per-round ratios to the default.
+    `policy`: a factory of the γ policy instead of the adaptive one (tests: a fixed γ decides alike
+    whatever the timing)."""
     from tide.policies.registry import make_policy
+
+    policy = policy or (lambda: make_policy("adaptive", {}, profile))
 
     def run(mode: str) -> dict:
         cfg = EngineConfig(max_batch=batch, max_seq_len=2048,
@@ -106,27 +99,30 @@ def timed(model, prompts: list[list[int]], batch: int, max_tokens: int, memory_m
             engine = LLMEngine(model, cfg, drafter=None)
         else:
             eagle = Eagle3Drafter.from_checkpoint(STARTER, model, "starter", batch, 2048 + 16)
-            engine = LLMEngine(model, cfg, drafter=HybridDrafter(eagle), policy=make_policy("adaptive", {}, profile))
+            engine = LLMEngine(model, cfg, drafter=HybridDrafter(eagle), policy=policy())
+        drafter = engine.drafter
         params = SamplingParams(max_tokens=max_tokens)
         t0 = time.perf_counter()
         if batch == 1:
             out = sum(engine.generate([p], params)[0].num_output for p in prompts)
         else:
             out = sum(s.num_output for s in engine.generate(prompts, params))
-        return {"tok_s": out / (time.perf_counter() - t0), "output_tokens": out}
+        return {"tok_s": out / (time.perf_counter() - t0), "output_tokens": out,
+                "recalled": getattr(drafter, "recalled", 0)}  # steps whose proposal came from the memory
 
     modes = ("plain", "default", "default+memory")
     got: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, int] = {}  # greedy: every mode decodes the same tokens
+    recalled: dict[str, int] = {}
     for r in range(rounds):
         for mode in modes[r % 3:] + modes[:r % 3]:
             one = run(mode)
             got[mode].append(one["tok_s"])
-            tokens[mode] = one["output_tokens"]
+            tokens[mode], recalled[mode] = one["output_tokens"], one["recalled"]
     med = {m: statistics.median(v) for m, v in got.items()}
     ratio = {m: statistics.median(a / b for a, b in zip(v, got["default"], strict=True)) for m, v in got.items()}
     return {m: {"tok_s": round(med[m], 2), "x_default": round(ratio[m], 3), "runs": [round(x, 2) for x in got[m]],
-                "output_tokens": tokens[m]}
+                "output_tokens": tokens[m], "recalled_steps": recalled[m]}
             for m in modes}
 
 
@@ -156,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     t0 = time.perf_counter()
     if args.timed:
-        profile = worker_profile(model, target.model_id)
+        from services.inference.app import start_profile
+        from services.inference.settings import InferenceSettings
+
+        # The profile the worker serving the reference model with an EAGLE-3 draft uses (from its cache).
+        profile = start_profile(InferenceSettings(drafter="eagle3"), model, target.model_id)
         res["timed"] = []
         for name in args.sets:
             prompts = [encode_prompt(tok, p) for p in load_prompts(SETS[name])]
