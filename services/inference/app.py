@@ -54,12 +54,14 @@ log = logging.getLogger(__name__)
 
 
 def load_target(settings: InferenceSettings):
-    """(LlamaModel, tokenizer or None, model id) for the configured target (GGUF converted once, cached)."""
+    """(LlamaModel, tokenizer or None, model id) for the configured target (a GGUF file's weights read
+    from the file per tensor; its metadata described once, cached: tide.target)."""
     from tide.engine.llama import LlamaModel
 
+    started = time.monotonic()
     target = resolve_target(settings.target)
     model = LlamaModel.load(target, dtype=settings.torch_dtype, device=settings.device,
-                            weight_format=settings.weight_format)
+                            weight_format=settings.weight_format, prefill_weights=settings.prefill_weights)
     tokenizer = None
     if (target.path / "tokenizer.json").exists() or (target.path / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
@@ -67,8 +69,10 @@ def load_target(settings: InferenceSettings):
         tokenizer = AutoTokenizer.from_pretrained(target.path)
     else:
         log.warning("target %s has no tokenizer: prompt_text and stop strings will be refused", target.path)
-    log.info("loaded target %s (%s, %s) from %s", target.model_id, weights_label(model.dtype, model.weight_format),
-             settings.device, target.path)
+    log.info("loaded target %s (%s%s, %s) from %s in %.1f s", target.model_id,
+             weights_label(model.dtype, model.weight_format),
+             "" if model.weight_format == "float" else f", prompts on {model.prefill_weights} projections",
+             settings.device, target.gguf or target.path, time.monotonic() - started)
     return model, tokenizer, target.model_id
 
 

@@ -55,6 +55,10 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     weights: Annotated[str, one_of(WEIGHTS_NAMES)] = Field(
         "auto", description="how the target's weights are stored: auto = in the compute dtype; bf16 / fp16 / fp32 "
         "(also the compute dtype); int8 / int4 = weight-only quantized, CPU only (tide/quant.py)")
+    prefill_weights: Annotated[str, one_of(("auto", "float", "shared"))] = Field(
+        "auto", description="with int8 / int4 weights, what prompts run on: float = bf16 copies of the projections "
+        "(prompts ~6x faster on the CPU kernels, twice the weight memory), shared = the quantized ones; auto = "
+        "the copies where they take at most a quarter of the memory available at load (tide.engine.llama)")
     device: str = Field("cpu", description="cpu | cuda | cuda:N")
     cpus: CpuSet = Field("", description="CPUs this worker runs on (affinity, and torch threads = their count; keep "
                          "the trainer's TIDE_TRAINER_CPUS apart; `tide up` starts its other services on the remaining "

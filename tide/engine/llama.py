@@ -11,12 +11,11 @@ The forward also hands out, with no extra pass, the EAGLE-3 auxiliary states (ou
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from tide.engine.families import LLAMA, Family, UnsupportedModel, family_for, layer_types
 from tide.kernels import ops as kernel_ops
@@ -328,13 +327,62 @@ def vocab_logits(rows: torch.Tensor, head) -> torch.Tensor:
     return torch.cat([head(rows[a:b]) for a, b in zip(starts, [*starts[1:], R], strict=True)])
 
 
+PREFILL_WEIGHTS = ("auto", "float", "shared")
+# "auto" keeps float copies of quantized projections for prompts while they take at most this
+# share of the memory available at load: a 1.5B model's bf16 copies (3 GB) on a 24 GB machine, not
+# a 3B's or an 8B's (6 and 16 GB), which leave the KV cache and the rest of the stack too little.
+PREFILL_COPY_SHARE = 0.25
+
+
+def prefill_copy_bytes(cfg: LlamaConfig, dtype: torch.dtype) -> int:
+    """Bytes of float copies of every projection and the lm_head in `dtype`."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
+    return (cfg.num_layers * per_layer + cfg.vocab_size * h) * dtype.itemsize
+
+
+def prefill_weights_for(choice: str, cfg: LlamaConfig, dtype: torch.dtype) -> str:
+    """"float" or "shared" for `choice` (see LlamaModel): "auto" is "float" unless the copies would
+    take more than PREFILL_COPY_SHARE of the memory available now (unknown: "float")."""
+    if choice not in PREFILL_WEIGHTS:
+        raise ValueError(f"prefill weights must be one of {PREFILL_WEIGHTS}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    from tide.memory import available_bytes
+
+    found = available_bytes()
+    return "float" if found is None or prefill_copy_bytes(cfg, dtype) <= PREFILL_COPY_SHARE * found[0] else "shared"
+
+
+class RenamedTensors(Mapping[str, torch.Tensor]):
+    """`source`'s tensors under other names (new -> source name), read at each access."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor], names: dict[str, str]) -> None:
+        self._source, self._names = source, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._source[self._names[name]]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+
 class LlamaModel:
     """The target model: weights + a forward over the slot cache."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device,
-                 weight_format: str = "float") -> None:
+    def __init__(self, cfg: LlamaConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device,
+                 weight_format: str = "float", prefill_weights: str = "auto") -> None:
         """`weight_format`: "float" (weights in `dtype`), or "int8" / "int4" (tide.quant, on CPU: the
-        projections stored narrow, and with int8 the lm_head; the embedding and norms stay in `dtype`)."""
+        projections stored narrow, and with int8 the lm_head; the embedding and norms stay in `dtype`).
+        `prefill_weights` (quantized weights only): "float" keeps float copies of the projections for
+        prompts, "shared" runs prompts on the quantized ones, "auto" keeps the copies where they fit
+        (`prefill_weights_for`)."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -342,6 +390,8 @@ class LlamaModel:
         quantized = weight_format != "float"
         if quantized and self.device.type != "cpu":
             raise ValueError(f"{weight_format} weights run on CPU kernels only, not on {self.device}")
+        self.prefill_weights = prefill_weights_for(prefill_weights, cfg, dtype) if quantized else "shared"
+        copies = self.prefill_weights == "float"
 
         converted: dict[str, torch.Tensor] = {}
 
@@ -384,8 +434,9 @@ class LlamaModel:
         # prompt ran ~6x slower than in bf16 (time to first token 2.5 s against 0.5 s at 16 streams),
         # while decoding, one weight pass a step, gains 1.5-1.9x. A prompt token never takes the
         # decode path or the reverse, so plain decoding and verification still see the same bits.
+        # Where the copies do not fit (an 8B model's are 16 GB in bf16), prompts share the quantized ones.
         self.prefill_linears: list[tuple] = []
-        self.prefill_head = linear([head_name], head=True) if quantized else self.head
+        self.prefill_head = linear([head_name], head=True) if copies else self.head
         # Per layer, what the family adds to the Llama layer (q/k norms, post-norms), or None.
         self.extras: list[LayerExtras | None] = []
         for i in range(cfg.num_layers):
@@ -402,7 +453,7 @@ class LlamaModel:
             qk = (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight") if fam.qk_norm else (None, None)
             extra = LayerExtras(*(norm(n) for n in (*qk, role.get("attn_out"), role.get("mlp_out"))))
             self.extras.append(None if extra.empty else extra)
-            if quantized:
+            if copies:
                 self.prefill_linears.append(tuple(linear(n, bias if j == 0 else None) for j, n in enumerate(names)))
         # A lone decode row goes through the projections as two (see `forward`) unless every one of
         # them gives a row the same bits whatever the row count (the quantized kernels, and
@@ -412,7 +463,7 @@ class LlamaModel:
         # Each layer's projections as tide.kernels' decode_layer takes them, where all four run on
         # the kernels (then a decode or verification layer is one call: see `forward`).
         self._layer_args = self._kernel_layer_args([layer[1:3] + layer[4:] for layer in self.layers])
-        self._prefill_layer_args = self._kernel_layer_args(self.prefill_linears) if quantized else self._layer_args
+        self._prefill_layer_args = self._kernel_layer_args(self.prefill_linears) if copies else self._layer_args
         # Whether decoding's projections run on tide.kernels' GEMMs (then on the kernels' own threads:
         # ModelRunner.decode_threads).
         self.projections_on_kernels = self._layer_args is not None
@@ -455,33 +506,28 @@ class LlamaModel:
 
     @classmethod
     def load(cls, target: TargetFiles, dtype: torch.dtype = torch.bfloat16, device="cpu",
-             weight_format: str = "float") -> LlamaModel:
-        """A HF directory's model (any number of safetensors shards, any float dtype). The decoder's
+             weight_format: str = "float", prefill_weights: str = "auto") -> LlamaModel:
+        """A target's model: a HF directory's (any number of safetensors shards, any float dtype) or a
+        GGUF file's (tide.gguf_tensors, dequantized per tensor as it is converted). The decoder's
         weights are read under their own prefix (`model.`, or a multimodal Gemma 3's
         `model.language_model.` / `language_model.model.`, its vision tower left unread) and named
         `model.` here; the stop tokens are the config's and generation_config.json's."""
         cfg = LlamaConfig.from_hf(target.config)
         eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *target.generation_eos_ids())))
         cfg = replace(cfg, eos_token_ids=eos)
-        files = target.safetensors_files()
-        names: dict[str, Path] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                names.update(dict.fromkeys(f.keys(), file))
-        embed = next((n for n in names if n.endswith("embed_tokens.weight") and "vision" not in n), None)
+        tensors = target.tensors()
+        embed = next((n for n in tensors if n.endswith("embed_tokens.weight") and "vision" not in n), None)
         if embed is None:
-            raise UnsupportedModel(f"{target.path}: no embed_tokens.weight in its safetensors")
+            raise UnsupportedModel(f"{target.path}: no embed_tokens.weight in its checkpoint")
         prefix = embed[:-len("embed_tokens.weight")]
-        wanted = {n: "model." + n[len(prefix):] for n in names if n.startswith(prefix)}
-        wanted.update({n: "lm_head.weight" for n in names if n.split(".")[-2:] == ["lm_head", "weight"]
-                       and "vision" not in n})
-        weights: dict[str, torch.Tensor] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    if name in wanted:
-                        weights[wanted[name]] = f.get_tensor(name)
-        return cls(cfg, weights, dtype, device, weight_format)
+        wanted = {"model." + n[len(prefix):]: n for n in tensors if n.startswith(prefix)}
+        head = next((n for n in tensors if n.split(".")[-2:] == ["lm_head", "weight"] and "vision" not in n), None)
+        if head is not None:
+            wanted["lm_head.weight"] = head
+        # Read as the constructor asks for each tensor: it holds one checkpoint tensor at a time
+        # beyond what it keeps (an 8B GGUF dequantized whole would be 32 GB of float32).
+        weights = RenamedTensors(tensors, wanted)
+        return cls(cfg, weights, dtype, device, weight_format, prefill_weights)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         return KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
