@@ -22,6 +22,7 @@ operands); the rest take gguf-py's `dequantize`.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -107,6 +108,17 @@ def index(path: Path) -> dict:
     return {"architecture": str(read_field(reader, "general.architecture")[0]), "config": config, "tensors": tensors}
 
 
+def _read_ahead(path: Path, block: int = 16 << 20) -> None:
+    """Read `path` once, start to end, discarding the bytes (they stay in the page cache)."""
+    buf = bytearray(block)
+    try:
+        with path.open("rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    except OSError:
+        pass  # a hint only: the loader's own reads report what is wrong
+
+
 class GGUFTensors(Mapping[str, torch.Tensor]):
     """HF name -> float32 tensor, read from the file and dequantized at each access (nothing is
     kept, and the file is read with pread, not mapped: what a loader holds is its own tensors)."""
@@ -117,6 +129,11 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
         self.path = Path(path)
         self._tensors = file_index["tensors"]
         self._processor = TENSOR_PROCESSORS.get(file_index["architecture"], TensorProcessor)(config=config)
+        # Read the file ahead in a background thread (into the page cache, in file order): tensors
+        # are then converted while the next are read. An 8B Q8_0 file from a cold cache loaded in
+        # 40 s without (each read waited for the conversion before it; posix_fadvise's WILLNEED
+        # did not help) where reading the file alone takes 5.8 s.
+        threading.Thread(target=_read_ahead, args=(self.path,), name="gguf-read-ahead", daemon=True).start()
 
     def qtype(self, name: str) -> int:
         """The tensor's GGUF block format (a gguf.GGMLQuantizationType value)."""
@@ -125,8 +142,26 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
     def nbytes(self, name: str) -> int:
         return self._tensors[name]["nbytes"]
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def q8_0_rows(self, name: str) -> torch.Tensor | None:
+        """A Q8_0 matrix's raw rows (uint8 [out, in / 32 * 34]) in HF order, for quantized serving
+        without float values (tide.quant.Int8Linear.from_q8_0); None for other types, or where the
+        architecture's processor changes values rather than reorders rows."""
+        from gguf import GGMLQuantizationType as Q
+
         t = self._tensors[name]
+        if t["type"] != Q.Q8_0 or len(t["shape"]) != 2:
+            return None
+        rows = t["shape"][0]
+        order = np.arange(rows, dtype=np.float32)[:, None]  # where the processor moves each row
+        moved = self._processor.process(weights=order, name=t["gguf_name"], tensor_key_mapping={},
+                                        parsed_parameters={}).weights
+        moved = np.asarray(moved).reshape(-1)
+        if not np.array_equal(np.sort(moved), order.reshape(-1)):
+            return None
+        raw = torch.from_numpy(self._read(t)).view(rows, -1)
+        return raw if np.array_equal(moved, order.reshape(-1)) else raw[torch.from_numpy(moved.astype(np.int64))]
+
+    def _read(self, t: dict) -> np.ndarray:
         data = np.empty(t["nbytes"], dtype=np.uint8)
         view, done = memoryview(data), 0
         with self.path.open("rb", buffering=0) as f:
@@ -136,7 +171,11 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
                 if not got:
                     raise OSError(f"{self.path}: truncated at tensor {t['gguf_name']}")
                 done += got
-        w = dequantize(data, t["type"], tuple(t["shape"]))
+        return data
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._tensors[name]
+        w = dequantize(self._read(t), t["type"], tuple(t["shape"]))
         values = w.numpy()
         processed = self._processor.process(weights=values, name=t["gguf_name"], tensor_key_mapping={},
                                             parsed_parameters={}).weights

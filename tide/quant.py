@@ -64,16 +64,47 @@ class Int8Linear:
     row_exact = True  # a lone row gives the bits it gets among others (see the module doc)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        scale, q = _int8_rows(weight.float(), dtype)
+        self._setup(*_int8_rows(weight.float(), dtype), bias, dtype)
+
+    @classmethod
+    def from_q8_0(cls, parts: list[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
+        """The Int8Linear of a GGUF Q8_0 weight's raw rows (uint8 [out_i, in / 32 * 34] parts,
+        stacked: q|k|v, gate|up): what Int8Linear(dequantized weight) holds, bit for bit, without
+        float32 values: with bf16 scales, tide.kernels' `int8_pack_q8_0` (into the GEMM's layout,
+        blocks of 16 rows at a time) or `q8_0_rows`, else by way of the float values."""
+        kernels = use_for(parts[0])
+        out = sum(p.shape[0] for p in parts)
+        if kernels is not None and hasattr(kernels, "q8_0_rows") and dtype == torch.bfloat16:
+            if getattr(kernels, "has_int8_gemm", False) and out % 16 == 0:
+                packed, scale = kernels.int8_pack_q8_0(parts)
+                return cls._made(scale.to(dtype), None, bias, dtype, packed=packed)
+            q, scale = kernels.q8_0_rows(torch.cat(parts))
+            return cls._made(scale.to(dtype), q, bias, dtype)
+        raw = torch.cat(parts)
+        blocks = raw.reshape(-1, 34)
+        d = blocks[:, :2].contiguous().view(torch.float16).float()
+        w = (blocks[:, 2:].view(torch.int8).float() * d).view(raw.shape[0], -1)
+        return cls(w, bias, dtype)
+
+    @classmethod
+    def _made(cls, scale, q, bias, dtype, packed: torch.Tensor | None = None) -> Int8Linear:
+        lin = cls.__new__(cls)
+        lin._setup(scale, q, bias, dtype, packed)
+        return lin
+
+    def _setup(self, scale: torch.Tensor, q: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype,
+               packed: torch.Tensor | None = None) -> None:
+        """`q` [out, in] int8 row-major, or None with `packed` already in int8_pack's layout."""
         self.scale = scale
         self.bias = None if bias is None else bias.to(dtype)
-        self.out_features = weight.shape[0]
-        kernels = use_for(q)
+        self.out_features = scale.shape[0]
+        kernels = use_for(scale)
         self._kernels = None
-        if (kernels is not None and getattr(kernels, "has_int8_gemm", False) and dtype == torch.bfloat16
-                and q.shape[0] % 16 == 0 and q.shape[1] % 4 == 0):  # int8_pack: K a multiple of 4
+        if packed is not None or (kernels is not None and getattr(kernels, "has_int8_gemm", False)
+                                  and dtype == torch.bfloat16 and q.shape[0] % 16 == 0 and q.shape[1] % 4 == 0):
+            # int8_pack: K a multiple of 4
             self._kernels = kernels
-            self.q = kernels.int8_pack(q)  # [out/16, in/2, 16, 2]: the same bytes, the kernel's order
+            self.q = packed if packed is not None else kernels.int8_pack(q)  # [out/16, in/2, 16, 2]: the kernel's order
             self._scale32 = scale.float()
             self._bias32 = None if bias is None else self.bias.float()
         else:

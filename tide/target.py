@@ -5,9 +5,9 @@ wheel), a path to a HF directory (config.json + *.safetensors + tokenizer files)
 `.gguf` file. A GGUF file's weights are read from the file itself, one tensor at a time
 (tide.gguf_tensors), never converted to a float copy; what transformers derives from its metadata
 (config.json, the tokenizer with its chat template) and the file's tensor index (`GGUF_INDEX`) are
-written once under `$TIDE_CACHE_DIR` (default `~/.cache/tide`), keyed by the file's SHA-256
-(itself remembered per path, size and mtime: hashing an 8B file takes seconds), so a later start
-parses nothing. That directory is itself a target (`resolve_target(dir)` finds the file again).
+written once under `$TIDE_CACHE_DIR` (default `~/.cache/tide`), keyed by a fingerprint of the file
+(`gguf_fingerprint`: its header and sampled blocks; hashing a whole 8B file took 20 s), so a later
+start parses nothing. That directory is itself a target (`resolve_target(dir)` finds the file again).
 
 The trainer uses `load_head_tensors` to read only the embedding, final norm and lm_head: it never
 materialises the target's decoder layers (see `LAYER_TENSOR_PREFIX`).
@@ -40,7 +40,7 @@ EMBED_TENSOR = "model.embed_tokens.weight"
 NORM_TENSOR = "model.norm.weight"
 LM_HEAD_TENSOR = "lm_head.weight"
 LAYER_TENSOR_PREFIX = "model.layers."
-# In a GGUF target's cache directory: the file it reads ("file", "sha256") and tide.gguf_tensors.index.
+# In a GGUF target's cache directory: the file it reads ("file", "fingerprint") and tide.gguf_tensors.index.
 GGUF_INDEX = "gguf.json"
 
 
@@ -141,32 +141,32 @@ def resolve_target(name: str | os.PathLike) -> TargetFiles:
     raise FileNotFoundError(f"unknown target {name!r}: not 'ref', a .gguf file or a HF directory")
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+# A GGUF file's cache key reads its first FINGERPRINT_HEAD bytes (the header: metadata, tokenizer
+# and tensor index) and FINGERPRINT_SAMPLES blocks of FINGERPRINT_BLOCK bytes spread evenly over the
+# rest (~17 MB in all, whatever the file's size): the full SHA-256 of an 8B file took 20 s of its
+# first start. Two checkpoints whose weights differ differ in every sampled block; the key names
+# a cache directory, it does not vouch for the bytes (the loader reads them all).
+FINGERPRINT_HEAD = 1 << 24
+FINGERPRINT_SAMPLES = 64
+FINGERPRINT_BLOCK = 1 << 14
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """SHA-256 (hex) of the file's size, header and sampled blocks (see FINGERPRINT_HEAD)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+        digest.update(f.read(FINGERPRINT_HEAD))
+        rest = max(0, size - FINGERPRINT_HEAD)
+        for i in range(FINGERPRINT_SAMPLES if rest else 0):
+            f.seek(FINGERPRINT_HEAD + rest * i // FINGERPRINT_SAMPLES)
+            digest.update(f.read(FINGERPRINT_BLOCK))
     return digest.hexdigest()
 
 
-def gguf_sha256(path: Path) -> str:
-    """The file's SHA-256, computed once per (path, size, mtime) and remembered under the cache."""
-    st = path.stat()
-    stamp = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    memo = cache_dir() / "sha256" / stamp
-    if memo.exists():
-        return memo.read_text().strip()
-    digest = _sha256_file(path)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f".{stamp}.{os.getpid()}")
-    tmp.write_text(digest)
-    tmp.replace(memo)
-    return digest
-
-
 def _from_gguf(gguf: Path, model_id: str) -> TargetFiles:
-    sha = gguf_sha256(gguf)
-    out = cache_dir() / "targets" / f"{model_id}-{sha[:16]}"
+    key = gguf_fingerprint(gguf)
+    out = cache_dir() / "targets" / f"{model_id}-{key[:16]}"
     if (out / GGUF_INDEX).exists():
         return TargetFiles(model_id=model_id, path=out, gguf=gguf)
     log.info("reading %s's metadata and tensor index (once) into %s", gguf, out)
@@ -175,7 +175,7 @@ def _from_gguf(gguf: Path, model_id: str) -> TargetFiles:
     # half-written cache.
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_id}-", dir=out.parent))
     try:
-        _describe_gguf(gguf, sha, tmp)
+        _describe_gguf(gguf, key, tmp)
         if out.exists() and not (out / GGUF_INDEX).exists():  # an older layout: a float32 copy
             shutil.rmtree(out, ignore_errors=True)
         try:
@@ -188,12 +188,12 @@ def _from_gguf(gguf: Path, model_id: str) -> TargetFiles:
     return TargetFiles(model_id=model_id, path=out, gguf=gguf)
 
 
-def _describe_gguf(gguf: Path, sha: str, out: Path) -> None:
+def _describe_gguf(gguf: Path, fingerprint: str, out: Path) -> None:
     from transformers import AutoTokenizer
 
     from tide.gguf_tensors import index
 
-    described = {"file": str(gguf.resolve()), "sha256": sha, **index(gguf)}
+    described = {"file": str(gguf.resolve()), "fingerprint": fingerprint, **index(gguf)}
     (out / "config.json").write_text(json.dumps(described.pop("config"), indent=2, sort_keys=True))
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     (out / GGUF_INDEX).write_text(json.dumps(described))

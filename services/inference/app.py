@@ -56,12 +56,15 @@ log = logging.getLogger(__name__)
 def load_target(settings: InferenceSettings):
     """(LlamaModel, tokenizer or None, model id) for the configured target (a GGUF file's weights read
     from the file per tensor; its metadata described once, cached: tide.target)."""
-    from tide.engine.llama import LlamaModel
+    from tide.engine.llama import LlamaConfig, LlamaModel, auto_weight_format
 
     started = time.monotonic()
     target = resolve_target(settings.target)
+    fmt = settings.weight_format
+    if settings.weights == "auto":  # float where it fits in memory, else int8 / int4 (AUTO_FLOAT_SHARE)
+        fmt = auto_weight_format(LlamaConfig.from_hf(target.config), settings.torch_dtype, settings.device)
     model = LlamaModel.load(target, dtype=settings.torch_dtype, device=settings.device,
-                            weight_format=settings.weight_format, prefill_weights=settings.prefill_weights)
+                            weight_format=fmt, prefill_weights=settings.prefill_weights)
     tokenizer = None
     if (target.path / "tokenizer.json").exists() or (target.path / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer

@@ -53,7 +53,8 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
         "auto",
         description="auto = bf16 where it is fast (native, or tide.kernels' AVX2 GEMM), else fp32 (tide/precision.py)")
     weights: Annotated[str, one_of(WEIGHTS_NAMES)] = Field(
-        "auto", description="how the target's weights are stored: auto = in the compute dtype; bf16 / fp16 / fp32 "
+        "auto", description="how the target's weights are stored: auto = in the compute dtype where they take at most "
+        "half the memory available at load, else int8, else int4 (an 8B model on a 24 GB machine); bf16 / fp16 / fp32 "
         "(also the compute dtype); int8 / int4 = weight-only quantized, CPU only (tide/quant.py)")
     prefill_weights: Annotated[str, one_of(("auto", "float", "shared"))] = Field(
         "auto", description="with int8 / int4 weights, what prompts run on: float = bf16 copies of the projections "

@@ -33,7 +33,7 @@ from tide.layers import (
     silu_mul,
     tree_attention,
 )
-from tide.quant import quantized_linear
+from tide.quant import Int8Linear, quantized_linear
 from tide.target import TargetFiles
 
 
@@ -354,6 +354,29 @@ def prefill_weights_for(choice: str, cfg: LlamaConfig, dtype: torch.dtype) -> st
     return "float" if found is None or prefill_copy_bytes(cfg, dtype) <= PREFILL_COPY_SHARE * found[0] else "shared"
 
 
+# TIDE_WEIGHTS=auto serves float weights (the compute dtype) while they take at most this share of
+# the memory available at load, else int8, else int4: an 8B model's bf16 weights (15 GB) on a
+# 24 GB machine leave too little for the KV cache and the rest of the stack; its int8 (7.5 GB) do not.
+AUTO_FLOAT_SHARE = 0.5
+
+
+def auto_weight_format(cfg: LlamaConfig, dtype: torch.dtype, device) -> str:
+    """"float", "int8" or "int4" for TIDE_WEIGHTS=auto (see AUTO_FLOAT_SHARE): off the CPU, and
+    where the memory is unknown, "float"."""
+    from tide import quant
+    from tide.memory import available_bytes
+
+    found = available_bytes()
+    if torch.device(device).type != "cpu" or found is None:
+        return "float"
+    budget = AUTO_FLOAT_SHARE * found[0]
+    float_bytes = prefill_copy_bytes(cfg, dtype) + cfg.vocab_size * cfg.hidden_size * dtype.itemsize  # + embedding
+    for fmt, share in (("float", 1.0), ("int8", 0.5), ("int4", 0.25)):  # of the float bytes, roughly
+        if float_bytes * share <= budget and (fmt == "float" or quant.supported(fmt)):
+            return fmt
+    return "int4"
+
+
 class RenamedTensors(Mapping[str, torch.Tensor]):
     """`source`'s tensors under other names (new -> source name), read at each access."""
 
@@ -362,6 +385,11 @@ class RenamedTensors(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._source[self._names[name]]
+
+    def q8_0_rows(self, name: str) -> torch.Tensor | None:
+        """The source's raw Q8_0 rows of `name` (a GGUF file's: tide.gguf_tensors), else None."""
+        rows = getattr(self._source, "q8_0_rows", None)
+        return None if rows is None else rows(self._names[name])
 
     def __iter__(self):
         return iter(self._names)
@@ -394,6 +422,7 @@ class LlamaModel:
         copies = self.prefill_weights == "float"
 
         converted: dict[str, torch.Tensor] = {}
+        q8_0_rows = getattr(weights, "q8_0_rows", None)
 
         def tensor(name: str) -> torch.Tensor:  # one copy per name: a tied lm_head shares the embedding's
             if name not in converted:
@@ -406,6 +435,10 @@ class LlamaModel:
             # lm_head stays in `dtype`, as AWQ and GPTQ keep it: in 4-bit groups the reference
             # model's head (Q8_0 in its GGUF) changed 9 % of next-token argmaxes (tide bench weights).
             bias = torch.cat([tensor(n) for n in bias_names]) if bias_names else None
+            if fmt == "int8" and q8_0_rows is not None:  # int8 from a Q8_0 file: no float values
+                raws = [q8_0_rows(n) for n in names]
+                if all(r is not None for r in raws):
+                    return Int8Linear.from_q8_0(raws, bias, dtype)
             if fmt != "float" and not (head and fmt == "int4"):
                 return quantized_linear(torch.cat([weights[n].float() for n in names]), bias, fmt, dtype)
             w = tensor(names[0]) if len(names) == 1 else torch.cat([tensor(n) for n in names])

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -544,10 +545,86 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
 constexpr bool kHasDecodeAttention = false;
 #endif
 
+// GGUF Q8_0 rows -> int8 rows with one scale per row, as tide.quant's `_int8_rows` computes it from
+// the dequantized values (the same bits: its test checks it). A Q8_0 block is 34 bytes, a float16
+// scale d then 32 int8 values; w = d * q is exact in float32 (11 x 7 significant bits). The row's
+// scale is max |w| / 127, at least FLT_MIN, rounded to bf16 (nearest even); each value is then
+// round-half-even(w / scale), within -127..127. One pass over the blocks for the max, one to write:
+// an 8B model's 7 GB convert in seconds where torch's elementwise ops took a minute.
+namespace {
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+inline float round_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+}  // namespace
+
+// One Q8_0 row of B blocks -> K = 32 B int8 values and the row's scale (see above).
+void q8_0_quantize_row(const uint8_t* row, int64_t B, int8_t* out, float* scale) {
+  float amax = 0.f;
+  for (int64_t b = 0; b < B; ++b) {
+    uint16_t h;
+    std::memcpy(&h, row + b * 34, 2);
+    const float d = std::fabs(half_to_float(h));
+    const int8_t* v = reinterpret_cast<const int8_t*>(row + b * 34 + 2);
+    int m = 0;
+    for (int i = 0; i < 32; ++i) m = std::max(m, std::abs(static_cast<int>(v[i])));
+    amax = std::max(amax, d * static_cast<float>(m));
+  }
+  const float s = round_to_bf16(std::max(amax / 127.f, std::numeric_limits<float>::min()));
+  *scale = s;
+  for (int64_t b = 0; b < B; ++b) {
+    uint16_t h;
+    std::memcpy(&h, row + b * 34, 2);
+    const float d = half_to_float(h);
+    const int8_t* v = reinterpret_cast<const int8_t*>(row + b * 34 + 2);
+#if defined(__AVX512F__)
+    // The scalar loop's operations, 16 lanes at a time: (v * d) / s, rounded to nearest even
+    // without raising exceptions, clamped, narrowed with saturation (in range already).
+    const __m512 vd = _mm512_set1_ps(d), vs = _mm512_set1_ps(s);
+    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (int half = 0; half < 2; ++half) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * half));
+      __m512 x = _mm512_div_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), vd), vs);
+      x = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      x = _mm512_min_ps(hi, _mm512_max_ps(lo, x));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * 32 + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x)));
+    }
+#else
+    for (int i = 0; i < 32; ++i) {
+      const float x = std::nearbyint(static_cast<float>(v[i]) * d / s);
+      out[b * 32 + i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, x)));
+    }
+#endif
+  }
+}
+
+// raw uint8 [rows, blocks * 34] -> (q int8 [rows, 32 blocks], scale float32 [rows]), row-major: for
+// torch's int8 kernel where tide.kernels' int8 GEMM is not built (gemm.cpp's int8_pack_q8_0 packs).
+std::tuple<torch::Tensor, torch::Tensor> q8_0_rows(const torch::Tensor& raw_in) {
+  TORCH_CHECK(raw_in.dim() == 2 && raw_in.scalar_type() == at::kByte && raw_in.size(1) % 34 == 0,
+              "q8_0_rows: uint8 [rows, blocks * 34]");
+  const auto raw = raw_in.contiguous();
+  const int64_t R = raw.size(0), B = raw.size(1) / 34;
+  auto q = torch::empty({R, B * 32}, at::kChar);
+  auto scale = torch::empty({R}, at::kFloat);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  int8_t* dst = q.data_ptr<int8_t>();
+  float* sc = scale.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) q8_0_quantize_row(src + r * B * 34, B, dst + r * B * 32, sc + r);
+  });
+  return {q, scale};
+}
+
 // gemm.cpp
 torch::Tensor bf16_pack(const torch::Tensor& w);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int8_pack(const torch::Tensor& q);
+std::tuple<torch::Tensor, torch::Tensor> int8_pack_q8_0(const std::vector<torch::Tensor>& parts);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const c10::optional<torch::Tensor>& bias);
 bool has_bf16_gemm();
@@ -600,6 +677,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) for bf16 / float32 [R, V] (AVX-512)", nogil);
   m.def("amx_enabled", &amx_enabled, "whether the GEMMs take AMX tiles now (gemm_amx.h)");
   m.def("set_amx", &set_amx, "AMX tiles on or off, for side-by-side benchmarks (the bits differ)", nogil);
+  m.def("q8_0_rows", &q8_0_rows, "GGUF Q8_0 rows -> (int8 rows, float32 bf16-rounded scale per row)", nogil);
+  m.def("int8_pack_q8_0", &int8_pack_q8_0, "GGUF Q8_0 row blocks (parts stacked) -> (int8_pack's layout, scale)",
+        nogil);
   m.def("bf16_pack", &bf16_pack, "W [N, K] bf16 -> the layout bf16_linear reads", nogil);
   m.def("bf16_linear", &bf16_linear, "x @ W.T, bf16, row-invariant (AVX512_BF16 or AVX2)", nogil);
   m.def("int8_pack", &int8_pack, "q [N, K] int8 -> the layout int8_linear reads", nogil);

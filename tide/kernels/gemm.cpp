@@ -41,7 +41,89 @@ torch::Tensor pack(const torch::Tensor& w, at::ScalarType dtype, const char* nam
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype, name, ": a 2-D ", c10::toString(dtype), " weight");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N % PACK_COLS == 0 && K % 2 == 0, name, ": N a multiple of 16 and K even");
-  return w.contiguous().view({N / PACK_COLS, PACK_COLS, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  // Moved as whole pairs (one 2- or 4-byte element each): torch's permute copies a 2-byte int8
+  // pair or 4-byte bf16 pair several times faster as one element than as two.
+  const auto pair = w.element_size() == 1 ? at::kShort : at::kInt;
+  return w.contiguous().view(pair).view({N / PACK_COLS, PACK_COLS, K / 2}).permute({0, 2, 1}).contiguous()
+      .view(dtype).view({N / PACK_COLS, K / 2, PACK_COLS, 2});
+}
+
+// One block of 16 rows (s: 16 x K int8, row-major) into its 16 * K packed bytes d, laid out by
+// `at(c, j, kp)`: the offset of row c's value k = 2 kp + j. Writes in order; reads 16 rows' streams.
+template <typename At>
+inline void pack_block(const int8_t* s, int8_t* d, int64_t K, At at) {
+  if (at(0, 1, 0) == at(0, 0, 0) + 1 && at(1, 1, 0) == at(1, 0, 0) + 1) {
+    // The layouts that keep a pair's two bytes together (pair_major, lane_major; at(c, 0, kp)
+    // even): moved as one int16 each, half the operations.
+    for (int64_t kp = 0; kp < K / 2; ++kp)
+      for (int64_t c = 0; c < PACK_COLS; ++c) {
+        int16_t pair;
+        std::memcpy(&pair, s + c * K + 2 * kp, 2);
+        std::memcpy(d + at(c, 0, kp), &pair, 2);
+      }
+    return;
+  }
+  for (int64_t kp = 0; kp < K / 2; ++kp)
+    for (int64_t c = 0; c < PACK_COLS; ++c) {
+      d[at(c, 0, kp)] = s[c * K + 2 * kp];
+      d[at(c, 1, kp)] = s[c * K + 2 * kp + 1];
+    }
+}
+
+// q [N, K] int8 -> [N/16, K/2, 16, 2] in shape, each block of 16 rows by pack_block. In loops:
+// torch's permutes of these small elements took 15 s of an 8B model's 45 s start.
+template <typename At>
+torch::Tensor pack_int8(const torch::Tensor& q_in, At at, const char* name) {
+  TORCH_CHECK(q_in.dim() == 2 && q_in.scalar_type() == at::kChar, name, ": a 2-D int8 weight");
+  const auto q = q_in.contiguous();
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(N % PACK_COLS == 0 && K % 2 == 0, name, ": N a multiple of 16 and K even");
+  auto out = torch::empty({N / PACK_COLS, K / 2, PACK_COLS, 2}, at::kChar);
+  const int8_t* src = q.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  at::parallel_for(0, N / PACK_COLS, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) pack_block(src + nb * PACK_COLS * K, dst + nb * PACK_COLS * K, K, at);
+  });
+  return out;
+}
+
+}  // namespace
+
+void q8_0_quantize_row(const uint8_t* row, int64_t B, int8_t* out, float* scale);  // cpu_ops.cpp
+
+namespace {
+
+// GGUF Q8_0 rows of `parts` (uint8 [rows_i, B * 34] each, stacked in order) -> (packed as pack_int8
+// packs, float32 scale [rows]): each 16-row block quantized into a buffer (cpu_ops.cpp's
+// q8_0_quantize_row: Int8Linear's values) and packed from it, so neither the stacked raw rows nor
+// the row-major int8 matrix is ever made.
+template <typename At>
+std::tuple<torch::Tensor, torch::Tensor> pack_q8_0(const std::vector<torch::Tensor>& parts, At at) {
+  TORCH_CHECK(!parts.empty(), "int8_pack_q8_0: no parts");
+  std::vector<torch::Tensor> held;
+  std::vector<const uint8_t*> rows;
+  const int64_t width = parts[0].size(1);
+  for (const auto& p : parts) {
+    TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kByte && p.size(1) == width && width % 34 == 0,
+                "int8_pack_q8_0: uint8 [rows, blocks * 34] parts of one width");
+    held.push_back(p.contiguous());
+    for (int64_t r = 0; r < p.size(0); ++r) rows.push_back(held.back().data_ptr<uint8_t>() + r * width);
+  }
+  const int64_t N = static_cast<int64_t>(rows.size()), B = width / 34, K = B * 32;
+  TORCH_CHECK(N % PACK_COLS == 0, "int8_pack_q8_0: rows a multiple of 16");
+  auto out = torch::empty({N / PACK_COLS, K / 2, PACK_COLS, 2}, at::kChar);
+  auto scale = torch::empty({N}, at::kFloat);
+  int8_t* dst = out.data_ptr<int8_t>();
+  float* sc = scale.data_ptr<float>();
+  at::parallel_for(0, N / PACK_COLS, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int8_t> block(PACK_COLS * K);
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      for (int64_t c = 0; c < PACK_COLS; ++c)
+        q8_0_quantize_row(rows[nb * PACK_COLS + c], B, block.data() + c * K, sc + nb * PACK_COLS + c);
+      pack_block(block.data(), dst + nb * PACK_COLS * K, K, at);
+    }
+  });
+  return {out, scale};
 }
 
 // What every path's linear() checks first: bf16 rows, and a weight of type `wtype` from pack().
@@ -266,12 +348,23 @@ torch::Tensor bf16_pack(const torch::Tensor& w) { return pack(w, at::kBFloat16, 
 
 // q [N, K] int8 -> [N/16, K/2, 16, 2]; with the byte tables (AVX512_VBMI; K a multiple of 4) each
 // two pair-rows regrouped as [4 lanes][2 pair-rows][8 bytes], the order the bytes' interleave reads.
+// pair-row kp: 32 bytes, row c's pair at 2c.
+inline int64_t pair_major(int64_t c, int64_t j, int64_t kp) { return kp * 32 + c * 2 + j; }
+// Two pair-rows (2 kq, 2 kq + 1) of 32 bytes, as 4 lanes of 8 bytes each, regrouped lane-major:
+// byte o = 2c + j of pair-row 2 kq + r lies at 16 (o / 8) + 8 r + o % 8 of their 64.
+inline int64_t lane_major(int64_t c, int64_t j, int64_t kp) {
+  const int64_t o = c * 2 + j;
+  return (kp / 2) * 64 + (o / 8) * 16 + (kp % 2) * 8 + o % 8;
+}
+
 torch::Tensor int8_pack(const torch::Tensor& q) {
-  auto packed = pack(q, at::kChar, "int8_pack");
-  if (!kInt8ByTable) return packed;
-  const int64_t N = q.size(0), K = q.size(1);
-  TORCH_CHECK(K % 4 == 0, "int8_pack: K a multiple of 4");
-  return packed.view({N / COLS, K / 4, 2, 4, 8}).permute({0, 1, 3, 2, 4}).contiguous().view({N / COLS, K / 2, COLS, 2});
+  if (!kInt8ByTable) return pack_int8(q, pair_major, "int8_pack");
+  TORCH_CHECK(q.size(1) % 4 == 0, "int8_pack: K a multiple of 4");
+  return pack_int8(q, lane_major, "int8_pack");
+}
+
+std::tuple<torch::Tensor, torch::Tensor> int8_pack_q8_0(const std::vector<torch::Tensor>& parts) {
+  return kInt8ByTable ? pack_q8_0(parts, lane_major) : pack_q8_0(parts, pair_major);  // K = 32 B: a multiple of 4
 }
 
 // x [..., K] bf16, packed from bf16_pack, bias [N] or None -> [..., N] bf16.
@@ -559,9 +652,13 @@ constexpr bool kHasInt8Gemm = true;
 torch::Tensor bf16_pack(const torch::Tensor& w) { return pack(w, at::kBFloat16, "bf16_pack"); }
 
 // q [N, K] int8 -> [N/16, K/2, 16, 2] in shape; each pair-row's 32 bytes regrouped as [2 (k, k+1)][16 features].
-torch::Tensor int8_pack(const torch::Tensor& q) {
-  const auto packed = pack(q, at::kChar, "int8_pack");
-  return packed.transpose(2, 3).contiguous().view(packed.sizes());
+// pair-row kp: k = 2 kp of the 16 rows, then k + 1.
+inline int64_t k_major(int64_t c, int64_t j, int64_t kp) { return kp * 32 + j * 16 + c; }
+
+torch::Tensor int8_pack(const torch::Tensor& q) { return pack_int8(q, k_major, "int8_pack"); }
+
+std::tuple<torch::Tensor, torch::Tensor> int8_pack_q8_0(const std::vector<torch::Tensor>& parts) {
+  return pack_q8_0(parts, k_major);
 }
 
 // x [..., K] bf16, packed from bf16_pack, bias [N] or None -> [..., N] bf16.
@@ -580,6 +677,9 @@ constexpr bool kHasBf16Gemm = false;
 constexpr bool kHasInt8Gemm = false;
 torch::Tensor bf16_pack(const torch::Tensor&) { TORCH_CHECK(false, "bf16_pack needs AVX512_BF16 or AVX2"); }
 torch::Tensor int8_pack(const torch::Tensor&) { TORCH_CHECK(false, "int8_pack needs AVX512_BF16 or AVX2"); }
+std::tuple<torch::Tensor, torch::Tensor> int8_pack_q8_0(const std::vector<torch::Tensor>&) {
+  TORCH_CHECK(false, "int8_pack_q8_0 needs AVX512_BF16 or AVX2");
+}
 torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&) {
   TORCH_CHECK(false, "bf16_linear needs AVX512_BF16 or AVX2");
 }

@@ -168,3 +168,15 @@ def test_the_loader_holds_one_float_tensor_at_a_time(tmp_path):
         type(tensors).__getitem__ = original
     assert model.prefill_weights == "shared" and not model.prefill_linears
     assert peak <= 4, peak  # q, k, v of a layer and the tensor just read
+
+
+def test_int8_from_q8_0_blocks_is_the_float_paths_int8(tmp_path):
+    """int8 weights made straight from a Q8_0 file's blocks (no float values) are the ones made
+    from its dequantized values, bit for bit: the same logits, prefill and decode."""
+    from tide.engine.llama import LlamaModel
+
+    target = resolve_target(_gguf_target(tmp_path, "llama", "Q8_0"))
+    direct = LlamaModel.load(target, dtype=torch.bfloat16, weight_format="int8")
+    via_float = LlamaModel(direct.cfg, dict(target.tensors()), torch.bfloat16, "cpu", "int8")
+    ids = _ids(VOCAB)
+    assert torch.equal(_ours(direct, ids), _ours(via_float, ids))
