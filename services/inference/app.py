@@ -39,13 +39,13 @@ from tide.engine.profiling import (
     PROFILE_POLICIES,
     LiveProfile,
     cached_profile,
-    default_grid,
     random_draft,
+    start_grid,
     wants_profile,
 )
 from tide.engine.sampling import SamplingScheme
 from tide.grpcutil import GrpcServer
-from tide.memory import available_bytes
+from tide.memory import available_bytes, tensor_bytes
 from tide.policies.profile import LatencyProfile
 from tide.precision import weights_label
 from tide.target import cache_dir, resolve_target
@@ -136,12 +136,12 @@ def start_profile(settings: InferenceSettings, model, model_id: str,
         drafter = Eagle3Drafter(random_draft(model, min(8192, model.cfg.vocab_size)), "shape", 1, 1)
     else:
         drafter = make_drafter(settings.drafter)
-    batches, ns, lags = default_grid(max_batch, settings.max_gamma)
+    batches, ns, lags, reps = start_grid(max_batch, settings.max_gamma, tensor_bytes(model))
     cache = Path(settings.profile_cache_dir) if settings.profile_cache_dir else None
 
     def measure(refresh: bool) -> LatencyProfile:
         prof, path, hit = cached_profile(model, drafter, model_id=model_id, batches=batches, ns=ns, lags=lags,
-                                         directory=cache, refresh=refresh)
+                                         reps=reps, directory=cache, refresh=refresh)
         log.info("latency profile %s (%s): %s", path, "cached" if hit else f"measured in {prof.meta['profile_s']} s",
                  json.dumps({k: v for k, v in prof.to_dict().items() if k != "meta"}, sort_keys=True))
         return prof

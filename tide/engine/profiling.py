@@ -277,6 +277,24 @@ def default_grid(max_batch: int, max_gamma: int) -> tuple[list[int], list[int], 
     return batches, ns, [1, 4, 16, 64]
 
 
+# Past this many bytes of weights a worker's start profile takes a thinner grid (`start_grid`): a
+# decode step streams the weights once, so an 8B int8 model's step took 0.2-4 s on a 2-vCPU Zen 4
+# guest and the full grid (5 batches x 7 ns, 5 rounds) took 429 s of its first start.
+LARGE_MODEL_BYTES = 2 << 30
+LARGE_MODEL_REPS = 2  # rounds of the thinner grid (the default: 5)
+
+
+def start_grid(max_batch: int, max_gamma: int, weight_bytes: int) -> tuple[list[int], list[int], list[int], int]:
+    """(batches, ns, lags, reps) a worker profiles at start: `default_grid` and 5 rounds, or for a
+    model of more than LARGE_MODEL_BYTES the smallest, a middle and the largest batch, n = 1, 2, 3
+    and γmax + 1 (interpolation fills in), in LARGE_MODEL_REPS rounds."""
+    batches, ns, lags = default_grid(max_batch, max_gamma)
+    if weight_bytes <= LARGE_MODEL_BYTES:
+        return batches, ns, lags, 5
+    batches = sorted({batches[0], batches[len(batches) // 2], batches[-1]})
+    return batches, [n for n in ns if n <= 3 or n == ns[-1]], lags, LARGE_MODEL_REPS
+
+
 def cache_dir() -> Path:
     """$TIDE_PROFILE_CACHE_DIR, else $TIDE_CACHE_DIR/profiles (tide.target's cache root, ~/.cache/tide)."""
     return profile_cache_dir()

@@ -138,3 +138,14 @@ def test_profile_measures_tree_verification(tiny_model):
     assert _finite_positive(v for r in prof.tree_ms.values() for v in r.values())
     assert LatencyProfile.from_json(prof.to_json()).tree_ms == prof.tree_ms
     assert prof.tree_target_ms(1, 4) == prof.tree_ms[1][4]
+
+
+def test_large_models_profile_a_thinner_grid_at_start():
+    """Past LARGE_MODEL_BYTES of weights a start profile takes 3 batches, n = 1, 2, 3 and γmax + 1,
+    in fewer rounds; smaller models keep the default grid and its 5 rounds."""
+    from tide.engine.profiling import LARGE_MODEL_BYTES, LARGE_MODEL_REPS, start_grid
+
+    assert start_grid(16, 6, LARGE_MODEL_BYTES) == (*default_grid(16, 6), 5)
+    batches, ns, lags, reps = start_grid(16, 6, LARGE_MODEL_BYTES + 1)
+    assert batches == [1, 4, 16] and ns == [1, 2, 3, 7] and lags == default_grid(16, 6)[2]
+    assert reps == LARGE_MODEL_REPS < 5

@@ -1,0 +1,154 @@
+"""`tide up --target FILE` on a model of any size: how long until it serves, what it holds, how fast
+it decodes.
+
+    python -m benchmarks.model_start --target llama-8b-random.Q8_0.gguf [--weights int8] [--starts 2]
+        [--drop-caches] [--json out.json]
+
+Each start is a fresh `tide up` (its own data directory) timed from the command to the worker's
+"ready" line; `--drop-caches` empties the page cache first (root only), so the first start reads
+the file from disk as a first start on a fresh machine does. The first start of a file also
+describes it once (tide.target) and measures the worker's latency profile (tide.engine.profiling,
+cached); later starts find both. After the last start: the resident memory of every process
+(gateway's /v1/status), then plain decoding (`ignore_eos`, fixed lengths) at 1 and 4 streams
+through the OpenAI API, tokens/s of the output tokens. Also `cat FILE > /dev/null` from a cold
+cache: the time to read the file once, the issue's yardstick for a first start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+READY = re.compile(r"inference-0 ready on")
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def read_seconds(path: Path, cold: bool) -> float | None:
+    if cold and not drop_caches():
+        return None
+    t0 = time.monotonic()
+    with path.open("rb", buffering=0) as f:
+        buf = bytearray(16 << 20)
+        while f.readinto(buf):
+            pass
+    return round(time.monotonic() - t0, 2)
+
+
+def start(target: str, port: int, weights: str | None, data_dir: Path, timeout_s: float,
+          drafter: str) -> tuple[subprocess.Popen, float]:
+    """A `tide up` serving `target`, and the seconds until its worker was ready."""
+    cmd = [sys.executable, "-m", "tools.cli", "up", "--target", target, "--port", str(port),
+           "--data-dir", str(data_dir), "--drafter", drafter, "--no-collection"]
+    if weights:
+        cmd += ["--weights", weights]
+    log = (data_dir / "up.log").open("w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    while time.monotonic() - t0 < timeout_s:
+        if READY.search((data_dir / "up.log").read_text(errors="replace")):
+            return proc, round(time.monotonic() - t0, 1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"tide up exited {proc.returncode}: see {data_dir / 'up.log'}")
+        time.sleep(0.5)
+    stop(proc)
+    raise TimeoutError(f"not ready in {timeout_s} s: see {data_dir / 'up.log'}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def memory(base: str) -> dict:
+    """MiB per process of the stack (the gateway's /v1/status), and gateway + workers together."""
+    status = httpx.get(f"{base}/v1/status", timeout=30).json()
+    rss = {name: round((s.get("rss_bytes") or 0) / 2**20) for name, s in status.get("services", {}).items()}
+    serving = sum(v for k, v in rss.items() if k == "gateway" or k.startswith("inference"))
+    return {"rss_mb": rss, "serving_mb": serving, "stack_mb": sum(rss.values())}
+
+
+def decode(base: str, model: str, streams: int, max_tokens: int, rounds: int = 2) -> float:
+    """Output tokens/s of `streams` concurrent completions of `max_tokens` each (best of `rounds`)."""
+    body = {"model": model, "prompt": "The history of the city begins", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+
+    def one(_):
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=3600)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    best = 0.0
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        for _ in range(rounds):
+            t0 = time.monotonic()
+            tokens = sum(pool.map(one, range(streams)))
+            best = max(best, tokens / (time.monotonic() - t0))
+    return round(best, 2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--weights", default=None)
+    ap.add_argument("--drafter", default="eagle3", help="the worker's drafter (decode runs ask for none) [eagle3]")
+    ap.add_argument("--starts", type=int, default=2)
+    ap.add_argument("--drop-caches", action="store_true", help="empty the page cache before the first start (root)")
+    ap.add_argument("--port", type=int, default=8190)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    target = Path(args.target)
+    out: dict = {"target": str(target), "file_gib": round(target.stat().st_size / 2**30, 2),
+                 "read_cold_s": read_seconds(target, cold=True) if args.drop_caches else None, "starts": []}
+    base = f"http://127.0.0.1:{args.port}"
+    for i in range(args.starts):
+        data = Path(tempfile.mkdtemp(prefix="tide-start-"))
+        if i == 0 and args.drop_caches:
+            drop_caches()
+        proc, ready_s = start(str(target), args.port, args.weights, data, args.timeout, args.drafter)
+        out["starts"].append(ready_s)
+        print(f"start {i + 1}: ready in {ready_s} s", flush=True)
+        last = i == args.starts - 1
+        try:
+            if last:
+                model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+                out["memory"] = memory(base)
+                out["decode_tok_s"] = {str(n): decode(base, model, n, args.max_tokens) for n in (1, 4)}
+                out["memory_after_decode"] = memory(base)
+        finally:
+            stop(proc)
+            shutil.rmtree(data, ignore_errors=True)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
