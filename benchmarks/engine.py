@@ -164,9 +164,8 @@ def plain_vs_hf(model: LlamaModel, target, prompt: list[int], tokens: int, round
     batch 1, greedy, exactly `tokens` new tokens each, same model files and dtype. The two run
     back to back in every round (order flipped each round), and the ratio is taken within a round:
     this VM's speed moves by 10-40 % over minutes, which a ratio of overall medians would take in."""
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=model.dtype).eval()
+    hf = target.transformers_model(model.dtype).eval()
     ids = torch.tensor([prompt])
     # Every round repeats the prompt: without this only our side would skip its prefill (HF keeps no cache).
     engine = LLMEngine(model, EngineConfig(max_batch=1, max_seq_len=1024, prefix_cache=False))

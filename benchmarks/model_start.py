@@ -84,10 +84,15 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def memory(base: str) -> dict:
-    """MiB per process of the stack (the gateway's /v1/status), and gateway + workers together."""
-    status = httpx.get(f"{base}/v1/status", timeout=30).json()
-    rss = {name: round((s.get("rss_bytes") or 0) / 2**20) for name, s in status.get("services", {}).items()}
+def memory(base: str, tries: int = 30) -> dict:
+    """MiB per process of the stack (the gateway's /v1/status), and gateway + workers together.
+    Just after the start the status page may not have every process's reading yet: asked again."""
+    for _ in range(tries):
+        status = httpx.get(f"{base}/v1/status", timeout=30).json()
+        rss = {name: round((s.get("rss_bytes") or 0) / 2**20) for name, s in status.get("services", {}).items()}
+        if rss.get("inference-0") and rss.get("gateway"):
+            break
+        time.sleep(1)
     serving = sum(v for k, v in rss.items() if k == "gateway" or k.startswith("inference"))
     return {"rss_mb": rss, "serving_mb": serving, "stack_mb": sum(rss.values())}
 

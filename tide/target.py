@@ -71,6 +71,16 @@ class TargetFiles:
             raise FileNotFoundError(f"no *.safetensors in target directory {self.path}")
         return files
 
+    def transformers_model(self, dtype: torch.dtype = torch.float32, **kwargs):
+        """transformers' own model of this target (from the GGUF file where it has one), for checks
+        of the engine against it."""
+        from transformers import AutoModelForCausalLM
+
+        if self.gguf is not None:
+            return AutoModelForCausalLM.from_pretrained(self.gguf.parent, gguf_file=self.gguf.name, dtype=dtype,
+                                                        **kwargs)
+        return AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, **kwargs)
+
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """Checkpoint name -> tensor, read at each access (a loader holds one tensor at a time beyond
         what it keeps): the GGUF file's dequantized to float32, or the safetensors shards' as stored."""

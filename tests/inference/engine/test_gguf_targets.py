@@ -27,6 +27,10 @@ GGUF_FAMILIES = {
     "qwen2": {},
     "qwen3": {"head_dim": 128},
     "phi3": {},
+    # transformers' Gemma GGUF mapping carries no soft-caps or attention scale (its defaults here),
+    # and llama.cpp's Gemma has no output tensor (tied)
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "sliding_window": 4096, "tie_word_embeddings": True},
 }
 
 

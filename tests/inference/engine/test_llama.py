@@ -17,9 +17,7 @@ def _prefill_batch(ids: torch.Tensor, start: int = 0) -> ForwardBatch:
 
 
 def _hf_logits(target, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
+    hf = target.transformers_model(torch.float32).eval()
     with torch.inference_mode():
         out = hf(ids, output_hidden_states=True)
     return out.logits[0], out.hidden_states
