@@ -116,6 +116,37 @@ def decode(base: str, model: str, streams: int, max_tokens: int, rounds: int = 2
     return round(best, 2)
 
 
+def llama_server(binary: str, target: Path, port: int, slots: int, context: int, max_tokens: int,
+                 timeout_s: float) -> dict:
+    """llama.cpp's server on the same file, as TIDE's worker runs it: 2 threads, `slots` slots of
+    `context` tokens each (its -c is the total): seconds to ready, RSS, decode tok/s at 1 and 4."""
+    from tide.memory import tree_rss_bytes
+
+    cmd = [binary, "-m", str(target), "--port", str(port), "-t", "2", "-tb", "2", "-np", str(slots),
+           "-c", str(slots * context), "--no-webui"]
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        while time.monotonic() - t0 < timeout_s:
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited {proc.returncode}: {' '.join(cmd)}")
+            time.sleep(0.5)
+        ready = round(time.monotonic() - t0, 1)
+        rss = round(sum(tree_rss_bytes(proc.pid).values()) / 2**20)
+        tok_s = {str(n): decode(base, "model", n, max_tokens) for n in (1, 4)}
+        after = round(sum(tree_rss_bytes(proc.pid).values()) / 2**20)
+        return {"ready_s": ready, "rss_mb": rss, "rss_after_decode_mb": after, "decode_tok_s": tok_s,
+                "command": " ".join(cmd)}
+    finally:
+        stop(proc)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
@@ -126,13 +157,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8190)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--llama-server", help="a llama-server binary: run it on the same file after TIDE, "
+                    "with the slots and context TIDE's worker derived (--slots / --context)")
+    ap.add_argument("--slots", type=int, default=10)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--skip-tide", action="store_true", help="only the llama-server run")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     target = Path(args.target)
     out: dict = {"target": str(target), "file_gib": round(target.stat().st_size / 2**30, 2),
                  "read_cold_s": read_seconds(target, cold=True) if args.drop_caches else None, "starts": []}
     base = f"http://127.0.0.1:{args.port}"
-    for i in range(args.starts):
+    for i in range(0 if args.skip_tide else args.starts):
         data = Path(tempfile.mkdtemp(prefix="tide-start-"))
         if i == 0 and args.drop_caches:
             drop_caches()
@@ -149,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             stop(proc)
             shutil.rmtree(data, ignore_errors=True)
+    if args.llama_server:
+        if args.drop_caches:
+            drop_caches()
+        out["llama_server"] = llama_server(args.llama_server, target, args.port + 1, args.slots, args.context,
+                                           args.max_tokens, args.timeout)
     text = json.dumps(out, indent=2)
     print(text)
     if args.json:
