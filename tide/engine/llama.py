@@ -441,8 +441,12 @@ class LlamaModel:
                     return Int8Linear.from_q8_0(raws, bias, dtype)
             if fmt != "float" and not (head and fmt == "int4"):
                 return quantized_linear(torch.cat([weights[n].float() for n in names]), bias, fmt, dtype)
-            w = tensor(names[0]) if len(names) == 1 else torch.cat([tensor(n) for n in names])
-            return logits_head(w) if head else Linear(w, bias, keep_weight=False)
+            if head:  # through `tensor`: a tied head is the embedding's storage
+                return logits_head(tensor(names[0]))
+            # Projections are converted here, not kept by `tensor`: a kept copy of each would double
+            # a float model's memory until the load ends.
+            parts = [weights[n].to(device=device, dtype=dtype) for n in names]
+            return Linear(parts[0] if len(parts) == 1 else torch.cat(parts), bias, keep_weight=False)
 
         fam = cfg.family
 
