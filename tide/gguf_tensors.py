@@ -21,6 +21,7 @@ operands); the rest take gguf-py's `dequantize`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Iterator, Mapping
@@ -111,12 +112,9 @@ def index(path: Path) -> dict:
 def _read_ahead(path: Path, block: int = 16 << 20) -> None:
     """Read `path` once, start to end, discarding the bytes (they stay in the page cache)."""
     buf = bytearray(block)
-    try:
-        with path.open("rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-    except OSError:
-        pass  # a hint only: the loader's own reads report what is wrong
+    with contextlib.suppress(OSError), path.open("rb", buffering=0) as f:  # a hint: the loader's reads report errors
+        while f.readinto(buf):
+            continue
 
 
 class GGUFTensors(Mapping[str, torch.Tensor]):
