@@ -96,3 +96,27 @@ def test_checking_a_weight_format_leaves_no_openmp_pool_behind():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     before, after = map(int, out.stdout.split())
     assert after == before
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_int8_from_q8_0_blocks_equals_int8_of_their_values(kernels):
+    """Int8Linear.from_q8_0 (tide.kernels' fused pack, or without the kernels the float values)
+    holds what Int8Linear of the dequantized weight holds, from stacked parts (q|k|v)."""
+    import contextlib
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    from tide import kernels as tide_kernels
+    from tide.gguf_tensors import dequantize
+
+    w = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32) * 0.02
+    w[5] = 0  # a zero row: the scale's floor
+    raw = torch.from_numpy(quants.quantize(w, Q.Q8_0))
+    with contextlib.nullcontext() if kernels else tide_kernels.disabled():
+        direct = Int8Linear.from_q8_0([raw[:32], raw[32:40], raw[40:]], None, torch.bfloat16)
+        via_float = Int8Linear(dequantize(raw.reshape(-1).numpy(), Q.Q8_0, (48, 256)), None, torch.bfloat16)
+        x = torch.randn(3, 256).bfloat16()
+        assert direct.kind == via_float.kind
+        assert torch.equal(direct.scale, via_float.scale) and torch.equal(direct(x), via_float(x))

@@ -24,11 +24,12 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from tide.tensor_mapping import TensorMapping
 
 # Bytes per 32-value block (the block's float16 scale d first; Q4_1 then its float16 minimum m).
 _Q8_0_BLOCK, _Q4_0_BLOCK, _Q4_1_BLOCK = 34, 18, 20
@@ -117,7 +118,7 @@ def _read_ahead(path: Path, block: int = 16 << 20) -> None:
             continue
 
 
-class GGUFTensors(Mapping[str, torch.Tensor]):
+class GGUFTensors(TensorMapping):
     """HF name -> float32 tensor, read from the file and dequantized at each access (nothing is
     kept, and the file is read with pread, not mapped: what a loader holds is its own tensors)."""
 
@@ -125,20 +126,13 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self.path = Path(path)
-        self._tensors = file_index["tensors"]
+        self._tensors = self._names = file_index["tensors"]
         self._processor = TENSOR_PROCESSORS.get(file_index["architecture"], TensorProcessor)(config=config)
         # Read the file ahead in a background thread (into the page cache, in file order): tensors
         # are then converted while the next are read. An 8B Q8_0 file from a cold cache loaded in
         # 40 s without (each read waited for the conversion before it; posix_fadvise's WILLNEED
         # did not help) where reading the file alone takes 5.8 s.
         threading.Thread(target=_read_ahead, args=(self.path,), name="gguf-read-ahead", daemon=True).start()
-
-    def qtype(self, name: str) -> int:
-        """The tensor's GGUF block format (a gguf.GGMLQuantizationType value)."""
-        return self._tensors[name]["type"]
-
-    def nbytes(self, name: str) -> int:
-        return self._tensors[name]["nbytes"]
 
     def q8_0_rows(self, name: str) -> torch.Tensor | None:
         """A Q8_0 matrix's raw rows (uint8 [out, in / 32 * 34]) in HF order, for quantized serving
@@ -179,12 +173,3 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
                                             parsed_parameters={}).weights
         # The processor hands back its input, or a new array where it reordered or shifted it.
         return w if processed is values else torch.from_numpy(np.ascontiguousarray(processed))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._tensors

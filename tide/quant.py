@@ -80,10 +80,12 @@ class Int8Linear:
                 return cls._made(scale.to(dtype), None, bias, dtype, packed=packed)
             q, scale = kernels.q8_0_rows(torch.cat(parts))
             return cls._made(scale.to(dtype), q, bias, dtype)
+        from gguf import GGMLQuantizationType
+
+        from tide.gguf_tensors import dequantize
+
         raw = torch.cat(parts)
-        blocks = raw.reshape(-1, 34)
-        d = blocks[:, :2].contiguous().view(torch.float16).float()
-        w = (blocks[:, 2:].view(torch.int8).float() * d).view(raw.shape[0], -1)
+        w = dequantize(raw.reshape(-1).numpy(), GGMLQuantizationType.Q8_0, (out, raw.shape[1] // 34 * 32))
         return cls(w, bias, dtype)
 
     @classmethod

@@ -22,11 +22,13 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tide.tensor_mapping import TensorMapping
 
 log = logging.getLogger(__name__)
 
@@ -91,31 +93,22 @@ class TargetFiles:
         return SafetensorsTensors(self.safetensors_files())
 
 
-class SafetensorsTensors(Mapping[str, torch.Tensor]):
+class SafetensorsTensors(TensorMapping):
     """The tensors of safetensors shards by name, each read from its shard when asked for."""
 
     def __init__(self, files: list[Path]) -> None:
         from safetensors import safe_open
 
-        self._where: dict[str, Path] = {}
+        self._names: dict[str, Path] = {}  # name -> its shard
         for file in files:  # names first: a sharded checkpoint's tensors lie in different shards
             with safe_open(str(file), framework="pt") as f:
-                self._where.update(dict.fromkeys(f.keys(), file))
+                self._names.update(dict.fromkeys(f.keys(), file))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(str(self._where[name]), framework="pt") as f:
+        with safe_open(str(self._names[name]), framework="pt") as f:
             return f.get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where
 
 
 def cache_dir() -> Path:

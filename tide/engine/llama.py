@@ -35,6 +35,7 @@ from tide.layers import (
 )
 from tide.quant import Int8Linear, quantized_linear
 from tide.target import TargetFiles
+from tide.tensor_mapping import TensorMapping
 
 
 @dataclass(frozen=True)
@@ -377,7 +378,7 @@ def auto_weight_format(cfg: LlamaConfig, dtype: torch.dtype, device) -> str:
     return "int4"
 
 
-class RenamedTensors(Mapping[str, torch.Tensor]):
+class RenamedTensors(TensorMapping):
     """`source`'s tensors under other names (new -> source name), read at each access."""
 
     def __init__(self, source: Mapping[str, torch.Tensor], names: dict[str, str]) -> None:
@@ -390,15 +391,6 @@ class RenamedTensors(Mapping[str, torch.Tensor]):
         """The source's raw Q8_0 rows of `name` (a GGUF file's: tide.gguf_tensors), else None."""
         rows = getattr(self._source, "q8_0_rows", None)
         return None if rows is None else rows(self._names[name])
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
 
 
 class LlamaModel:
