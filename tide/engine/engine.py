@@ -16,7 +16,14 @@ import torch
 
 from tide.engine.constraints import CompiledGrammar, GrammarCompiler
 from tide.engine.detokenizer import IncrementalText
-from tide.engine.drafters.base import DraftAlgorithm, Drafter, TreeDrafter, copy_match, draft_source
+from tide.engine.drafters.base import (
+    DraftAlgorithm,
+    Drafter,
+    TreeDrafter,
+    copy_match,
+    draft_source,
+    proposal_limit,
+)
 from tide.engine.drafters.memory import SpeculationMemory
 from tide.engine.features import FeatureStore
 from tide.engine.llama import LlamaModel
@@ -86,13 +93,17 @@ class EngineConfig:
     # Speculation memory across requests (tide.engine.drafters.memory): its byte budget in MiB, 0 =
     # none. Drafters with an `attach_memory` (the hybrid) propose from it.
     speculation_memory_mb: float = 0
+    # Hard cap on a recall's chain from that memory (its drafts cost no forward, and its length is
+    # known before the policy decides): long remembered continuations verify in one step.
+    max_recall_gamma: int = 32
 
     @property
     def max_new_per_step(self) -> int:
         """The most tokens one step feeds a sequence: a prompt chunk, a chain's γ + 1 rows, or a
         tree's nodes and its root (ModelRunner.run_tree). Its KV slot has this many rows (+ 1) past
         max_seq_len, for the padded rows of a step near the end (tide.engine.kv_budget counts them)."""
-        return max(self.prefill_chunk, self.max_gamma + 1, self.max_tree_tokens + 1)
+        recall = self.max_recall_gamma + 1 if self.speculation_memory_mb > 0 else 0
+        return max(self.prefill_chunk, self.max_gamma + 1, recall, self.max_tree_tokens + 1)
 
 
 @dataclass
@@ -516,13 +527,14 @@ class LLMEngine:
             request_id=s.request_id, recent_gammas=tuple(g for g, _ in s.recent),
             recent_accepted=tuple(a for _, a in s.recent), last_gamma=s.last_gamma,
             lag=self.drafter.lag(s), context_len=len(s.token_ids), drafter=draft_source(self.drafter, s),
-            match=copy_match(self.drafter, s),
+            match=copy_match(self.drafter, s), limit=proposal_limit(self.drafter, s),
         ) for s in seqs)
         trees_ok = self._drafter_trees
+        recall_cap = max(cap, self.config.max_recall_gamma)
         decided = self.policy.decide(StepContext(batch_size=len(seqs), requests=views, step=self._step, max_gamma=cap,
-                                                 trees=trees_ok))
+                                                 max_recall_gamma=recall_cap, trees=trees_ok))
         actions: list[Action] = []
-        for seq, a in zip(seqs, decided, strict=True):
+        for seq, view, a in zip(seqs, views, decided, strict=True):
             g = action_depth(a)
             # The request's own flag overrides the policy, both ways (the only place it is applied).
             if seq.speculative is False:
@@ -531,7 +543,9 @@ class LLMEngine:
                 g = self.config.forced_gamma
             # Never draft past max_tokens or the context: at most remaining - 1 drafts + 1 bonus.
             remaining = min(seq.params.max_tokens - seq.num_output, self.config.max_seq_len - len(seq.token_ids))
-            g = max(0, min(int(g), cap, remaining - 1))
+            # A recall of known length may go deeper than max_gamma, never past what it holds.
+            top = min(recall_cap, view.limit) if view.limit > 0 else cap
+            g = max(0, min(int(g), top, remaining - 1))
             # Trees only where verification needs no per-path logits processing (penalties, bias and
             # grammar masks depend on the drafts before a row): those requests draft a chain of the
             # tree's depth instead, as do all requests of a drafter that cannot grow trees.

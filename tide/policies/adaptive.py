@@ -216,11 +216,15 @@ class AdaptivePolicy:
         trees: bool = True,
         tree_topk: int = 2,
         tree_extra: tuple[int, ...] = (1, 3),
+        # The deepest chain of a free source whose proposal length is known (a recall from the
+        # speculation memory, RequestView.limit), where the engine allows it (StepContext.max_recall_gamma).
+        max_recall_gamma: int = 32,
         seed: int = 0,
     ) -> None:
         self.name = "adaptive"
         self.profile = profile
         self.max_gamma = max_gamma
+        self.max_recall_gamma = max_recall_gamma
         self.history = history
         self.prior_weight = prior_weight
         self.stale_decay = stale_decay
@@ -262,7 +266,8 @@ class AdaptivePolicy:
         """The state learnt for one source of draft tokens (RequestView.drafter), made on first use."""
         got = self.sources.get(name)
         if got is None:
-            got = self.sources[name] = _SourceState(self.alpha_decay, self.alpha_prior, self.max_gamma)
+            got = self.sources[name] = _SourceState(self.alpha_decay, self.alpha_prior,
+                                                    max(self.max_gamma, self.max_recall_gamma))
         return got
 
     # ------------------------------------------------------------------ estimates
@@ -325,13 +330,19 @@ class AdaptivePolicy:
             return [0] * n
         names = [(source_key(r) if self.by_match else r.drafter) if self.per_source else "none" for r in ctx.requests]
         kinds = sorted(set(names))  # the sources present, each with its own depth m_s
-        # α̂_i on a 0.005 grid: requests share chains, keeping decide O(#distinct (source, α) · Γ)
+        # Each request's deepest chain: γmax, or for a free source of known length (a recall) that
+        # length, up to the recall cap; each source's cap is its requests' deepest.
+        rmax = max(min(self.max_recall_gamma, ctx.max_recall_gamma), gmax)
+        lims = [min(r.limit, rmax) if r.limit > 0 and is_free(s) else gmax
+                for r, s in zip(ctx.requests, names, strict=True)]
+        caps = {s: max(lim for lim, name in zip(lims, names, strict=True) if name == s) for s in kinds}
+        # α̂_i on a 0.005 grid: requests share chains, keeping decide O(#distinct (source, α, limit) · Γ)
         alphas = [round(self.request_alpha(h, self.source(s).alpha.value, s) * 200.0) / 200.0
                   for h, s in zip(hists, names, strict=True)]
-        groups = Counter(zip(names, alphas, strict=True))
-        ratios = {s: [self.depth_ratio(j, s) for j in range(1, gmax + 1)] for s in kinds}
-        chains = {(s, a): self.accept_chain(a, gmax, ratios[s]) for s, a in groups}
-        cum = {key: list(accumulate(ch)) for key, ch in chains.items()}  # E_i(m), tokens
+        groups = Counter(zip(names, alphas, lims, strict=True))
+        ratios = {s: [self.depth_ratio(j, s) for j in range(1, caps[s] + 1)] for s in kinds}
+        chains = {(s, a, lim): self.accept_chain(a, lim, ratios[s]) for s, a, lim in groups}
+        cum = {key: list(accumulate(ch)) for key, ch in chains.items()}  # E_i(m), tokens, m ≤ its limit
         bucket = batch_bucket(b)
         # A wider verify is never cheaper, relative to the profile, than a plain step: each width's κ is
         # learnt from the steps that played it, at other times and loads, and at batch 2 on the reference
@@ -353,16 +364,19 @@ class AdaptivePolicy:
         costly = [s for s in kinds if not is_free(s)]
         lag = max((r.lag for r, s in zip(ctx.requests, names, strict=True) if not is_free(s)), default=0)
         switch = self.catchup_ratio(bucket) * self.profile.catchup_ms(lag, b) / self.switch_horizon if lag > 0 else 0.0
-        count = Counter(names)
-        # Expected tokens of each source's requests at each depth: an arm's total is one sum.
-        tokens_at = {s: [sum(c * cum[(src, a)][m] for (src, a), c in groups.items() if src == s)
-                         for m in range(gmax + 1)] for s in kinds}
+        # Expected tokens (and drafted rows) of each source's requests at each depth: an arm's total
+        # is one sum. A request drafts no deeper than its limit.
+        tokens_at = {s: [sum(c * cum[(src, a, lim)][min(m, lim)] for (src, a, lim), c in groups.items() if src == s)
+                         for m in range(caps[s] + 1)] for s in kinds}
+        rows_at = {s: [sum(c * min(m, lim) for (src, _, lim), c in groups.items() if src == s)
+                       for m in range(caps[s] + 1)] for s in kinds}
         paid = [k for k, s in enumerate(kinds) if s in costly]
+        cap = [caps[s] for s in kinds]
 
         def goodput(depths: tuple[int, ...]) -> float:
             pairs = tuple(zip(kinds, depths, strict=True))
             tokens = sum(tokens_at[s][m] for s, m in pairs)
-            width = 1 + (max(depths) if self.padded else sum(count[s] * m for s, m in pairs) / b)
+            width = 1 + (max(depths) if self.padded else sum(rows_at[s][m] for s, m in pairs) / b)
             drafted = max((depths[k] for k in paid), default=0)
             return tokens / (verify_ms(width) + drafted * d + (switch if drafted else 0.0))
 
@@ -379,10 +393,10 @@ class AdaptivePolicy:
         # may hold the draft and copies of three match lengths: 6,561 arms at Γ = 8).
         k_sources = len(kinds)
         off = (0,) * k_sources
-        best = max(((m,) * k_sources for m in range(gmax + 1)), key=value)
+        best = max((tuple(min(m, c) for c in cap) for m in range(max(cap) + 1)), key=value)
         for _ in range(2 if k_sources > 1 else 0):
             for k in range(k_sources):
-                best = max((best[:k] + (m,) + best[k + 1:] for m in range(gmax + 1)), key=value)
+                best = max((best[:k] + (m,) + best[k + 1:] for m in range(cap[k] + 1)), key=value)
         if value(best) < (1 + self.min_gain) * value(off):
             best = off  # a predicted gain within the model's error: drafting would as likely lose
 
@@ -420,7 +434,7 @@ class AdaptivePolicy:
             top = trees[tree] if tree is not None else value(best)
             floor = (1 - self.explore_margin) * top
             steps = [best[:k] + (best[k] + step,) + best[k + 1:] for k in range(k_sources) for step in (-1, 1)
-                     if 0 <= best[k] + step <= gmax]
+                     if 0 <= best[k] + step <= cap[k]]
             near = [(arm, None) for arm in steps if value(arm) >= floor]
             near += [(best, t) for t, v in trees.items() if t != tree and v >= floor]
             if tree is not None:
@@ -434,11 +448,11 @@ class AdaptivePolicy:
                 for i in range(n) if self.padded else self.probe.pick(n):
                     gammas[i] = 1
         elif self.padded:  # the step costs T(b, 1 + max m) whoever drafts less: trimming only loses tokens
-            gammas = [depth[s] for s in names]
+            gammas = [min(depth[s], lim) for s, lim in zip(names, lims, strict=True)]
         else:
             gammas = []
-            for s, a in zip(names, alphas, strict=True):
-                ch, k = chains[(s, a)], depth[s]
+            for s, a, lim in zip(names, alphas, lims, strict=True):
+                ch, k = chains[(s, a, lim)], min(depth[s], lim)
                 if k > 1:  # δ: ms per extra verified token of one request at this source's depth
                     delta = max(verify_ms(1 + k) - verify_ms(k), 0.0) / b
                     while k > 1 and ch[k] < value(best) * delta:
@@ -448,10 +462,10 @@ class AdaptivePolicy:
         expected = [0.0] * n
         if tree is not None:  # the source's requests grow the tree at its depth, untrimmed
             src, shape = tree
-            for i, (s, a) in enumerate(zip(names, alphas, strict=True)):
+            for i, (s, a, lim) in enumerate(zip(names, alphas, lims, strict=True)):
                 if s == src:
                     gammas[i], actions[i] = shape.depth, shape
-                    expected[i] = cum[(s, a)][shape.depth]
+                    expected[i] = cum[(s, a, lim)][shape.depth]
         self._pending = {"lags": [r.lag for r in ctx.requests], "alphas": alphas, "gammas": gammas,
                          "sources": names, "expected": expected}
         return actions

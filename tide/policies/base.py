@@ -61,6 +61,10 @@ class RequestView:
     # For a copy (drafter "ngram"), how many tokens of the context's suffix matched earlier: its
     # strength (1-token matches are accepted far less than 3-token ones); 0 otherwise.
     match: int = 0
+    # For a weightless proposal whose length the drafter knows before drafting (a recall from the
+    # speculation memory: the continuation it remembers), that length; 0: not known. Such a request
+    # may draft up to StepContext.max_recall_gamma instead of max_gamma, and never more than this.
+    limit: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,9 @@ class StepContext:
     requests: tuple[RequestView, ...]
     step: int = 0
     max_gamma: int = 8
+    # The cap for requests with a known proposal length (RequestView.limit), whose drafts cost no
+    # forward: a long recall verifies many rows in one step (0: max_gamma for them too).
+    max_recall_gamma: int = 0
     # Whether the drafter grows draft trees (a TreeShape is drafted as asked, else as a chain of its
     # depth): a policy prices trees only where they can run.
     trees: bool = False

@@ -88,6 +88,13 @@ def copy_match(drafter: Drafter, seq: Sequence) -> int:
     return match(seq) if match is not None else 0
 
 
+def proposal_limit(drafter: Drafter, seq: Sequence) -> int:
+    """How many tokens the weightless proposal `drafter` has for `seq` this step, where it knows before
+    drafting (the hybrid's recall from the speculation memory: RequestView.limit); else 0."""
+    limit = getattr(drafter, "proposal_limit", None)
+    return limit(seq) if limit is not None else 0
+
+
 @runtime_checkable
 class TreeDrafter(Protocol):
     """A drafter that also grows draft trees (EAGLE-2); the engine drafts chains with the others."""

@@ -57,7 +57,8 @@ class HybridDrafter:
         self.recalled = 0  # proposals from the memory
         # request id -> (tokens, memory generation, source, match) at that length and generation
         self._match: dict[str, tuple[int, int, str, int]] = {}
-        self._recall: dict[str, tuple[int, int, Continuations]] = {}  # request id -> memory query, memoised
+        # request id -> (tokens, memory generation, memory query, its chain the grammar allows), memoised
+        self._recall: dict[str, tuple[int, int, Continuations, list[int]]] = {}
 
     def attach_memory(self, memory: SpeculationMemory | None) -> None:
         """The engine hands its speculation memory to the drafter it serves with (it outlives drafters)."""
@@ -90,25 +91,28 @@ class HybridDrafter:
             copy = copy[:seq.matcher.validate(copy)]
         return copy
 
-    # The depth a memory query looks ahead: the engine's default max_gamma (deeper asks are cut).
-    MEMORY_DEPTH = 8
+    # The depth a memory query looks ahead: the engine's default max_recall_gamma (deeper asks are cut).
+    MEMORY_DEPTH = 32
 
-    def _recalled(self, seq: Sequence) -> Continuations:
-        """The memory's continuations of `seq`'s context (memoised per length and memory generation)."""
-        if self.memory is None:
-            return NONE
-        key = (len(seq.token_ids), self.memory.generation)
+    def _recall_entry(self, seq: Sequence) -> tuple[int, int, Continuations, list[int]]:
+        """The memory's continuations of `seq`'s context and their most frequent path, cut where the
+        grammar refuses (memoised per length and memory generation)."""
+        key = (len(seq.token_ids), self.memory.generation if self.memory is not None else 0)
         got = self._recall.get(seq.request_id)
         if got is None or got[:2] != key:
-            found = self.memory.query(seq.memory_scope, seq.token_ids, self.MEMORY_DEPTH)
-            got = self._recall[seq.request_id] = (*key, found)
-        return got[2]
+            found = NONE if self.memory is None else self.memory.query(
+                seq.memory_scope, seq.token_ids, self.MEMORY_DEPTH, min_match=self.min_memory_match)
+            chain = found.chain(self.MEMORY_DEPTH)
+            if chain and seq.matcher is not None:
+                chain = chain[:seq.matcher.validate(chain)]
+            got = self._recall[seq.request_id] = (*key, found, chain)
+        return got
+
+    def _recalled(self, seq: Sequence) -> Continuations:
+        return self._recall_entry(seq)[2]
 
     def _recall_chain(self, seq: Sequence, gamma: int) -> list[int]:
-        chain = self._recalled(seq).chain(gamma)
-        if chain and seq.matcher is not None:
-            chain = chain[:seq.matcher.validate(chain)]
-        return chain
+        return self._recall_entry(seq)[3][:gamma]
 
     def _choose(self, seq: Sequence) -> tuple[str, int]:
         """(source, match) of this step's proposal for `seq`, a function of its committed tokens and
@@ -141,6 +145,14 @@ class HybridDrafter:
         """How strong this step's weightless proposal for `seq` is: a copy's matched suffix length
         (1-3), a recall's bucketed (memory.bucket: 8, 16, 32); 0 where the draft proposes."""
         return self._choose(seq)[1]
+
+    def proposal_limit(self, seq: Sequence) -> int:
+        """How many tokens this step's recall for `seq` has (the continuation the memory holds, up to
+        MEMORY_DEPTH): the engine lets a recall draft past max_gamma, up to this; 0 for a copy or
+        the draft, whose lengths are not known before drafting."""
+        if self.source(seq) != DraftAlgorithm.MEMORY.value:
+            return 0
+        return len(self._recall_entry(seq)[3])
 
     def propose(self, seqs: list[Sequence], gammas: list[int], features: FeatureStore | None,
                 generators: list) -> Proposal:

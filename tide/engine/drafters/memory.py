@@ -162,10 +162,14 @@ class SuffixIndex:
         return hash(tuple(self._tokens[i - k : i]))
 
     def query(
-        self, context: list[int], depth: int, max_match: int = 32, max_candidates: int = 64, max_nodes: int = 64
+        self, context: list[int], depth: int, max_match: int = 32, max_candidates: int = 64, max_nodes: int = 64,
+        min_match: int = 0,
     ) -> Continuations:
         """Continuations of the longest suffix of `context` (≥ the shortest anchor, ≤ `max_match`
-        tokens) among the most recent `max_candidates` occurrences of its anchor, `depth` deep."""
+        tokens) among the most recent `max_candidates` occurrences of its anchor, `depth` deep. A
+        match shorter than `min_match` comes back as its length and support alone: building its
+        continuations is most of a query's cost, and a caller that will not recall from it (the
+        hybrid drafter's miss path, every step of non-repetitive traffic) does not pay it."""
         for k in self.anchors:
             if len(context) < k:
                 continue
@@ -181,6 +185,8 @@ class SuffixIndex:
                     best, hits = n, [e]
                 elif n == best and n:
                     hits.append(e)
+            if best and best < min_match:
+                return Continuations(best, len(hits))
             if best:
                 return self._continuations(best, hits, context[-1], depth, max_nodes)
         return NONE
@@ -280,11 +286,12 @@ class SpeculationMemory:
             if not len(ix):
                 del self._scopes[oldest]
 
-    def query(self, scope: str, context: list[int], depth: int, max_nodes: int = 64) -> Continuations:
+    def query(self, scope: str, context: list[int], depth: int, max_nodes: int = 64,
+              min_match: int = 0) -> Continuations:
         index = self._scopes.get(scope)
         if index is None:
             return NONE
-        return index.query(context, depth, self.max_match, max_nodes=max_nodes)
+        return index.query(context, depth, self.max_match, max_nodes=max_nodes, min_match=min_match)
 
 
 def bucket(match: int) -> int:
