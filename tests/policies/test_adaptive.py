@@ -412,3 +412,14 @@ def test_tree_steps_teach_the_tree_gain_not_the_chain_acceptance():
     verify, draft, _ = pol.raw_times(1, (3,), [0], ["eagle3"], (shape,))
     assert verify == profile.tree_target_ms(1, 5)
     assert draft == pytest.approx(profile.draft_ms(1) + 2 * profile.draft_ms(2))
+
+
+def test_a_recall_of_known_length_goes_deep_only_where_the_engine_allows():
+    pol = AdaptivePolicy(PROFILE, explore=0.0)
+    reqs = (RequestView("r0", drafter="memory", limit=20), RequestView("r1", drafter="eagle3"))
+    for _ in range(100):  # recalls are always accepted whole, draft chains never past depth 1
+        g = pol.decide(StepContext(2, reqs, max_recall_gamma=32))
+        pol.observe(StepFeedback(2, tuple(g), (g[0], min(g[1], 1)), step_ms=20.0, draft_ms=1.0, verify_ms=19.0))
+    g = pol.decide(StepContext(2, reqs, max_recall_gamma=32))
+    assert 8 < g[0] <= 20 and g[1] <= 8  # the recall goes past γmax, to at most what it holds
+    assert pol.decide(StepContext(2, reqs))[0] <= 8  # the engine allows no deeper recall: γmax

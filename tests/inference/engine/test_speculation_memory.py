@@ -224,3 +224,32 @@ def test_the_memory_survives_a_drafter_swap(tiny_model):
     _run(engine, prompt, "")
     engine.swap_drafter(_hybrid(tiny_model, 4))  # a new draft version: the memory stays the engine's
     assert "memory" in _run(engine, prompt, "")
+
+
+class _Deep:
+    """A policy that asks every request for 32 drafts, whatever the engine's caps say."""
+
+    name = "deep"
+
+    def decide(self, ctx):
+        return [32] * len(ctx.requests)
+
+    def observe(self, feedback):
+        return None
+
+
+def test_a_recall_drafts_past_max_gamma_and_stays_lossless(tiny_model):
+    prompts = _prompts(7, 2)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    plain = [s.output_ids for s in LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256))
+             .generate(prompts, params)]
+    engine = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256, max_gamma=4, speculation_memory_mb=1,
+                                                max_recall_gamma=24),
+                       drafter=_hybrid(tiny_model, 7), policy=_Deep())
+    steps: list[tuple[int, str]] = []
+    engine.step_listeners.append(lambda r: steps.extend(zip(r.gammas, r.sources, strict=False)))
+    assert [s.output_ids for s in engine.generate(prompts, params)] == plain
+    assert [s.output_ids for s in engine.generate(prompts, params)] == plain  # recalled the second time
+    assert max(g for g, s in steps if s == "memory") > 4  # deeper than the draft's cap
+    assert max(g for g, s in steps if s == "memory") <= 24
+    assert max(g for g, s in steps if s != "memory") <= 4  # copies and the draft keep max_gamma
