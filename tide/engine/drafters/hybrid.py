@@ -40,6 +40,8 @@ from tide.engine.sequence import Sequence
 from tide.engine.tree import DraftTree
 from tide.policies import TreeShape
 
+_NO_RECALL: tuple[int, int, Continuations, list[int]] = (0, 0, NONE, [])
+
 
 class HybridDrafter:
     # It serves the registry's EAGLE-3 draft and needs the target's features: the controller, the
@@ -97,10 +99,12 @@ class HybridDrafter:
     def _recall_entry(self, seq: Sequence) -> tuple[int, int, Continuations, list[int]]:
         """The memory's continuations of `seq`'s context and their most frequent path, cut where the
         grammar refuses (memoised per length and memory generation)."""
-        key = (len(seq.token_ids), self.memory.generation if self.memory is not None else 0)
+        if self.memory is None:  # the default (no memory): nothing to look up or memoise each step
+            return _NO_RECALL
+        key = (len(seq.token_ids), self.memory.generation)
         got = self._recall.get(seq.request_id)
         if got is None or got[:2] != key:
-            found = NONE if self.memory is None else self.memory.query(
+            found = self.memory.query(
                 seq.memory_scope, seq.token_ids, self.MEMORY_DEPTH, min_match=self.min_memory_match)
             chain = found.chain(self.MEMORY_DEPTH)
             if chain and seq.matcher is not None:
