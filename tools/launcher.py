@@ -52,7 +52,7 @@ from tide.servers import (
     listens_on,
     port_in_use,
 )
-from tools.stackfile import remove_pointer, write_pointer
+from tools.stackfile import remove_pointer, write_json_atomically, write_pointer
 from tools.supervisor import Supervisor, Unit
 
 SERVICES = ("registry", "trainer", "controller", "inference", "gateway")  # start order
@@ -375,7 +375,7 @@ class Stack:
                      s.name: s.pid for s in self.servers}, "run_dir": str(self.run_dir),
                  "services": self.supervisor.snapshot(), "degraded": self.supervisor.degraded,
                  "service_cpus": sorted(self.service_cpus) if self.service_cpus else None}
-        (self.run_dir / "stack.json").write_text(json.dumps(state, indent=2))
+        write_json_atomically(self.run_dir / "stack.json", state)
 
     def stop(self) -> None:
         """Stop services in reverse start order, then S3 and Redis (idempotent)."""

@@ -29,11 +29,17 @@ class RunningStack:
     admin_token: str | None  # None when the token file cannot be read (another user's stack)
 
 
+def write_json_atomically(path: Path, obj: object) -> None:
+    """Write `obj` as JSON so that a concurrent reader sees the old file or the new one, never half
+    of one (the gateway's /v1/status and `tide admin` read stack files while the launcher rewrites them)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+
+
 def write_pointer(data_dir: Path, run_dir: Path) -> None:
-    path = Path(data_dir) / POINTER
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"run_dir": str(Path(run_dir).resolve()), "pid": os.getpid()}))
-    tmp.replace(path)  # atomic: a reader sees the old pointer or the new one, never half of one
+    write_json_atomically(Path(data_dir) / POINTER, {"run_dir": str(Path(run_dir).resolve()), "pid": os.getpid()})
 
 
 def remove_pointer(data_dir: Path, run_dir: Path) -> None:

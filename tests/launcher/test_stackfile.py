@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 
-from tools.stackfile import POINTER, find_stack, remove_pointer, write_pointer
+import threading
+
+from tools.stackfile import POINTER, find_stack, remove_pointer, write_json_atomically, write_pointer
 
 
 def _run_dir(tmp_path, registry="127.0.0.1:5"):
@@ -43,3 +45,25 @@ def test_remove_leaves_a_newer_stacks_pointer(tmp_path):
 
 def test_no_stack_no_pointer(tmp_path):
     assert find_stack(tmp_path / "nothing") is None
+
+
+def test_a_reader_never_sees_a_half_written_stack_file(tmp_path):
+    # The supervisor rewrites stack.json on every state change while /v1/status and tidectl read it.
+    path = tmp_path / "stack.json"
+    big = {"services": {f"svc-{i}": {"state": "ready", "restarts": i, "log": "x" * 2000} for i in range(64)}}
+    write_json_atomically(path, big)
+    stop = threading.Event()
+
+    def rewrite():
+        while not stop.is_set():
+            write_json_atomically(path, big)
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        reads = [json.loads(path.read_text()) for _ in range(300)]
+    finally:
+        stop.set()
+        writer.join()
+    assert all(r == big for r in reads)
+    assert [p.name for p in tmp_path.iterdir()] == ["stack.json"]  # no temporary left behind
