@@ -80,17 +80,21 @@ def decode(model, drafter, prompts: list[list[int]], gamma: int, max_tokens: int
 
 
 def timed(model, prompts: list[list[int]], batch: int, max_tokens: int, memory_mb: int, rounds: int,
-          profile, policy=None) -> dict:
+          profile, policy=None, memory_profile=None) -> dict:
     """Tokens/s of plain decoding, today's default (the hybrid drafter under the adaptive γ policy, as
     the worker serves) and the default with a speculation memory of `memory_mb`, at `batch` streams
     (1: each request finishes before the next; 4: continuous batching, 4 in flight). Every round runs
     the three in rotated order, each on a fresh engine (so the memory starts empty and learns from
     that run's earlier requests only); medians of tok/s and of the per-round ratios to the default.
     `policy`: a factory of the γ policy instead of the adaptive one (tests: a fixed γ decides alike
-    whatever the timing)."""
+    whatever the timing). `memory_profile`: the profile a worker with the memory measures (its deep
+    recall rows too; `start_profile`), for the memory's runs (default: `profile`)."""
     from tide.policies.registry import make_policy
 
-    policy = policy or (lambda: make_policy("adaptive", {}, profile))
+    def policy_for(mode: str):
+        if policy is not None:
+            return policy()
+        return make_policy("adaptive", {}, memory_profile if mode == "default+memory" and memory_profile else profile)
 
     def run(mode: str) -> dict:
         cfg = EngineConfig(max_batch=batch, max_seq_len=2048,
@@ -99,7 +103,7 @@ def timed(model, prompts: list[list[int]], batch: int, max_tokens: int, memory_m
             engine = LLMEngine(model, cfg, drafter=None)
         else:
             eagle = Eagle3Drafter.from_checkpoint(STARTER, model, "starter", batch, 2048 + 16)
-            engine = LLMEngine(model, cfg, drafter=HybridDrafter(eagle), policy=policy())
+            engine = LLMEngine(model, cfg, drafter=HybridDrafter(eagle), policy=policy_for(mode))
         drafter = engine.drafter
         params = SamplingParams(max_tokens=max_tokens)
         t0 = time.perf_counter()
@@ -157,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
 
         # The profile the worker serving the reference model with an EAGLE-3 draft uses (from its cache).
         profile = start_profile(InferenceSettings(drafter="eagle3"), model, target.model_id)
+        memory_profile = start_profile(InferenceSettings(drafter="eagle3", speculation_memory_mb=args.memory_mb),
+                                       model, target.model_id)
         res["timed"] = []
         for name in args.sets:
             prompts = [encode_prompt(tok, p) for p in load_prompts(SETS[name])]
             for b in (int(x) for x in args.batches.split(",")):
                 row = {"workload": name, "batch": b, "prompts": len(prompts),
-                       **timed(model, prompts, b, args.max_tokens, args.memory_mb, args.rounds, profile)}
+                       **timed(model, prompts, b, args.max_tokens, args.memory_mb, args.rounds, profile,
+                                 memory_profile=memory_profile)}
                 res["timed"].append(row)
                 print(f"{name:22s} b={b}  " + "  ".join(f"{m} {row[m]['tok_s']:.1f} ({row[m]['x_default']:.3f}x)"
                                                       for m in ("plain", "default", "default+memory")), flush=True)

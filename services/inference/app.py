@@ -136,7 +136,9 @@ def start_profile(settings: InferenceSettings, model, model_id: str,
         drafter = Eagle3Drafter(random_draft(model, min(8192, model.cfg.vocab_size)), "shape", 1, 1)
     else:
         drafter = make_drafter(settings.drafter)
-    batches, ns, lags, reps = start_grid(max_batch, settings.max_gamma, tensor_bytes(model))
+    # With a speculation memory, recalls verify up to EngineConfig.max_recall_gamma + 1 rows: profile them.
+    recall_gamma = EngineConfig.max_recall_gamma if settings.speculation_memory_mb > 0 else 0
+    batches, ns, lags, reps = start_grid(max_batch, settings.max_gamma, tensor_bytes(model), recall_gamma)
     cache = Path(settings.profile_cache_dir) if settings.profile_cache_dir else None
 
     def measure(refresh: bool) -> LatencyProfile:

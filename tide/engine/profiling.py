@@ -284,15 +284,25 @@ LARGE_MODEL_BYTES = 2 << 30
 LARGE_MODEL_REPS = 2  # rounds of the thinner grid (the default: 5)
 
 
-def start_grid(max_batch: int, max_gamma: int, weight_bytes: int) -> tuple[list[int], list[int], list[int], int]:
+def start_grid(max_batch: int, max_gamma: int, weight_bytes: int,
+               max_recall_gamma: int = 0) -> tuple[list[int], list[int], list[int], int]:
     """(batches, ns, lags, reps) a worker profiles at start: `default_grid` and 5 rounds, or for a
     model of more than LARGE_MODEL_BYTES the smallest, a middle and the largest batch, n = 1, 2, 3
-    and γmax + 1 (interpolation fills in), in LARGE_MODEL_REPS rounds."""
+    and γmax + 1 (interpolation fills in), in LARGE_MODEL_REPS rounds.
+
+    `max_recall_gamma` > `max_gamma` (a speculation memory's recalls draft that deep): the verify
+    rows past γmax + 1 are measured too, at 2·γmax + 1 and max_recall_gamma + 1. Extrapolating from
+    the last chain segment under-priced them: on the reference model at 4 streams T(4, n) rose 2.3 ms
+    a row up to n = 9 and 3.3-4.6 ms a row past it (docs/results/speculation-memory)."""
     batches, ns, lags = default_grid(max_batch, max_gamma)
-    if weight_bytes <= LARGE_MODEL_BYTES:
-        return batches, ns, lags, 5
-    batches = sorted({batches[0], batches[len(batches) // 2], batches[-1]})
-    return batches, [n for n in ns if n <= 3 or n == ns[-1]], lags, LARGE_MODEL_REPS
+    reps = 5
+    if weight_bytes > LARGE_MODEL_BYTES:
+        batches = sorted({batches[0], batches[len(batches) // 2], batches[-1]})
+        ns, reps = [n for n in ns if n <= 3 or n == ns[-1]], LARGE_MODEL_REPS
+    if max_recall_gamma > max_gamma:
+        deep = {max_recall_gamma + 1} | ({2 * max_gamma + 1} if 2 * max_gamma < max_recall_gamma else set())
+        ns = sorted(set(ns) | deep)
+    return batches, ns, lags, reps
 
 
 def cache_dir() -> Path:

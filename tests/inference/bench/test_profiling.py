@@ -149,3 +149,13 @@ def test_large_models_profile_a_thinner_grid_at_start():
     batches, ns, lags, reps = start_grid(16, 6, LARGE_MODEL_BYTES + 1)
     assert batches == [1, 4, 16] and ns == [1, 2, 3, 7] and lags == default_grid(16, 6)[2]
     assert reps == LARGE_MODEL_REPS < 5
+
+
+def test_a_speculation_memory_profiles_the_deep_verifies_its_recalls_make():
+    """Recalls draft up to max_recall_gamma: their verify rows are measured, not extrapolated."""
+    from tide.engine.profiling import LARGE_MODEL_BYTES, start_grid
+
+    assert start_grid(16, 8, 1, 0) == start_grid(16, 8, 1)
+    assert start_grid(16, 8, 1, 32)[1] == default_grid(16, 8)[1] + [17, 33]
+    assert start_grid(16, 8, LARGE_MODEL_BYTES + 1, 32)[1] == [1, 2, 3, 9, 17, 33]
+    assert start_grid(16, 8, 1, 12)[1][-1] == 13  # a shallow recall cap: its top only
