@@ -53,13 +53,17 @@ class WorkerStatus:
 
 @dataclass(frozen=True)
 class WorkerMemory:
-    """Bytes: the process's resident set (0 where unknown), the target's weights, its KV cache, and
-    the draft in service beyond what it shares with the target."""
+    """Bytes: the process's resident set (0 where unknown), the target's weights, its KV cache, the
+    draft in service beyond what it shares with the target, and the speculation memory's bytes,
+    budget and tokens (0: no memory)."""
 
     rss_bytes: int
     weights_bytes: int
     kv_cache_bytes: int
     draft_bytes: int
+    speculation_memory_bytes: int = 0
+    speculation_memory_budget_bytes: int = 0
+    speculation_memory_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ serves, which one the registry wants, and the versions it refused (drafts.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 
@@ -180,8 +181,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         out = status_pb(status, self.drafts.report() if self.drafts is not None else None)
         out.max_model_len = self.worker.engine.config.max_seq_len
         mem = self.worker.memory()
-        out.memory.CopyFrom(inference_pb2.WorkerMemory(rss_bytes=mem.rss_bytes, weights_bytes=mem.weights_bytes,
-                                                       kv_cache_bytes=mem.kv_cache_bytes, draft_bytes=mem.draft_bytes))
+        out.memory.CopyFrom(inference_pb2.WorkerMemory(**dataclasses.asdict(mem)))
         if self.live is not None:
             out.live.CopyFrom(live_pb(self.live.snapshot()))
         return out

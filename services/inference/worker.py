@@ -209,7 +209,11 @@ class Worker:
         weights, kv, seen = self._held
         drafter = self.engine.drafter
         draft = tensor_bytes(drafter, seen=set(seen)) if drafter is not None else 0
-        return WorkerMemory(rss_bytes=rss_bytes() or 0, weights_bytes=weights, kv_cache_bytes=kv, draft_bytes=draft)
+        sm = self.engine.memory  # read unlocked: ints the engine thread replaces, a sample may lag a step
+        return WorkerMemory(rss_bytes=rss_bytes() or 0, weights_bytes=weights, kv_cache_bytes=kv, draft_bytes=draft,
+                            speculation_memory_bytes=sm.nbytes if sm is not None else 0,
+                            speculation_memory_budget_bytes=sm.budget_bytes if sm is not None else 0,
+                            speculation_memory_tokens=sm.tokens if sm is not None else 0)
 
     def status(self) -> WorkerStatus:
         eng = self.engine

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from inference.service.svc import request, run_stream, stub
 
+from tide.proto.tide.v1 import inference_pb2
+
 
 @pytest.mark.parametrize("scope", ["key", "stack"])
 def test_key_ids_are_the_memorys_scopes_unless_shared(make_service, scope):
@@ -16,8 +18,15 @@ def test_key_ids_are_the_memorys_scopes_unless_shared(make_service, scope):
     memory = svc.worker.engine.memory
     assert memory.added == 2  # b2 opted out
     assert memory.scopes() == (["aaaa", "bbbb"] if scope == "key" else [""])
+    # operators see it in the worker's status (and the gateway's /v1/status): held, budget, tokens
+    report = client.GetStatus(inference_pb2.GetWorkerStatusRequest(), timeout=10).memory
+    assert report.speculation_memory_budget_bytes == 2**20
+    assert 0 < report.speculation_memory_bytes == memory.nbytes <= 2**20
+    assert report.speculation_memory_tokens == memory.tokens >= 2 * 8
 
 
 def test_memory_off_by_setting(make_service):
     svc = make_service(speculation_memory_mb=0)
     assert svc.worker.engine.memory is None
+    report = stub(svc).GetStatus(inference_pb2.GetWorkerStatusRequest(), timeout=10).memory
+    assert (report.speculation_memory_bytes, report.speculation_memory_budget_bytes) == (0, 0)

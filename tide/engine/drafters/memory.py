@@ -259,7 +259,8 @@ class SpeculationMemory:
 
     @property
     def tokens(self) -> int:
-        return sum(ix.tokens for ix in self._scopes.values())
+        # list(): a status thread reads this while the engine thread may add a scope
+        return sum(ix.tokens for ix in list(self._scopes.values()))
 
     def scopes(self) -> list[str]:
         return sorted(self._scopes)
