@@ -183,6 +183,8 @@ def mode_env(mode: str, args, mode_dir: Path) -> dict[str, dict[str, str]]:
                          "TIDE_POLICY": args.policy, "TIDE_POLICY_PARAMS": json.dumps(policy_params(args.policy)),
                          "TIDE_CHUNK_TOKENS": str(args.chunk_tokens), "TIDE_FLUSH_INTERVAL_S": str(args.flush_s)},
            "trainer": {"TIDE_TRAINER_CPUS": trainer_cpus}}
+    if args.scenario == "horizon" and args.traffic == "repetitive":  # online learns text too, static nothing
+        env["inference"]["TIDE_SPECULATION_MEMORY_MB"] = f"{args.memory_mb if mode == 'online' else 0:g}"
     if mode == "static":
         env["trainer"].update({"TIDE_TRAINER_AUTO_TRAIN": "0", "TIDE_TRAINER_AUTO_PROMOTE": "0"})
     else:
@@ -353,8 +355,9 @@ def run(args) -> dict:
     if args.scenario == "horizon":
         from tide.target import cache_dir
 
-        served, held, warm = horizon.horizon_prompts(args.seed, args.max_prompt_chars)
-        prompts, bnds, order = [served], horizon.bounds(args.horizon_s), horizon.mode_order(args.seed, args.modes)
+        served, held, warm = horizon.horizon_prompts(args.seed, args.max_prompt_chars, args.traffic)
+        prompts, bnds = [served], horizon.bounds(args.horizon_s, args.traffic)
+        order = horizon.mode_order(args.seed, args.modes)
         heldout, start_eval = horizon.heldout_chunks(draft_dir, args.target, held, args.max_tokens,
                                                      cache_dir() / "bench-adapt")
         draft_info["eval_accept_length_g3"] = start_eval["eval_accept_length_g3"]
@@ -366,6 +369,7 @@ def run(args) -> dict:
         if heldout is not None:
             horizon.evaluate_mode(modes[mode], work / mode, draft_dir, heldout, args.horizon_s, args.target)
     res = {"scenario": args.scenario, "target": args.target, "quick": bool(args.quick),
+           **({"traffic": args.traffic, "memory_mb": args.memory_mb} if args.scenario == "horizon" else {}),
            "concurrency": args.concurrency,
            "cpus": dict(zip(("worker", "trainer"), placement(args.worker_cpus, args.trainer_cpus), strict=True)),
            "max_tokens": args.max_tokens, "bin_s": args.bin_s, "poll_s": args.poll_s, "seed": args.seed,
@@ -433,6 +437,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=("shifts", "horizon"), default="shifts",
                         help="shifts: chat -> GSM8K -> HumanEval phases; horizon: GSM8K train questions for a long "
                              "horizon, with held-out evals and an offline reference (benchmarks.adapt_horizon)")
+    parser.add_argument("--traffic", choices=("gsm8k", "repetitive"), default="gsm8k",
+                        help="horizon: GSM8K train questions, or deployment-like traffic that repeats across requests "
+                             "(FAQ questions, templated extraction, coding agents; benchmarks.workloads), where online "
+                             "adds the speculation memory to the fine-tune [gsm8k]")
+    parser.add_argument("--memory-mb", type=float, default=64.0,
+                        help="horizon, repetitive traffic: the online worker's TIDE_SPECULATION_MEMORY_MB [64]")
     parser.add_argument("--quick", action="store_true", help="shifts: 3 x 150 s phases per mode, one A/B round "
                                                              "(< 20 min); horizon: 15 minutes per mode")
     parser.add_argument("--horizon-s", type=float, default=None,

@@ -6,6 +6,10 @@ GSM8K *train* questions for the whole horizon (`--horizon-s`, default 40 minutes
 15), at steady concurrency, every request a distinct question. Static and online each run once on a
 fresh stack, in an order alternated by `--seed`.
 
+`--traffic repetitive` serves deployment-like traffic instead (`repetitive_prompts`: FAQ questions
+that recur, templated extraction, coding agents re-emitting one module), and "online" there is the
+speculation memory (`--memory-mb`) with the draft's fine-tune, "static" neither.
+
 What this module adds to the three-phase bench (benchmarks.adapt runs the stacks):
 
 - `horizon_prompts`: the served questions, the held-out ones (never served) and the warm-up ones,
@@ -43,6 +47,10 @@ from benchmarks import adapt_stats as stats
 from tide.prompts import Prompt, load_prompts
 
 DOMAIN = ("gsm8k", "gsm8k_train.jsonl")
+# The repetitive variant (`--traffic repetitive`): deployment-like traffic that repeats across requests,
+# where "online" adds the speculation memory to the draft's fine-tune (benchmarks.adapt.mode_env)
+REPETITIVE = "repetitive"
+REPETITIVE_REQUESTS = 6000  # more than 40 minutes at 4 streams serve here: the stream never wraps
 HELDOUT_PROMPTS = 64  # held-out questions: ≈ 8k continuation tokens at 128 each
 WARM_PROMPTS = 4  # warm-up requests before the timed traffic (never served again)
 EVAL_GAMMA = 3
@@ -54,9 +62,12 @@ MAX_CYCLE_EVALS = 8  # training cycles' candidates evaluated on the held-out chu
 MIN_TOK_S_RATIO, MIN_EVAL_RATIO, MIN_VS_OFFLINE = 1.15, 1.2, 0.9
 
 
-def horizon_prompts(seed: int, max_chars: int) -> tuple[list[Prompt], list[Prompt], list[Prompt]]:
+def horizon_prompts(seed: int, max_chars: int, traffic: str = "gsm8k") -> tuple[list[Prompt], list[Prompt], list[Prompt]]:
     """(served, held out, warm-up) GSM8K train questions, disjoint, from one shuffle by `seed`. The
-    held-out set does not depend on `seed` (every run's drafts are compared on the same chunks)."""
+    held-out set does not depend on `seed` (every run's drafts are compared on the same chunks).
+    `traffic="repetitive"`: `repetitive_prompts` instead."""
+    if traffic == "repetitive":
+        return repetitive_prompts(seed)
     ps = [p for p in load_prompts(DOMAIN[1]) if len(p.text) <= max_chars]
     unique = list({p.text: p for p in ps}.values())  # a repeated question would be served twice
     fixed = set(random.Random(1234).sample(range(len(unique)), min(HELDOUT_PROMPTS, len(unique) // 4)))
@@ -66,8 +77,28 @@ def horizon_prompts(seed: int, max_chars: int) -> tuple[list[Prompt], list[Promp
     return rest[WARM_PROMPTS:], heldout, rest[:WARM_PROMPTS]
 
 
-def bounds(horizon_s: float) -> list[tuple[str, float, float]]:
-    return [(DOMAIN[0], 0.0, horizon_s)]
+def repetitive_prompts(seed: int) -> tuple[list[Prompt], list[Prompt], list[Prompt]]:
+    """(served, held out, warm-up) of the repetitive traffic (benchmarks.workloads.repetitive_stream):
+    FAQ questions, templated extraction and coding agents interleaved, fresh content throughout; the
+    held-out requests use questions and modules the served stream never does, and do not depend on
+    `seed`; the warm-up requests are extractions (their records never recur)."""
+    from benchmarks.workloads import repetitive_stream
+
+    wrap = lambda texts: [Prompt(t, REPETITIVE, "benchmarks.workloads") for t in texts]  # noqa: E731
+    served = wrap(repetitive_stream(random.Random(seed * 31 + 7), REPETITIVE_REQUESTS))
+    heldout = wrap(repetitive_stream(random.Random(1234), HELDOUT_PROMPTS, heldout=True))
+    warm = wrap(templated_warmup(random.Random(seed + 99)))
+    return served, heldout, warm
+
+
+def templated_warmup(rng: random.Random) -> list[str]:
+    from benchmarks.workloads import templated_extraction
+
+    return templated_extraction(rng, WARM_PROMPTS)
+
+
+def bounds(horizon_s: float, traffic: str = "gsm8k") -> list[tuple[str, float, float]]:
+    return [(REPETITIVE if traffic == "repetitive" else DOMAIN[0], 0.0, horizon_s)]
 
 
 def mode_order(seed: int, modes: list[str]) -> list[str]:
@@ -91,7 +122,7 @@ def heldout_chunks(draft_dir: Path, target: str, prompts: list[Prompt], max_toke
     shutil.rmtree(out, ignore_errors=True)  # an interrupted generation leaves chunks that would count twice
     out.mkdir(parents=True)
     (out / "prompts.jsonl").write_text(body)
-    print(f"generating the held-out chunks ({len(prompts)} GSM8K train questions) into {out}", flush=True)
+    print(f"generating the held-out chunks ({len(prompts)} held-out {prompts[0].domain} prompts) into {out}", flush=True)
     # chat-templated as served (Prompt.chat), greedy, capture on; the starting draft evaluated on them
     r = evaluate_on_prompts(draft_dir, [str(out / "prompts.jsonl")], target, gammas=(EVAL_GAMMA,),
                             max_tokens=max_tokens, batch=16, chunks_dir=out / "chunks", progress=False)
@@ -148,6 +179,19 @@ def cpu_share(samples: list[dict], key: str = "trainer") -> list[list[float]]:
     pts = [(s["t"], s["cpu_s"][key]) for s in samples if (s.get("cpu_s") or {}).get(key) is not None]
     return [[round((t0 + t1) / 2, 2), round((c1 - c0) / (t1 - t0), 3)]
             for (t0, c0), (t1, c1) in zip(pts, pts[1:], strict=False) if t1 > t0]
+
+
+def speculation_memory_held(samples: list[dict]) -> dict | None:
+    """The speculation memory over the run (None: the workers have none): its largest accounted bytes
+    against its budget, the tokens it ended with, and the worker's RSS at the start and the end."""
+    mem = [(s["t"], s["speculation_memory"][0], s.get("rss_bytes")) for s in samples if s.get("speculation_memory")]
+    if not mem:
+        return None
+    return {"budget_bytes": mem[-1][1]["budget_bytes"], "max_bytes": max(m["bytes"] for _, m, _ in mem),
+            "final_bytes": mem[-1][1]["bytes"], "final_tokens": mem[-1][1]["tokens"],
+            "max_tokens": max(m["tokens"] for _, m, _ in mem),
+            "within_budget": all(m["bytes"] <= m["budget_bytes"] for _, m, _ in mem),
+            "rss_bytes_first_last": [mem[0][2], mem[-1][2]], "samples": len(mem), "last_t_s": mem[-1][0]}
 
 
 def time_to_recover(static: list[dict], online: list[dict], horizon_s: float) -> float | None:
@@ -235,6 +279,8 @@ def evaluate_mode(res: dict, mode_dir: Path, draft_dir: Path, heldout: Path, hor
     from tide.registry_client import target_key
 
     res["thirds"] = thirds(res["requests"], res["samples"], horizon_s)
+    if (held := speculation_memory_held(res["samples"])) is not None:
+        res["speculation_memory"] = held
     # candidates registered during the traffic (the registry may hold a starter draft from before)
     res["candidates"] = [c for c in res.get("candidates", []) if c["t_s"] >= 0]
     cands = res["candidates"]
@@ -288,6 +334,11 @@ def print_table(res: dict) -> None:
           f"{fmt(off.get('eval_accept_length_g3'), 3)} on {off.get('tokens', 0)} tokens; online final "
           f"{fmt(res.get('online_final_eval_accept_length_g3'), 3)}; time to recover "
           f"{fmt(res.get('time_to_recover_s'), 0)} s")
+    for mode in (m for m in ("static", "online") if (res.get(m) or {}).get("speculation_memory")):
+        m = res[mode]["speculation_memory"]
+        print(f"{mode}: speculation memory at most {m['max_bytes'] / 2**20:.1f} MiB of its {m['budget_bytes'] / 2**20:.0f} "
+              f"({'within' if m['within_budget'] else 'OVER'} budget in {m['samples']} samples), ended holding "
+              f"{m['final_tokens']} tokens (most {m['max_tokens']})")
     for p in res["promotions"]:
         print(f"promotion at {p['t_s']:.0f} s: {p['version']} (eval accept length {fmt(p['eval_accept_length'], 2)})")
     if "checks" in res:

@@ -286,6 +286,11 @@ class Poller(threading.Thread):
             s["draft_version"] = ",".join(sorted({st.draft_version for st in sts}))
             s["collection"] = any(st.collection_enabled for st in sts)
             s["running"] = sum(st.running_requests for st in sts)
+            s["rss_bytes"] = sum(st.memory.rss_bytes for st in sts)
+            if any(st.memory.speculation_memory_budget_bytes for st in sts):  # the memory's bound, reported
+                s["speculation_memory"] = [{"bytes": st.memory.speculation_memory_bytes,
+                                            "budget_bytes": st.memory.speculation_memory_budget_bytes,
+                                            "tokens": st.memory.speculation_memory_tokens} for st in sts]
         except Exception as e:  # a busy or restarting worker: the sample says so
             s["worker_error"] = type(e).__name__
         try:

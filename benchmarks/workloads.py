@@ -61,9 +61,9 @@ def repeated_questions(rng: random.Random) -> list[str]:
     return out
 
 
-def templated_extraction(rng: random.Random) -> list[str]:
+def templated_extraction(rng: random.Random, n: int = 48) -> list[str]:
     out = []
-    for _ in range(48):
+    for _ in range(n):
         first, last, city, job = rng.choice(FIRST), rng.choice(LAST), rng.choice(CITIES), rng.choice(JOBS)
         age = rng.randint(21, 70)
         email = f"{first.lower()}.{last.lower()}@example.org"
@@ -82,25 +82,25 @@ def _humaneval() -> list[dict]:
     return list(read_rows(data_dir() / "humaneval.jsonl.gz"))
 
 
+AGENT_TASKS = (
+    "add type hints to every variable in `{f}`",
+    "rename the loop variables of `{f}` to longer names",
+    "add a short comment above each statement of `{f}`",
+    "make `{f}` raise ValueError on empty input",
+)
+
+
+def _agent_request(rng: random.Random, agent: int, module: str, names: list[str]) -> str:
+    task = rng.choice(AGENT_TASKS).format(f=rng.choice(names))
+    return (f"You are coding agent {agent + 1} of 4 working on the module utils.py. Task: {task}.\n\n"
+            f"Current utils.py:\n```python\n{module}\n```\n\nReply with the complete updated utils.py.")
+
+
 def coding_agents(rng: random.Random) -> list[str]:
     rows = _humaneval()
     module = "\n\n".join((rows[i]["prompt"] + rows[i]["canonical_solution"]).strip() for i in (0, 2, 4))
     names = [rows[i]["entry_point"] for i in (0, 2, 4)]
-    tasks = [
-        "add type hints to every variable in `{f}`",
-        "rename the loop variables of `{f}` to longer names",
-        "add a short comment above each statement of `{f}`",
-        "make `{f}` raise ValueError on empty input",
-    ]
-    out = []
-    for turn in range(48):
-        agent = turn % 4
-        task = rng.choice(tasks).format(f=rng.choice(names))
-        out.append(
-            f"You are coding agent {agent + 1} of 4 working on the module utils.py. Task: {task}.\n\n"
-            f"Current utils.py:\n```python\n{module}\n```\n\nReply with the complete updated utils.py."
-        )
-    return out
+    return [_agent_request(rng, turn % 4, module, names) for turn in range(48)]
 
 
 def repair_loop(rng: random.Random) -> list[str]:
@@ -120,6 +120,43 @@ def repair_loop(rng: random.Random) -> list[str]:
         )
         if len(out) == 48:
             break
+    return out
+
+
+# 40 modules x 24 turns: ~2900 requests of the stream before a module returns (30 minutes of
+# traffic at 4 streams here serve ~2000)
+AGENT_TURNS_PER_MODULE = 24
+
+
+def repetitive_stream(rng: random.Random, n: int, heldout: bool = False) -> list[str]:
+    """`n` requests of a long deployment-like stream (the repetitive horizon of `tide bench adapt`):
+    each request, one in three, is an FAQ question (a pool of 96 Spec-Bench / Alpaca questions under
+    Zipf popularity, so popular ones recur, verbatim or with a greeting or a request around them), a
+    fresh record to extract under the product's JSON template, or a coding agent's turn on the current
+    project (4 agents x 6 turns over a module of 3 HumanEval functions, then the next module). Fresh
+    content keeps arriving: no request list is replayed. `heldout`: the questions and modules the
+    served stream never uses (for draft evaluations on traffic it has not seen)."""
+    qs = [p.text for p in load_prompts("spec_bench_questions.jsonl") if len(p.text) < 400][:96]
+    qs += [p.text for p in load_prompts("alpaca_seed_tasks.jsonl") if len(p.text) < 400][:24]
+    pool = qs[96:] if heldout else qs[:96]
+    weights = [1 / (rank + 1) for rank in range(len(pool))]
+    rows = _humaneval()
+    rows = rows[120:] if heldout else rows[:120]
+    modules = [rows[i:i + 3] for i in range(0, len(rows) - 2, 3)]
+    before, after = ["Hi! ", "Hello, quick question. ", "Hey there. "], [" Thanks!", " Please be concise."]
+    out, agent_turn = [], 0
+    while len(out) < n:
+        kind = rng.randrange(3)
+        if kind == 0:
+            q = rng.choices(pool, weights)[0]
+            out.append(rng.choice([q, q, rng.choice(before) + q, q + rng.choice(after)]))
+        elif kind == 1:
+            out.append(templated_extraction(rng, 1)[0])
+        else:
+            module = modules[(agent_turn // AGENT_TURNS_PER_MODULE) % len(modules)]
+            code = "\n\n".join((r["prompt"] + r["canonical_solution"]).strip() for r in module)
+            out.append(_agent_request(rng, agent_turn % 4, code, [r["entry_point"] for r in module]))
+            agent_turn += 1
     return out
 
 

@@ -44,6 +44,51 @@ def test_served_heldout_and_warmup_questions_are_disjoint_and_never_repeat(gsm8k
     assert hz.mode_order(1, ["static", "online"]) == ["online", "static"] and hz.mode_order(3, ["online"]) == ["online"]
 
 
+@pytest.fixture
+def chat_and_code(tmp_path, monkeypatch):
+    """Spec-Bench / Alpaca questions and HumanEval rows in the shared-data formats (CI has no ../shared)."""
+    import gzip
+
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "spec_bench_questions.jsonl").write_text("".join(
+        json.dumps({"turns": [f"Chat question {i}?"], "category": "qa"}) + "\n" for i in range(110)))
+    (d / "alpaca_seed_tasks.jsonl").write_text("".join(
+        json.dumps({"instruction": f"Task {i}.", "instances": [{"input": ""}]}) + "\n" for i in range(30)))
+    with gzip.open(d / "humaneval.jsonl.gz", "wt") as f:
+        for i in range(150):
+            f.write(json.dumps({"prompt": f"def f{i}(x):\n    ", "canonical_solution": "return x",
+                                "entry_point": f"f{i}"}) + "\n")
+    monkeypatch.setenv("TIDE_DATA_DIR", str(d))
+    return d
+
+
+def test_repetitive_traffic_repeats_across_requests_and_online_adds_the_memory(chat_and_code):
+    served, held, warm = hz.horizon_prompts(0, 1500, traffic="repetitive")
+    texts = [p.text for p in served]
+    assert len(texts) == hz.REPETITIVE_REQUESTS and {p.domain for p in served} == {hz.REPETITIVE}
+    kinds = [("agent" if "coding agent" in t else "extract" if "data-entry" in t else "faq") for t in texts]
+    assert all(abs(kinds.count(k) / len(kinds) - 1 / 3) < 0.05 for k in ("agent", "extract", "faq"))
+    faq = [t for t, k in zip(texts, kinds, strict=True) if k == "faq"]
+    assert len(set(faq)) < len(faq) / 4  # popular questions recur ...
+    extract = [t for t, k in zip(texts, kinds, strict=True) if k == "extract"]
+    assert len(set(extract)) > 0.9 * len(extract)  # ... while records keep arriving
+    # held out: no served question or module (agents' requests name their functions), the same for every seed
+    assert not {p.text for p in held} & set(texts) and len(held) == hz.HELDOUT_PROMPTS
+    assert not any(f"`f{i}`" in t for t in texts for i in range(120, 150))
+    assert [p.text for p in hz.horizon_prompts(1, 1500, traffic="repetitive")[1]] == [p.text for p in held]
+    assert not {p.text for p in warm} & set(texts)
+    assert hz.bounds(60, "repetitive") == [(hz.REPETITIVE, 0.0, 60)]
+
+    parser = cli.argparse.ArgumentParser()
+    ba.add_arguments(parser)
+    args = parser.parse_args(["--scenario", "horizon", "--traffic", "repetitive", "--memory-mb", "16"])
+    online, static = (ba.mode_env(m, args, ba.Path("/x"))["inference"] for m in ("online", "static"))
+    assert online["TIDE_SPECULATION_MEMORY_MB"] == "16" and static["TIDE_SPECULATION_MEMORY_MB"] == "0"
+    gsm8k = ba.mode_env("online", parser.parse_args(["--scenario", "horizon"]), ba.Path("/x"))["inference"]
+    assert "TIDE_SPECULATION_MEMORY_MB" not in gsm8k  # the GSM8K horizon measures the fine-tune alone
+
+
 def test_thirds_take_the_version_serving_at_their_end_and_the_cpu_share():
     samples = [{"t": 0, "draft_version": "m/v1", "cpu_s": {"trainer": 10.0}},
                {"t": 40, "draft_version": "m/v1,m/v2", "cpu_s": {"trainer": 30.0}},  # mid-swap: not a version
@@ -219,3 +264,17 @@ def test_heldout_chunks_evals_and_the_offline_reference_on_the_tiny_target(tmp_p
     assert hz.evaluate_g3(tmp_path / "ref", chunks, target) == {k: ref[k] for k in ("eval_accept_length_g3", "rows")}
     assert hz.offline_reference(draft, tmp_path / "nothing", chunks, target, tmp_path / "r2", 1.0, 1e-3, 2, 64)[
         "tokens"] == 0  # nothing collected: no reference, and no crash
+
+
+def test_the_memorys_bound_is_read_from_the_pollers_samples():
+    budget = 4 << 20
+    samples = [{"t": 0.0, "rss_bytes": 5}, {"t": 2.0, "rss_bytes": 6}]
+    assert hz.speculation_memory_held(samples) is None  # a stack without one
+    samples += [{"t": 4.0 + i, "rss_bytes": 7 + i,
+                 "speculation_memory": [{"bytes": b, "budget_bytes": budget, "tokens": b // 100}]}
+                for i, b in enumerate([1 << 20, budget, budget - 10])]
+    held = hz.speculation_memory_held(samples)
+    assert held["within_budget"] and held["max_bytes"] == budget and held["final_tokens"] == (budget - 10) // 100
+    assert held["rss_bytes_first_last"] == [7, 9]
+    samples[-1]["speculation_memory"][0]["bytes"] = budget + 1
+    assert not hz.speculation_memory_held(samples)["within_budget"]
