@@ -62,7 +62,8 @@ MAX_CYCLE_EVALS = 8  # training cycles' candidates evaluated on the held-out chu
 MIN_TOK_S_RATIO, MIN_EVAL_RATIO, MIN_VS_OFFLINE = 1.15, 1.2, 0.9
 
 
-def horizon_prompts(seed: int, max_chars: int, traffic: str = "gsm8k") -> tuple[list[Prompt], list[Prompt], list[Prompt]]:
+def horizon_prompts(seed: int, max_chars: int,
+                    traffic: str = "gsm8k") -> tuple[list[Prompt], list[Prompt], list[Prompt]]:
     """(served, held out, warm-up) GSM8K train questions, disjoint, from one shuffle by `seed`. The
     held-out set does not depend on `seed` (every run's drafts are compared on the same chunks).
     `traffic="repetitive"`: `repetitive_prompts` instead."""
@@ -122,7 +123,8 @@ def heldout_chunks(draft_dir: Path, target: str, prompts: list[Prompt], max_toke
     shutil.rmtree(out, ignore_errors=True)  # an interrupted generation leaves chunks that would count twice
     out.mkdir(parents=True)
     (out / "prompts.jsonl").write_text(body)
-    print(f"generating the held-out chunks ({len(prompts)} held-out {prompts[0].domain} prompts) into {out}", flush=True)
+    print(f"generating the held-out chunks ({len(prompts)} held-out {prompts[0].domain} prompts) into {out}",
+          flush=True)
     # chat-templated as served (Prompt.chat), greedy, capture on; the starting draft evaluated on them
     r = evaluate_on_prompts(draft_dir, [str(out / "prompts.jsonl")], target, gammas=(EVAL_GAMMA,),
                             max_tokens=max_tokens, batch=16, chunks_dir=out / "chunks", progress=False)
@@ -336,7 +338,8 @@ def print_table(res: dict) -> None:
           f"{fmt(res.get('time_to_recover_s'), 0)} s")
     for mode in (m for m in ("static", "online") if (res.get(m) or {}).get("speculation_memory")):
         m = res[mode]["speculation_memory"]
-        print(f"{mode}: speculation memory at most {m['max_bytes'] / 2**20:.1f} MiB of its {m['budget_bytes'] / 2**20:.0f} "
+        print(f"{mode}: speculation memory at most {m['max_bytes'] / 2**20:.1f} MiB "
+              f"of its {m['budget_bytes'] / 2**20:.0f} "
               f"({'within' if m['within_budget'] else 'OVER'} budget in {m['samples']} samples), ended holding "
               f"{m['final_tokens']} tokens (most {m['max_tokens']})")
     for p in res["promotions"]:
