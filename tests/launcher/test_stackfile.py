@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-
 import threading
 
 from tools.stackfile import POINTER, find_stack, remove_pointer, write_json_atomically, write_pointer
