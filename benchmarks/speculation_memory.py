@@ -10,6 +10,10 @@ that every number is a deterministic count: no timing, no latency profile. Per r
 speculative step (accept length, the bonus token included) and, per source of drafts (copy =
 prompt lookup, memory, draft = EAGLE-3), its steps, accept length and the share of output tokens
 that were its accepted drafts. Plain decoding is 1 token a step by definition.
+
+`--fleet N` adds, per workload, the same stream served by N workers in turn (a round-robin router),
+each with a memory of its own, and with the fleet's memory shared (TIDE_SPECULATION_MEMORY_FLEET):
+what sharing buys over private memories, against one worker that saw everything.
 """
 
 from __future__ import annotations
@@ -42,13 +46,19 @@ STARTER = Path(__file__).resolve().parents[1] / "tide" / "starter_drafts" / "smo
 SOURCES = {"ngram": "copy", "memory": "memory", "eagle3": "draft"}
 
 
-def decode(model, drafter, prompts: list[list[int]], gamma: int, max_tokens: int, memory_mb: int) -> dict:
-    engine = LLMEngine(
-        model,
-        EngineConfig(max_batch=1, max_seq_len=2048, speculation_memory_mb=memory_mb),
-        drafter=drafter,
-        policy=FixedGamma(gamma),
-    )
+def decode(model, drafter, prompts: list[list[int]], gamma: int, max_tokens: int, memory_mb: int,
+           more_drafters: tuple = (), share: bool = False) -> dict:
+    """Counts of one stream served by `drafter`'s engine, or, with `more_drafters`, by a fleet of
+    engines (one a drafter) taking the requests in turn, each with a memory of its own or, `share`,
+    each also remembering the others' finished requests (services/inference/fleet_memory.py's path:
+    LLMEngine.memory_listeners -> LLMEngine.remember)."""
+    engines = [LLMEngine(model, EngineConfig(max_batch=1, max_seq_len=2048, speculation_memory_mb=memory_mb),
+                         drafter=d, policy=FixedGamma(gamma)) for d in (drafter, *more_drafters)]
+    if share:
+        for e in engines:
+            for other in engines:
+                if other is not e:
+                    e.memory_listeners.append(other.remember)
     per: dict[str, list[int]] = {}  # source -> [steps, emitted tokens, accepted drafts]
 
     def on_step(rec) -> None:
@@ -59,10 +69,11 @@ def decode(model, drafter, prompts: list[list[int]], gamma: int, max_tokens: int
                 s[1] += a + 1
                 s[2] += a
 
-    engine.step_listeners.append(on_step)
+    for e in engines:
+        e.step_listeners.append(on_step)
     out = steps = 0
-    for p in prompts:  # one stream: each request finishes (and is remembered) before the next
-        seq = engine.generate([p], SamplingParams(max_tokens=max_tokens))[0]
+    for i, p in enumerate(prompts):  # one stream: each request finishes (and is remembered) before the next
+        seq = engines[i % len(engines)].generate([p], SamplingParams(max_tokens=max_tokens))[0]
         out += seq.num_output
         steps += seq.verify_steps + seq.plain_steps
     spec_steps = sum(s[0] for s in per.values())
@@ -75,7 +86,7 @@ def decode(model, drafter, prompts: list[list[int]], gamma: int, max_tokens: int
             k: {"steps": s[0], "accept_length": round(s[1] / s[0], 3), "token_share": round(s[2] / out, 3)}
             for k, s in sorted(per.items())
         },
-        "memory_bytes": engine.memory.nbytes if engine.memory is not None else 0,
+        "memory_bytes": sum(e.memory.nbytes for e in engines if e.memory is not None),
     }
 
 
@@ -137,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--memory-mb", type=int, default=64)
     ap.add_argument("--sets", nargs="+", default=list(SETS))
+    ap.add_argument("--fleet", type=int, default=0, metavar="N",
+                    help="counts only: also serve each workload by N workers in turn, each with its own memory "
+                         "and with the fleet's memory shared (TIDE_SPECULATION_MEMORY_FLEET)")
     ap.add_argument("--timed", action="store_true",
                     help="tokens/s of plain, the default (adaptive γ) and the default with the memory instead")
     ap.add_argument("--batches", default="1,4", help="with --timed: streams")
@@ -175,18 +189,23 @@ def main(argv: list[str] | None = None) -> int:
                                                       for m in ("plain", "default", "default+memory")), flush=True)
     for name in [] if args.timed else args.sets:
         prompts = [encode_prompt(tok, p) for p in load_prompts(SETS[name])]
-        for mode, mb in (("default", 0), ("default+memory", args.memory_mb)):
-            eagle = Eagle3Drafter.from_checkpoint(STARTER, model, "starter", 1, 2048 + 16)
+        modes = [("default", 0, 1, False), ("default+memory", args.memory_mb, 1, False)]
+        if args.fleet > 1:
+            modes += [(f"fleet of {args.fleet}, own memories", args.memory_mb, args.fleet, False),
+                      (f"fleet of {args.fleet}, shared memory", args.memory_mb, args.fleet, True)]
+        for mode, mb, workers, share in modes:
+            drafters = [HybridDrafter(Eagle3Drafter.from_checkpoint(STARTER, model, "starter", 1, 2048 + 16))
+                        for _ in range(workers)]
             row = {
                 "workload": name,
                 "mode": mode,
                 "prompts": len(prompts),
-                **decode(model, HybridDrafter(eagle), prompts, args.gamma, args.max_tokens, mb),
+                **decode(model, drafters[0], prompts, args.gamma, args.max_tokens, mb, tuple(drafters[1:]), share),
             }
             res["rows"].append(row)
             shares = ", ".join(f"{k} {v['token_share']:.2f}" for k, v in row["by_source"].items())
             print(
-                f"{name:22s} {mode:15s} accept {row['accept_length']:.2f}  tokens/step "
+                f"{name:22s} {mode:30s} accept {row['accept_length']:.2f}  tokens/step "
                 f"{row['tokens_per_step']:.2f}  ({shares})",
                 flush=True,
             )

@@ -5,6 +5,9 @@ Streams (names under a deployment prefix, `StreamNames("tide")` -> "tide:telemet
 - chunks: one `ChunkRef` per hidden-state chunk written to object storage, workers -> trainer;
 - dead-letter: one `DeadLetter` per entry that could not be used (unparseable payload, a chunk
   that failed validation, a handler that kept failing). Entries are never dropped silently.
+- memory: one `MemoryEntry` per finished request a worker added to its speculation memory, read
+  by every other worker of the fleet (TIDE_SPECULATION_MEMORY_FLEET; a plain XREAD, no group: a
+  broadcast, not work items). A rolling window: trimming loses nothing a worker needs.
 
 Wire format of an entry: fields `type` (schema name), `v` (schema version) and `data` (the
 payload as JSON). No pickle: every consumer can be written in any language. Decoding ignores
@@ -48,6 +51,9 @@ CONTROLLER_GROUP = "controller"  # consumer group of the telemetry stream
 TELEMETRY_MAXLEN = 200_000
 CHUNKS_MAXLEN = 1_000_000
 DEAD_LETTER_MAXLEN = 100_000
+# A finished request's token ids are ~2 KB an entry (256 prompt + 128 output tokens, base64): 10k
+# entries are ~20 MB of Redis, more than a 64 MiB speculation memory holds (~150 B a token indexed).
+MEMORY_MAXLEN = 10_000
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,10 @@ class StreamNames:
     def dead_letter(self) -> str:
         return f"{self.prefix}:dead-letter"
 
+    @property
+    def memory(self) -> str:
+        return f"{self.prefix}:memory"
+
 
 def default_maxlen(stream: str) -> int:
     """The approximate length cap for a stream key named by `StreamNames`."""
@@ -75,6 +85,8 @@ def default_maxlen(stream: str) -> int:
         return TELEMETRY_MAXLEN
     if stream.endswith(":chunks"):
         return CHUNKS_MAXLEN
+    if stream.endswith(":memory"):
+        return MEMORY_MAXLEN
     return DEAD_LETTER_MAXLEN
 
 
@@ -140,9 +152,40 @@ class DeadLetter:
     time_unix_s: float = 0.0
 
 
-Payload = StepRecord | ChunkRef | DeadLetter
-T = TypeVar("T", StepRecord, ChunkRef, DeadLetter)
-PAYLOAD_TYPES: dict[str, type] = {"step_record": StepRecord, "chunk_ref": ChunkRef, "dead_letter": DeadLetter}
+@dataclass(frozen=True)
+class MemoryEntry:
+    """One finished request's token ids, published for the fleet's speculation memories.
+
+    `tokens` is base64 of the ids as little-endian int32 — the prompt's last `prompt_tokens` then
+    the output — sealed with the stack's data key when it has one (`data_key_id`, tide/datakeys.py);
+    `sha256` (lowercase hex) is of those bytes as published, so a reader drops a damaged entry.
+    `scope` is the memory scope the request read and fed (its API key id's hash, or "" when shared:
+    services/inference/settings.py), `target_model` the tokenizer the ids belong to. Token ids only:
+    no text, no request id.
+    """
+
+    worker_id: str
+    target_model: str
+    scope: str
+    prompt_tokens: int
+    tokens: str
+    sha256: str
+    data_key_id: str = ""
+    created_unix_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.worker_id or not self.target_model:
+            raise PayloadError("MemoryEntry.worker_id and target_model must not be empty")
+        if self.prompt_tokens < 0:
+            raise PayloadError("MemoryEntry.prompt_tokens must be >= 0")
+        if not _SHA256_RE.match(self.sha256):
+            raise PayloadError(f"MemoryEntry.sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
+
+
+Payload = StepRecord | ChunkRef | DeadLetter | MemoryEntry
+T = TypeVar("T", StepRecord, ChunkRef, DeadLetter, MemoryEntry)
+PAYLOAD_TYPES: dict[str, type] = {"step_record": StepRecord, "chunk_ref": ChunkRef, "dead_letter": DeadLetter,
+                                  "memory_entry": MemoryEntry}
 _TYPE_NAMES = {cls: name for name, cls in PAYLOAD_TYPES.items()}
 
 

@@ -26,6 +26,7 @@ from minio import Minio
 from services.inference.control import make_drafter
 from services.inference.drafts import DRAFTER_NAME, DraftWatcher
 from services.inference.exporter import ChunkExporter
+from services.inference.fleet_memory import FleetMemory
 from services.inference.live import LiveStats
 from services.inference.server import serve
 from services.inference.settings import InferenceSettings
@@ -180,6 +181,7 @@ class InferenceService:
     telemetry: TelemetryPublisher
     exporter: ChunkExporter
     drafts: DraftWatcher
+    fleet: FleetMemory | None = None  # TIDE_SPECULATION_MEMORY_FLEET
 
     @property
     def target(self) -> str:
@@ -193,6 +195,8 @@ class InferenceService:
         self.server.stop(1.0)
         self.telemetry.stop()
         self.exporter.stop()
+        if self.fleet is not None:
+            self.fleet.stop()
 
 
 @dataclass
@@ -301,4 +305,15 @@ def finish(settings: InferenceSettings, parts: _Prepared) -> InferenceService:
     server = serve(worker, settings.listen, settings.admin_token,
                    max_workers=worker.engine.config.max_batch + settings.max_queue + 8, drafts=drafts, live=live,
                    stream_interval_s=settings.stream_interval_ms / 1e3)
-    return InferenceService(settings, worker, server, telemetry, exporter, drafts)
+    return InferenceService(settings, worker, server, telemetry, exporter, drafts, fleet_memory(settings, worker))
+
+
+def fleet_memory(settings: InferenceSettings, worker: Worker) -> FleetMemory | None:
+    """The worker's share of the fleet's speculation memory (TIDE_SPECULATION_MEMORY_FLEET), started."""
+    eng = worker.engine
+    if not settings.speculation_memory_fleet or eng.memory is None:
+        return None
+    client = settings.storage.redis_client(socket_connect_timeout=1.0, socket_timeout=5.0)
+    return FleetMemory(client, streams.StreamNames(settings.storage.stream_prefix).memory, eng,
+                       worker_id=settings.worker_id, target_model=eng.config.target_model,
+                       keyring=settings.storage.keyring()).start()

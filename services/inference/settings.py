@@ -122,6 +122,13 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
         "key", description="key = a request reads and feeds only the memory of its own API key (requests "
         "without keys share one), so no client's timing depends on another's text; stack = one memory for all "
         "(more recalls, for a deployment whose keys trust each other)")
+    # Off by default: on the fleet measurement (docs/results/speculation-memory, "Across the fleet")
+    # sharing bought what one worker's own memory of the same traffic would, not more.
+    speculation_memory_fleet: bool = Field(False, description="with a speculation memory: publish the token "
+                                           "ids it adds (finished requests that did not opt out; sealed with the "
+                                           "data keys when set) to the Redis stream <prefix>:memory, and add what "
+                                           "the stack's other workers published there to this worker's memory "
+                                           "(a restarted worker warms from the stream's last 10k entries)")
     registry_addr: str = Field(DEFAULT_REGISTRY_ADDR, validation_alias=REGISTRY_ADDR_ENV,
                                description='draft registry gRPC host:port (watched while "eagle3" is used)')
     draft_wait_s: Seconds = Field(15.0, description='with TIDE_DRAFTER=eagle3: at start, wait up to this long for '

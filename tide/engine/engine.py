@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from array import array
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -69,6 +70,10 @@ from tide.policies import (
 from tide.telemetry import StepRecord
 
 log = logging.getLogger(__name__)
+
+
+# Other workers' requests waiting for this engine's next step (LLMEngine.remember): ~6 MB at most.
+REMEMBER_QUEUE = 4096
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,13 @@ class LLMEngine:
         self.eos_ids = set(model.cfg.eos_token_ids)
         self.capture_listeners: list[Callable[[list[CapturedRows]], None]] = []
         self.step_listeners: list[Callable[[StepRecord], None]] = []
+        # Called with (scope, prompt tail, output) after a finished request of this engine joins the
+        # speculation memory (the worker publishes it to the fleet: services/inference/fleet_memory.py).
+        self.memory_listeners: list[Callable[[str, list[int], list[int]], None]] = []
+        # Other workers' finished requests (`remember`, any thread), added at the start of a step; an
+        # idle engine steps never, so the queue keeps the newest REMEMBER_QUEUE (the oldest would be
+        # the first evicted anyway), as int32 arrays (~1.5 KB a request, not ~15 KB of Python ints).
+        self._remembered: deque[tuple[str, array, array]] = deque(maxlen=REMEMBER_QUEUE)
         self._generators: dict[str, torch.Generator] = {}
         self._texts: dict[str, IncrementalText] = {}
         # Requests with logprobs and a tokenizer: [chars of text emitted, entries not yet released as
@@ -308,8 +320,19 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
 
+    def remember(self, scope: str, prompt: list[int], output: list[int]) -> bool:
+        """Add another worker's finished request to the speculation memory (thread-safe: queued, and
+        added at the start of the next step, so the memory stays fixed within a step). False: no memory."""
+        if self.memory is None:
+            return False
+        self._remembered.append((scope, array("i", prompt), array("i", output)))
+        return True
+
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
+        while self._remembered:  # deque.popleft is atomic: `remember` may append meanwhile
+            scope, prompt, output = self._remembered.popleft()
+            self.memory.add(scope, prompt.tolist(), output.tolist())
         plan = self.scheduler.schedule()
         for admission in plan.moves:
             self._move_prefix(admission)
@@ -662,7 +685,11 @@ class LLMEngine:
         # memory's contents stay fixed within a step. Cancelled and failed outputs are not kept.
         if (self.memory is not None and seq.remember and seq.num_output > 0
                 and reason in (FinishReason.STOP, FinishReason.LENGTH)):
-            self.memory.add(seq.memory_scope, seq.token_ids[:seq.num_prompt], seq.output_ids)
+            keep = self.memory.prompt_tokens  # what the memory keeps of the prompt: its last tokens
+            prompt = seq.token_ids[max(0, seq.num_prompt - keep):seq.num_prompt] if keep else []
+            self.memory.add(seq.memory_scope, prompt, seq.output_ids)
+            for listener in self.memory_listeners:
+                listener(seq.memory_scope, prompt, list(seq.output_ids))
         keep = 0
         if reason is not FinishReason.ERROR:
             keep = seq.num_cached if self._reuse_decoded else min(seq.num_cached, seq.num_prompt)

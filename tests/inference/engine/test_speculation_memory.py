@@ -14,7 +14,7 @@ from support.engine import tiny_eagle3_drafter
 
 from tide.engine.drafters.hybrid import HybridDrafter
 from tide.engine.drafters.memory import SpeculationMemory, SuffixIndex, bucket
-from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.engine import REMEMBER_QUEUE, EngineConfig, LLMEngine
 from tide.engine.sequence import SamplingParams
 from tide.policies import FixedGamma, FixedTree
 
@@ -253,3 +253,37 @@ def test_a_recall_drafts_past_max_gamma_and_stays_lossless(tiny_model):
     assert max(g for g, s in steps if s == "memory") > 4  # deeper than the draft's cap
     assert max(g for g, s in steps if s == "memory") <= 24
     assert max(g for g, s in steps if s != "memory") <= 4  # copies and the draft keep max_gamma
+
+
+def test_what_another_engine_served_is_recalled_here_losslessly(tiny_model):
+    """The fleet's path (services/inference/fleet_memory.py): engine A's memory listener hands what it
+    added to engine B's `remember`; B recalls it in its next request, within the scope, and its
+    greedy output stays the target's own."""
+    def spec(seed: int) -> LLMEngine:
+        return LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
+                         drafter=_hybrid(tiny_model, seed), policy=FixedGamma(4))
+
+    a, b = spec(3), spec(4)
+    published: list[tuple[str, list[int], list[int]]] = []
+    a.memory_listeners.append(lambda *entry: published.append(entry))
+    prompt = _prompts(7, 1)[0]
+    plain = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256)).generate([prompt], PARAMS)[0].output_ids
+    _run(a, prompt, "key-a")
+    _run(a, prompt, "key-b", remember=False)  # opted out: never reaches a listener
+    assert [(s, len(p), o) for s, p, o in published] == [("key-a", len(prompt), plain)]
+    for entry in published:
+        assert b.remember(*entry)
+    assert b.memory.added == 0  # queued: the memory changes between steps only
+    assert "memory" not in _run(b, prompt, "key-b")  # another scope's
+    assert b.memory.added == 2 and b.memory.scopes() == ["key-a", "key-b"]  # A's, then B's own
+    seq = b.add_request("again", prompt, PARAMS, memory_scope="key-a")
+    sources = []
+    b.step_listeners.append(lambda r: sources.extend(r.sources))
+    while not seq.status.is_finished():
+        b.step()
+    assert "memory" in sources and seq.output_ids == plain
+    off = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256))
+    assert not off.remember("key-a", prompt, plain)  # no memory: nothing queued
+    for _ in range(REMEMBER_QUEUE + 10):  # an idle engine never steps: its queue keeps the newest only
+        b.remember("key-c", prompt, plain)
+    assert len(b._remembered) == REMEMBER_QUEUE
