@@ -228,6 +228,8 @@ class DataGovernor:
                     continue
                 self._remove_rows(entry, kind, value, report)
             report.stream_entries_deleted = self._delete_stream_entries(kind, value)
+            if kind == "key_id":  # the fleet's speculation memory names a key's entries by their scope
+                report.stream_entries_deleted += self._delete_memory_entries(value)
         self.stats.rows_forgotten += report.rows_removed
         log.warning(
             "forget %s %s: %d chunks deleted, %d rewritten, %d rows, %d stream entries",
@@ -343,6 +345,26 @@ class DataGovernor:
             return int(self.redis.xdel(self.names.chunks, *doomed)) if doomed else 0
         except redis.RedisError as e:
             log.warning("forget: cannot delete stream entries (%s); they go with trimming", e)
+            return 0
+
+
+    def _delete_memory_entries(self, key_id: str) -> int:
+        """XDEL the fleet memory stream's entries of an API key (TIDE_SPECULATION_MEMORY_FLEET with the
+        `key` scope: services/inference/fleet_memory.py). They hold no request ids, so a request's own
+        go with the stream's window, and what workers already hold goes with their memory's budget."""
+        if self.redis is None or not key_id:
+            return 0
+        try:
+            doomed = []
+            for eid, fields in self.redis.xrange(self.names.memory):
+                try:
+                    if streams.decode(fields, streams.MemoryEntry).scope == key_id:
+                        doomed.append(_text(eid))
+                except streams.PayloadError:
+                    continue
+            return int(self.redis.xdel(self.names.memory, *doomed)) if doomed else 0
+        except redis.RedisError as e:
+            log.warning("forget: cannot delete memory stream entries (%s); they go with its window", e)
             return 0
 
 

@@ -15,6 +15,7 @@ from support import scan
 from trainer.service.svc import HIDDEN, chunk_blob, metric, publish, status, wait_for
 
 from services.gateway.governance import key_id
+from services.inference import fleet_memory
 from tide import blobs, streams
 from tide.chunks import ChunkBuilder, decode_chunk, encode_chunk
 from tide.datakeys import Keyring
@@ -190,9 +191,14 @@ def test_forget_removes_a_requests_rows(
     late = request_chunk(target, "late", {"chatcmpl-a-2": [31, 32, 33]}, {"chatcmpl-a-2": alice})
     publish_ref(redis_client, s3_client, s3_bucket, unique_prefix, target, "late", late, ring)
     wait_for(lambda: svc.manifest.is_deleted("late"), what="the late chunk forgotten on arrival")
-    # forget by key id: bob's rows, the last ones
+    # forget by key id: bob's rows, the last ones, and his entries in the fleet's speculation memory
+    memory = streams.StreamNames(unique_prefix).memory
+    for scope in (bob, alice, bob):
+        streams.add(redis_client, memory, fleet_memory.entry("w1", target, scope, [1, 2], [3, 4], ring))
     assert cli.main(["data", "forget", "--key-id", bob, "--trainer", svc.target, "--token", "test-admin-token"]) == 0
     assert "rows removed" in capsys.readouterr().out
+    left = [streams.decode(f, streams.MemoryEntry).scope for _, f in redis_client.xrange(memory)]
+    assert left == [alice]
     assert blobs.list_keys(s3_client, s3_bucket, "chunks/") == []
     assert svc.governor.stats.deleted["forget"] == 3
 
