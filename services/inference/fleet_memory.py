@@ -8,9 +8,9 @@ Each worker publishes the token ids of the requests it added to its speculation 
 - Publishing never stalls a step: the engine's memory listener only queues (bounded; a full queue
   drops and counts), a thread XADDs. Requests that opted out (`no_memory`) never join a memory,
   and the engine calls its listeners only for what it added, so they are never published.
-- Reading: one thread XREADs, first the window already there (a new or restarted worker warms its
-  memory from the fleet's recent traffic, MEMORY_MAXLEN entries at most), then blocking for new
-  entries. Its own entries and other targets' are skipped; an entry that fails its schema, its
+- Reading: one thread first takes the newest entries already there that its memory's budget can
+  hold (a new or restarted worker warms from the fleet's recent traffic), then XREADs, blocking,
+  for new ones. Its own entries and other targets' are skipped; an entry that fails its schema, its
   checksum, its seal or whose ids are out of the vocabulary is counted and dropped, never added.
 - With data keys (TIDE_DATA_KEYS / TIDE_DATA_KEY_FILE) the ids are sealed like chunks are.
 - Redis down: each side logs, backs off and goes on; serving never waits on it.
@@ -31,6 +31,7 @@ from collections import Counter as Tally
 
 import redis
 
+from services.inference.metrics import FLEET_MEMORY
 from tide import streams
 from tide.datakeys import Keyring, Unauthentic
 
@@ -40,6 +41,9 @@ PUBLISH_QUEUE = 1024  # finished requests waiting for the publisher (a Redis out
 READ_BATCH = 256  # entries per XREAD
 READ_BLOCK_MS = 1000  # how long an XREAD waits for new entries (and so how fast `stop` returns)
 BACKOFF_S = (0.5, 5.0)  # after a Redis error: the first wait, doubled up to the second
+# What one published request takes in a memory: ~384 tokens (a 256-token prompt tail and the output)
+# at 150-400 B a token indexed (docs/results/speculation-memory): the warm-up reads budget / this.
+WARM_BYTES_PER_ENTRY = 96 << 10
 
 
 def pack(ids: list[int]) -> bytes:
@@ -96,6 +100,10 @@ class FleetMemory:
         self._threads = [threading.Thread(target=self._publish_loop, name="fleet-memory-publish", daemon=True),
                          threading.Thread(target=self._read_loop, name="fleet-memory-read", daemon=True)]
 
+    def _count(self, outcome: str) -> None:
+        self.stats[outcome] += 1
+        FLEET_MEMORY.labels(outcome).inc()
+
     def start(self) -> FleetMemory:
         self.engine.memory_listeners.append(self.offer)
         for t in self._threads:
@@ -114,7 +122,7 @@ class FleetMemory:
         try:
             self._outbox.put_nowait((scope, prompt, output))
         except queue.Full:
-            self.stats["publish_dropped"] += 1
+            self._count("publish_dropped")
 
     def _publish_loop(self) -> None:
         wait = BACKOFF_S[0]
@@ -126,23 +134,34 @@ class FleetMemory:
             while not self._stop.is_set():
                 try:
                     streams.add(self.client, self.stream, e)
-                    self.stats["published"] += 1
+                    self._count("published")
                     wait = BACKOFF_S[0]
                     break
                 except redis.RedisError as err:
-                    self.stats["publish_errors"] += 1
+                    self._count("publish_errors")
                     log.warning("fleet memory: cannot publish to %s (%s); retrying in %.1f s", self.stream, err, wait)
                     self._stop.wait(wait)
                     wait = min(2 * wait, BACKOFF_S[1])
 
+    def _warm(self) -> str:
+        """Take the newest entries the memory can hold; the id to read on from ("0": none there)."""
+        n = max(1, min(self.engine.memory.budget_bytes // WARM_BYTES_PER_ENTRY, streams.MEMORY_MAXLEN))
+        newest = self.client.xrevrange(self.stream, count=n)
+        for entry_id, fields in reversed(newest):
+            self._take(streams._text(entry_id), fields)
+        self.stats["warmed"] = len(newest)
+        return streams._text(newest[0][0]) if newest else "0"
+
     def _read_loop(self) -> None:
-        last, wait = "0", BACKOFF_S[0]  # "0": the window already there first
+        last, wait = None, BACKOFF_S[0]  # None: warm up first
         while not self._stop.is_set():
             try:
+                if last is None:
+                    last = self._warm()
                 got = self.client.xread({self.stream: last}, count=READ_BATCH, block=READ_BLOCK_MS)
                 wait = BACKOFF_S[0]
             except redis.RedisError as err:
-                self.stats["read_errors"] += 1
+                self._count("read_errors")
                 log.warning("fleet memory: cannot read %s (%s); retrying in %.1f s", self.stream, err, wait)
                 self._stop.wait(wait)
                 wait = min(2 * wait, BACKOFF_S[1])
@@ -156,20 +175,20 @@ class FleetMemory:
         try:
             e = streams.decode(fields, streams.MemoryEntry)
         except streams.PayloadError as err:
-            self.stats["corrupt"] += 1
+            self._count("corrupt")
             log.warning("fleet memory: entry %s dropped: %s", entry_id, err)
             return
         if e.worker_id == self.worker_id:
-            self.stats["own"] += 1
+            self._count("own")
             return
         if e.target_model != self.target_model:
-            self.stats["other_target"] += 1
+            self._count("other_target")
             return
         try:
             prompt, output = open_entry(e, self.keyring, self.vocab_size)
         except (ValueError, Unauthentic) as err:
-            self.stats["corrupt"] += 1
+            self._count("corrupt")
             log.warning("fleet memory: entry %s from %s dropped: %s", entry_id, e.worker_id, err)
             return
         if self.engine.remember(e.scope, prompt, output):
-            self.stats["added"] += 1
+            self._count("added")

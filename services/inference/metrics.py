@@ -56,3 +56,7 @@ SPOOL_BYTES_DELETED = Counter("tide_chunk_spool_deleted_bytes", "Bytes of spoole
 SPOOL_BYTES = Gauge("tide_chunk_spool_bytes", "Bytes in the chunk spool (chunks waiting for S3, refs for Redis)")
 SPOOL_ENTRIES = Gauge("tide_chunk_spool_entries", "Spool entries: chunk = waiting for S3, ref = waiting for Redis",
                       ["kind"])
+# TIDE_SPECULATION_MEMORY_FLEET (fleet_memory.FleetMemory.stats): published, publish_dropped,
+# publish_errors, read_errors, added, own, other_target, corrupt
+FLEET_MEMORY = Counter("tide_inference_fleet_memory_entries", "Fleet speculation-memory entries by what happened",
+                       ["outcome"])
