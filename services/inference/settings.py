@@ -128,7 +128,7 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
                                            "ids it adds (finished requests that did not opt out; sealed with the "
                                            "data keys when set) to the Redis stream <prefix>:memory, and add what "
                                            "the stack's other workers published there to this worker's memory "
-                                           "(a restarted worker warms from the stream's last 10k entries)")
+                                           "(a restarted worker warms from the newest entries its budget holds)")
     registry_addr: str = Field(DEFAULT_REGISTRY_ADDR, validation_alias=REGISTRY_ADDR_ENV,
                                description='draft registry gRPC host:port (watched while "eagle3" is used)')
     draft_wait_s: Seconds = Field(15.0, description='with TIDE_DRAFTER=eagle3: at start, wait up to this long for '
