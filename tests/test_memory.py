@@ -77,3 +77,19 @@ def test_listening_pids_and_a_process_tree():
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_speculation_memory_is_not_walked():
+    """Its indexes are millions of ints in a long run: walking them every status call cost the worker
+    its CPU (docs/results/speculation-memory). A class saying `holds_tensors = False` is skipped."""
+    from tide.engine.drafters.memory import SpeculationMemory
+
+    memory = SpeculationMemory(1 << 20)
+    memory.add("", list(range(300)), list(range(300, 400)))
+    memory.planted = torch.zeros(1000)  # were it walked, these 4000 bytes would count
+
+    class Drafter:
+        def __init__(self):
+            self.memory, self.weights = memory, torch.zeros(10)
+
+    assert tensor_bytes(Drafter()) == 40

@@ -107,7 +107,10 @@ def tensor_bytes(*roots: object, seen: set[int] | None = None) -> int:
     """Bytes of the distinct tensor storages reachable from `roots` through attributes (objects'
     `__dict__` and `__slots__`), lists, tuples, sets and dict values. Storages already in `seen`
     (data pointers, updated) are not counted again: pass one set to several calls to count what
-    the second root holds beyond the first (a draft beside its target)."""
+    the second root holds beyond the first (a draft beside its target). Objects whose class says
+    `holds_tensors = False` are not walked: the speculation memory's indexes are millions of ints
+    (a 30-minute run's 490k tokens made a walk of seconds, every status call:
+    docs/results/speculation-memory)."""
     import torch  # here: the /proc readers serve processes that never load torch (the gateway)
 
     seen = set() if seen is None else seen
@@ -119,6 +122,8 @@ def tensor_bytes(*roots: object, seen: set[int] | None = None) -> int:
         if id(obj) in visited or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)):
             continue
         visited.add(id(obj))
+        if getattr(type(obj), "holds_tensors", True) is False:
+            continue
         if isinstance(obj, torch.Tensor):
             try:
                 storage = obj.untyped_storage()

@@ -101,6 +101,8 @@ NONE = Continuations(0, 0)
 class SuffixIndex:
     """The documents of one scope, oldest first, and their anchor indexes (see the module doc)."""
 
+    holds_tensors = False  # tide.memory.tensor_bytes need not walk its millions of ints
+
     def __init__(self, anchors: tuple[int, ...] = (4, 16)) -> None:
         self.anchors = tuple(sorted(anchors, reverse=True))  # longest first
         self._tokens = array("i")
@@ -238,6 +240,8 @@ class SpeculationMemory:
     for the question and the chat template's turn header, so a later request whose context ends
     the same way matches into the answer; whole long prompts (shared system prompts, files) would
     fill the budget with text that prompt lookup already copies within the request."""
+
+    holds_tensors = False  # see SuffixIndex
 
     def __init__(
         self, budget_bytes: int, anchors: tuple[int, ...] = (4, 16), prompt_tokens: int = 256, max_match: int = 32
