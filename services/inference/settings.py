@@ -122,8 +122,8 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
         "key", description="key = a request reads and feeds only the memory of its own API key (requests "
         "without keys share one), so no client's timing depends on another's text; stack = one memory for all "
         "(more recalls, for a deployment whose keys trust each other)")
-    # Off by default: on the fleet measurement (docs/results/speculation-memory, "Across the fleet")
-    # sharing bought what one worker's own memory of the same traffic would, not more.
+    # Off by default: whether sharing pays is not measured yet (docs/results/speculation-memory,
+    # "Across the fleet"; `python -m benchmarks.speculation_memory --fleet 2` counts it).
     speculation_memory_fleet: bool = Field(False, description="with a speculation memory: publish the token "
                                            "ids it adds (finished requests that did not opt out; sealed with the "
                                            "data keys when set) to the Redis stream <prefix>:memory, and add what "
