@@ -225,7 +225,8 @@ def test_dashboard_shows_the_live_stack(browser, spawn_worker, chat_target, toke
             assert text == expected, (k, text, expected)
     for k in ("fleet.tokens_per_s", "workers.0.tokens_per_s", "workers.0.running", "workers.0.waiting",
               "workers.0.acceptance.0.acceptance_rate", "workers.0.acceptance.0.accept_length",
-              "workers.0.gamma.0.mean_gamma", "workers.0.speculation.why", "registry.pointer.effective",
+              "workers.0.gamma.0.mean_gamma", "workers.0.speculation.why", "workers.0.memory.rss_bytes",
+              "registry.pointer.effective",
               "registry.versions.0.eval_metrics.accept_length", "controller.collection.reason",
               "controller.last_decision.reason", "controller.drafts.0.acceptance_rate_short",
               "training.cycles.0.eval_after", "training.cycles.0.duration_s", "training.rollbacks",

@@ -79,6 +79,14 @@ function policy(p) {
   return `<b>${esc(p.name)}</b>${params ? ` <span class="muted">(${params})</span>` : ""}`;
 }
 
+function memoryLine(m, k) {
+  if (!m) return "";
+  const spec = m.speculation_memory_budget_bytes
+    ? ` · speculation memory ${v(k("memory.speculation_memory_bytes"), m.speculation_memory_bytes, "bytes")} of ${fmt(m.speculation_memory_budget_bytes, "bytes")} (${v(k("memory.speculation_memory_tokens"), m.speculation_memory_tokens)} tokens)`
+    : "";
+  return `<div class="why" data-memory>memory: RSS ${v(k("memory.rss_bytes"), m.rss_bytes, "bytes")} · weights ${fmt(m.weights_bytes, "bytes")} · KV cache ${fmt(m.kv_cache_bytes, "bytes")} · draft ${fmt(m.draft_bytes, "bytes")}${spec}</div>`;
+}
+
 function renderWorkers(d) {
   if (!d.workers.length) { $("workers").innerHTML = '<div class="panel muted">No worker configured.</div>'; return; }
   $("workers").innerHTML = d.workers.map((w, i) => {
@@ -103,6 +111,7 @@ function renderWorkers(d) {
       </div>
       <div class="why">speculation <b>${sp.on ? "on" : "off"}</b>: <span data-k="${k("speculation.why")}" data-f="str">${esc(sp.why)}</span></div>
       <div class="why">drafter <b>${esc(w.drafter)}</b> ${w.draft_version ? `version <b>${esc(w.draft_version)}</b>` : ""} · γ policy ${policy(w.gamma_policy)} · schedule ${schedule(w.schedule)}</div>
+      ${memoryLine(w.memory, k)}
       ${refusals}
       <h3>Acceptance by draft version</h3>${acc}
       <h3>γ chosen per batch bucket</h3>${gam}
