@@ -689,8 +689,8 @@ class LLMEngine:
         # memory's contents stay fixed within a step. Cancelled and failed outputs are not kept.
         if (self.memory is not None and seq.remember and seq.num_output > 0
                 and reason in (FinishReason.STOP, FinishReason.LENGTH)):
-            keep = self.memory.prompt_tokens  # what the memory keeps of the prompt: its last tokens
-            prompt = seq.token_ids[max(0, seq.num_prompt - keep):seq.num_prompt] if keep else []
+            tail = self.memory.prompt_tokens  # what the memory keeps of the prompt: its last tokens
+            prompt = seq.token_ids[max(0, seq.num_prompt - tail):seq.num_prompt] if tail else []
             self.memory.add(seq.memory_scope, prompt, seq.output_ids)
             for listener in self.memory_listeners:
                 listener(seq.memory_scope, prompt, list(seq.output_ids))
