@@ -423,3 +423,32 @@ def test_a_recall_of_known_length_goes_deep_only_where_the_engine_allows():
     g = pol.decide(StepContext(2, reqs, max_recall_gamma=32))
     assert 8 < g[0] <= 20 and g[1] <= 8  # the recall goes past γmax, to at most what it holds
     assert pol.decide(StepContext(2, reqs))[0] <= 8  # the engine allows no deeper recall: γmax
+
+
+def test_a_lagging_draft_does_not_hold_the_batchs_recalls_and_copies_off():
+    """The batch-4 catch-up trap (docs/results/horizon, "At four streams the adaptive policy stays
+    off too often") where it touches the weightless sources: a draft request whose lag has grown to
+    300 rows makes turning the draft on dear (catch-up priced here at 0.5 ms a row and sequence,
+    ~600 ms at b = 4), but the batch's copies and recalls need no catch-up (they do not feed the
+    draft), so they speculate while the lagging request waits. (Priced as if any drafting paid the
+    catch-up, the batch stays plain: this test fails.)"""
+    profile = synthetic_profile(catchup_ms_per_token=0.5)
+    pol = AdaptivePolicy(profile, explore=0.0, probe_interval=0)
+    rng = random.Random(0)
+    reqs = (RequestView("c0", drafter="ngram", match=2), RequestView("c1", drafter="ngram", match=2),
+            RequestView("m0", drafter="memory", match=8, limit=6), RequestView("d0", drafter="eagle3", lag=300))
+    drafting = 0
+    for _ in range(200):  # each weightless draft token accepted half the time, the draft never
+        g = pol.decide(StepContext(4, reqs, max_recall_gamma=32))
+        acc = []
+        for x in g[:3]:
+            k = 0
+            while k < x and rng.random() < 0.5:
+                k += 1
+            acc.append(k)
+        verify = profile.target_ms(4, 1 + max(g))
+        pol.observe(StepFeedback(4, tuple(g), (*acc, 0), step_ms=verify, verify_ms=verify))
+        drafting += max(g) > 0
+    g = pol.decide(StepContext(4, reqs, max_recall_gamma=32))
+    assert drafting >= 190 and min(g[:3]) > 0  # the weightless sources speculate
+    assert g[3] == 0  # the lagging draft waits: no catch-up of 300 rows is paid
