@@ -54,6 +54,8 @@ DEAD_LETTER_MAXLEN = 100_000
 # A finished request's token ids are ~2 KB an entry (256 prompt + 128 output tokens, base64): 10k
 # entries are ~20 MB of Redis, more than a 64 MiB speculation memory holds (~150 B a token indexed).
 MEMORY_MAXLEN = 10_000
+# Deletion requests for the workers' in-RAM speculation memories: a few a day at most.
+FORGET_MAXLEN = 10_000
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,10 @@ class StreamNames:
     def memory(self) -> str:
         return f"{self.prefix}:memory"
 
+    @property
+    def forget(self) -> str:
+        return f"{self.prefix}:forget"
+
 
 def default_maxlen(stream: str) -> int:
     """The approximate length cap for a stream key named by `StreamNames`."""
@@ -87,6 +93,8 @@ def default_maxlen(stream: str) -> int:
         return CHUNKS_MAXLEN
     if stream.endswith(":memory"):
         return MEMORY_MAXLEN
+    if stream.endswith(":forget"):
+        return FORGET_MAXLEN
     return DEAD_LETTER_MAXLEN
 
 
@@ -160,8 +168,9 @@ class MemoryEntry:
     the output — sealed with the stack's data key when it has one (`data_key_id`, tide/datakeys.py);
     `sha256` (lowercase hex) is of those bytes as published, so a reader drops a damaged entry.
     `scope` is the memory scope the request read and fed (its API key id's hash, or "" when shared:
-    services/inference/settings.py), `target_model` the tokenizer the ids belong to. Token ids only:
-    no text, no request id.
+    services/inference/settings.py), `target_model` the tokenizer the ids belong to. `key_id` and
+    `request_id` name its owners (as a chunk reference does), so that `tidectl data forget` finds the
+    entry and every memory it joined drops it. Token ids only: no text.
     """
 
     worker_id: str
@@ -172,6 +181,8 @@ class MemoryEntry:
     sha256: str
     data_key_id: str = ""
     created_unix_s: float = 0.0
+    key_id: str = ""
+    request_id: str = ""
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.target_model:
@@ -182,10 +193,25 @@ class MemoryEntry:
             raise PayloadError(f"MemoryEntry.sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
 
 
-Payload = StepRecord | ChunkRef | DeadLetter | MemoryEntry
-T = TypeVar("T", StepRecord, ChunkRef, DeadLetter, MemoryEntry)
+@dataclass(frozen=True)
+class ForgetNotice:
+    """A deletion request (`tidectl data forget`) for what the workers hold in RAM: every worker with a
+    speculation memory drops the documents of `key_id` or of `request_id` (exactly one is set) and
+    refuses them from then on. The trainer publishes it after deleting the stored rows."""
+
+    key_id: str = ""
+    request_id: str = ""
+    created_unix_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if bool(self.key_id) == bool(self.request_id):
+            raise PayloadError("ForgetNotice needs exactly one of key_id and request_id")
+
+
+Payload = StepRecord | ChunkRef | DeadLetter | MemoryEntry | ForgetNotice
+T = TypeVar("T", StepRecord, ChunkRef, DeadLetter, MemoryEntry, ForgetNotice)
 PAYLOAD_TYPES: dict[str, type] = {"step_record": StepRecord, "chunk_ref": ChunkRef, "dead_letter": DeadLetter,
-                                  "memory_entry": MemoryEntry}
+                                  "memory_entry": MemoryEntry, "forget_notice": ForgetNotice}
 _TYPE_NAMES = {cls: name for name, cls in PAYLOAD_TYPES.items()}
 
 

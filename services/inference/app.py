@@ -28,6 +28,7 @@ from services.inference.drafts import DRAFTER_NAME, DraftWatcher
 from services.inference.exporter import ChunkExporter
 from services.inference.fleet_memory import FleetMemory
 from services.inference.live import LiveStats
+from services.inference.memory_forget import MemoryForgetter
 from services.inference.server import serve
 from services.inference.settings import InferenceSettings
 from services.inference.telemetry import TelemetryPublisher
@@ -182,6 +183,7 @@ class InferenceService:
     exporter: ChunkExporter
     drafts: DraftWatcher
     fleet: FleetMemory | None = None  # TIDE_SPECULATION_MEMORY_FLEET
+    forgetter: MemoryForgetter | None = None  # with a speculation memory: deletion requests reach it
 
     @property
     def target(self) -> str:
@@ -197,6 +199,8 @@ class InferenceService:
         self.exporter.stop()
         if self.fleet is not None:
             self.fleet.stop()
+        if self.forgetter is not None:
+            self.forgetter.stop()
 
 
 @dataclass
@@ -305,7 +309,16 @@ def finish(settings: InferenceSettings, parts: _Prepared) -> InferenceService:
     server = serve(worker, settings.listen, settings.admin_token,
                    max_workers=worker.engine.config.max_batch + settings.max_queue + 8, drafts=drafts, live=live,
                    stream_interval_s=settings.stream_interval_ms / 1e3)
-    return InferenceService(settings, worker, server, telemetry, exporter, drafts, fleet_memory(settings, worker))
+    return InferenceService(settings, worker, server, telemetry, exporter, drafts, fleet_memory(settings, worker),
+                            memory_forgetter(settings, worker))
+
+
+def memory_forgetter(settings: InferenceSettings, worker: Worker) -> MemoryForgetter | None:
+    """With a speculation memory: the reader of deletion requests for it (memory_forget.py), started."""
+    if worker.engine.memory is None:
+        return None
+    client = settings.storage.redis_client(socket_connect_timeout=1.0, socket_timeout=5.0)
+    return MemoryForgetter(client, streams.StreamNames(settings.storage.stream_prefix).forget, worker).start()
 
 
 def fleet_memory(settings: InferenceSettings, worker: Worker) -> FleetMemory | None:

@@ -65,12 +65,12 @@ def unpack(raw: bytes) -> list[int]:
 
 
 def entry(worker_id: str, target_model: str, scope: str, prompt: list[int], output: list[int],
-          keyring: Keyring) -> streams.MemoryEntry:
+          key_id: str, request_id: str, keyring: Keyring) -> streams.MemoryEntry:
     blob = keyring.seal(pack(prompt + output))
     return streams.MemoryEntry(worker_id=worker_id, target_model=target_model, scope=scope,
                                prompt_tokens=len(prompt), tokens=base64.b64encode(blob).decode(),
                                sha256=hashlib.sha256(blob).hexdigest(), data_key_id=keyring.current,
-                               created_unix_s=round(time.time(), 3))
+                               created_unix_s=round(time.time(), 3), key_id=key_id, request_id=request_id)
 
 
 def open_entry(e: streams.MemoryEntry, keyring: Keyring, vocab_size: int) -> tuple[list[int], list[int]]:
@@ -95,7 +95,7 @@ class FleetMemory:
         self.keyring = keyring or Keyring(())
         self.vocab_size = engine.model.cfg.vocab_size
         self.stats: Tally[str] = Tally()
-        self._outbox: queue.Queue[tuple[str, list[int], list[int]] | None] = queue.Queue(PUBLISH_QUEUE)
+        self._outbox: queue.Queue[tuple[str, list[int], list[int], str, str] | None] = queue.Queue(PUBLISH_QUEUE)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._publish_loop, name="fleet-memory-publish", daemon=True),
                          threading.Thread(target=self._read_loop, name="fleet-memory-read", daemon=True)]
@@ -117,10 +117,10 @@ class FleetMemory:
         for t in self._threads:
             t.join(timeout_s)
 
-    def offer(self, scope: str, prompt: list[int], output: list[int]) -> None:
+    def offer(self, scope: str, prompt: list[int], output: list[int], key_id: str = "", request_id: str = "") -> None:
         """The engine's memory listener (engine thread): queue, never block."""
         try:
-            self._outbox.put_nowait((scope, prompt, output))
+            self._outbox.put_nowait((scope, prompt, output, key_id, request_id))
         except queue.Full:
             self._count("publish_dropped")
 
@@ -190,5 +190,5 @@ class FleetMemory:
             self._count("corrupt")
             log.warning("fleet memory: entry %s from %s dropped: %s", entry_id, e.worker_id, err)
             return
-        if self.engine.remember(e.scope, prompt, output):
+        if self.engine.remember(e.scope, prompt, output, e.key_id, e.request_id):
             self._count("added")

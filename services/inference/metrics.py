@@ -60,3 +60,7 @@ SPOOL_ENTRIES = Gauge("tide_chunk_spool_entries", "Spool entries: chunk = waitin
 # publish_errors, read_errors, added, own, other_target, corrupt
 FLEET_MEMORY = Counter("tide_inference_fleet_memory_entries", "Fleet speculation-memory entries by what happened",
                        ["outcome"])
+# Deletion requests for the speculation memory (memory_forget.MemoryForgetter.stats): applied,
+# corrupt, failed, read_errors notices, and `documents` for the documents they dropped
+MEMORY_FORGET = Counter("tide_inference_memory_forget", "Speculation-memory forget notices (and documents "
+                        "dropped) by outcome", ["outcome"])

@@ -186,6 +186,7 @@ class RequestHandle:
     grammar: CompiledGrammar | None = None  # params.grammar compiled by `Worker.submit` (off the loop)
     memory_scope: str = ""  # the speculation memory it reads and, with `remember`, is added to
     remember: bool = True
+    key_id: str = ""  # the API key id that sent it: its memory document's owner, for forget
 
     def speculation(self) -> SpeculationStats:
         s = self.seq

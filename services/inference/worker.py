@@ -126,7 +126,7 @@ class Worker:
         handle = RequestHandle(req.request_id, prompt, params, req.speculative, req.workload,
                                grammar=self._compile_grammar(params),
                                memory_scope=req.key_id if self.memory_scope == "key" else "",
-                               remember=not req.no_memory)
+                               remember=not req.no_memory, key_id=req.key_id)
         with self._lock:
             if self._stopping:
                 raise RequestRejected(ErrorKind.UNAVAILABLE, "the worker is shutting down")
@@ -181,6 +181,20 @@ class Worker:
 
         self._commands.put(run)
         return fut.result(timeout=timeout_s)
+
+    def forget_memory(self, key_id: str = "", request_id: str = "") -> concurrent.futures.Future[int]:
+        """Drop the speculation memory's documents of an API key id or a request, between steps (on
+        the engine thread, which alone touches the memory); the future: how many went."""
+        fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self.engine.forget(key_id=key_id, request_id=request_id))
+            except Exception as e:  # a bad notice must not kill the loop
+                fut.set_exception(e)
+
+        self._commands.put(run)
+        return fut
 
     def offer_drafter(self, name: str, drafter: Drafter | None) -> concurrent.futures.Future[bool]:
         """Swap `drafter` in between steps if this worker runs the drafter called `name` (e.g. the
@@ -329,7 +343,7 @@ class Worker:
         try:
             h.seq = self.engine.add_request(h.request_id, h.prompt_ids, h.params, speculative=h.speculative,
                                             workload=h.workload, grammar=h.grammar, memory_scope=h.memory_scope,
-                                            remember=h.remember)
+                                            remember=h.remember, key_id=h.key_id)
         except ValueError as e:
             self._end(h, ErrorEvent(ErrorKind.INVALID_ARGUMENT, str(e)), "invalid")
             return

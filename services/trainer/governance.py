@@ -86,6 +86,7 @@ class ForgetReport:
     rows_removed: int = 0
     requests_removed: list[str] = field(default_factory=list)
     stream_entries_deleted: int = 0
+    memory_notice: bool = False  # whether the workers' speculation memories were told (the forget stream)
 
 
 class DataGovernor:
@@ -228,8 +229,8 @@ class DataGovernor:
                     continue
                 self._remove_rows(entry, kind, value, report)
             report.stream_entries_deleted = self._delete_stream_entries(kind, value)
-            if kind == "key_id":  # the fleet's speculation memory names a key's entries by their scope
-                report.stream_entries_deleted += self._delete_memory_entries(value)
+            report.stream_entries_deleted += self._delete_memory_entries(kind, value)
+            report.memory_notice = self._notify_memories(kind, value)
         self.stats.rows_forgotten += report.rows_removed
         log.warning(
             "forget %s %s: %d chunks deleted, %d rewritten, %d rows, %d stream entries",
@@ -348,24 +349,42 @@ class DataGovernor:
             return 0
 
 
-    def _delete_memory_entries(self, key_id: str) -> int:
-        """XDEL the fleet memory stream's entries of an API key (TIDE_SPECULATION_MEMORY_FLEET with the
-        `key` scope: services/inference/fleet_memory.py). They hold no request ids, so a request's own
-        go with the stream's window, and what workers already hold goes with their memory's budget."""
-        if self.redis is None or not key_id:
+    def _delete_memory_entries(self, kind: str, value: str) -> int:
+        """XDEL the fleet memory stream's entries of a request or an API key
+        (TIDE_SPECULATION_MEMORY_FLEET: services/inference/fleet_memory.py names each entry's owners;
+        under the `key` scope its scope is the key id too)."""
+        if self.redis is None:
             return 0
         try:
             doomed = []
             for eid, fields in self.redis.xrange(self.names.memory):
                 try:
-                    if streams.decode(fields, streams.MemoryEntry).scope == key_id:
-                        doomed.append(_text(eid))
+                    e = streams.decode(fields, streams.MemoryEntry)
                 except streams.PayloadError:
                     continue
+                if (kind == "key_id" and value in (e.key_id, e.scope)) or (
+                        kind == "request_id" and request_matches(e.request_id, value)):
+                    doomed.append(_text(eid))
             return int(self.redis.xdel(self.names.memory, *doomed)) if doomed else 0
         except redis.RedisError as e:
             log.warning("forget: cannot delete memory stream entries (%s); they go with its window", e)
             return 0
+
+    def _notify_memories(self, kind: str, value: str) -> bool:
+        """Publish a ForgetNotice: every worker's speculation memory drops the id's documents from RAM
+        (services/inference/memory_forget.py). False when Redis cannot take it (logged)."""
+        if self.redis is None:
+            return False
+        notice = streams.ForgetNotice(key_id=value if kind == "key_id" else "",
+                                      request_id=value if kind == "request_id" else "",
+                                      created_unix_s=round(time.time(), 3))
+        try:
+            streams.add(self.redis, self.names.forget, notice)
+            return True
+        except redis.RedisError as e:
+            log.error("forget: cannot tell the workers' speculation memories (%s): they keep the %s %s "
+                      "until it is evicted", e, kind, value)
+            return False
 
 
 def _matches(entry: ManifestEntry, kind: str, value: str) -> bool:

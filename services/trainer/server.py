@@ -80,7 +80,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         r = g.forget(**{which: getattr(request, which)})
         return trainer_pb2.ForgetDataResponse(chunks_deleted=r.chunks_deleted, chunks_rewritten=r.chunks_rewritten,
                                               rows_removed=r.rows_removed, requests_removed=r.requests_removed,
-                                              stream_entries_deleted=r.stream_entries_deleted)
+                                              stream_entries_deleted=r.stream_entries_deleted,
+                                              memory_notice=r.memory_notice)
 
     def SweepData(self, request, context):
         g = self.service.governor

@@ -199,13 +199,13 @@ class LLMEngine:
         self.eos_ids = set(model.cfg.eos_token_ids)
         self.capture_listeners: list[Callable[[list[CapturedRows]], None]] = []
         self.step_listeners: list[Callable[[StepRecord], None]] = []
-        # Called with (scope, prompt tail, output) after a finished request of this engine joins the
-        # speculation memory (the worker publishes it to the fleet: services/inference/fleet_memory.py).
-        self.memory_listeners: list[Callable[[str, list[int], list[int]], None]] = []
+        # Called with (scope, prompt tail, output, key id, request id) after a finished request of this
+        # engine joins the speculation memory (the worker publishes it: services/inference/fleet_memory.py).
+        self.memory_listeners: list[Callable[[str, list[int], list[int], str, str], None]] = []
         # Other workers' finished requests (`remember`, any thread), added at the start of a step; an
         # idle engine steps never, so the queue keeps the newest REMEMBER_QUEUE (the oldest would be
         # the first evicted anyway), as int32 arrays (~1.5 KB a request, not ~15 KB of Python ints).
-        self._remembered: deque[tuple[str, array, array]] = deque(maxlen=REMEMBER_QUEUE)
+        self._remembered: deque[tuple[str, array, array, str, str]] = deque(maxlen=REMEMBER_QUEUE)
         self._generators: dict[str, torch.Generator] = {}
         self._texts: dict[str, IncrementalText] = {}
         # Requests with logprobs and a tokenizer: [chars of text emitted, entries not yet released as
@@ -238,12 +238,14 @@ class LLMEngine:
         grammar: CompiledGrammar | None = None,
         memory_scope: str = "",
         remember: bool = True,
+        key_id: str = "",
     ) -> Sequence:
         """Queue a request. `speculative`: None = the γ policy decides; True = it drafts every step
         (at least `config.forced_gamma` where the policy says 0); False = it never drafts.
         `grammar`: `params.grammar` already compiled (the worker compiles off the engine thread);
         compiled here (cached) when not given. `memory_scope`: the speculation memory it reads and
-        (with `remember`, at its end) is added to. Raises ValueError for a bad prompt or constraint."""
+        (with `remember`, at its end) is added to, owned by `key_id` (the API key id, for `forget`).
+        Raises ValueError for a bad prompt or constraint."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         if max(prompt_ids) >= self.model.cfg.vocab_size or min(prompt_ids) < 0:
@@ -255,7 +257,7 @@ class LLMEngine:
             matcher = grammar.matcher()
         seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt=len(prompt_ids),
                        params=params, speculative=speculative, workload=workload, arrival_s=time.monotonic(),
-                       matcher=matcher, memory_scope=memory_scope, remember=remember)
+                       matcher=matcher, memory_scope=memory_scope, remember=remember, key_id=key_id)
         self.scheduler.add(seq)
         if has_penalties(params):
             self._counts[request_id] = Counter()
@@ -324,19 +326,30 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def remember(self, scope: str, prompt: list[int], output: list[int]) -> bool:
+    def remember(self, scope: str, prompt: list[int], output: list[int], key_id: str = "",
+                 request_id: str = "") -> bool:
         """Add another worker's finished request to the speculation memory (thread-safe: queued, and
         added at the start of the next step, so the memory stays fixed within a step). False: no memory."""
         if self.memory is None:
             return False
-        self._remembered.append((scope, array("i", prompt), array("i", output)))
+        self._remembered.append((scope, array("i", prompt), array("i", output), key_id, request_id))
         return True
+
+    def forget(self, key_id: str = "", request_id: str = "") -> int:
+        """Drop the speculation memory's documents of an API key id or a request, queued ones too, and
+        refuse them from now on (SpeculationMemory.forget); how many stored ones went. Between steps
+        only (the worker runs it on the engine thread). ValueError unless exactly one is given."""
+        if self.memory is None:
+            if bool(key_id) == bool(request_id):
+                raise ValueError("give exactly one of a key id and a request id")
+            return 0
+        return self.memory.forget(key_id=key_id, request_id=request_id)
 
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
         for _ in range(min(len(self._remembered), REMEMBER_PER_STEP)):  # popleft is atomic: `remember` may append
-            scope, prompt, output = self._remembered.popleft()
-            self.memory.add(scope, prompt.tolist(), output.tolist())
+            scope, prompt, output, key_id, request_id = self._remembered.popleft()
+            self.memory.add(scope, prompt.tolist(), output.tolist(), key_id, request_id)
         plan = self.scheduler.schedule()
         for admission in plan.moves:
             self._move_prefix(admission)
@@ -691,9 +704,9 @@ class LLMEngine:
                 and reason in (FinishReason.STOP, FinishReason.LENGTH)):
             tail = self.memory.prompt_tokens  # what the memory keeps of the prompt: its last tokens
             prompt = seq.token_ids[max(0, seq.num_prompt - tail):seq.num_prompt] if tail else []
-            self.memory.add(seq.memory_scope, prompt, seq.output_ids)
-            for listener in self.memory_listeners:
-                listener(seq.memory_scope, prompt, list(seq.output_ids))
+            if self.memory.add(seq.memory_scope, prompt, seq.output_ids, seq.key_id, seq.request_id):
+                for listener in self.memory_listeners:
+                    listener(seq.memory_scope, prompt, list(seq.output_ids), seq.key_id, seq.request_id)
         keep = 0
         if reason is not FinishReason.ERROR:
             keep = seq.num_cached if self._reuse_decoded else min(seq.num_cached, seq.num_prompt)

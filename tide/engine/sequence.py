@@ -171,6 +171,7 @@ class Sequence:
     # and `remember` holds, is added to: a scope per API key unless the operator shares one.
     memory_scope: str = ""
     remember: bool = True
+    key_id: str = ""  # the API key id that sent it ("" without keys): the memory's owner tag, for forget
 
     RECENT_STEPS = 16  # how many steps of history a policy sees per request
 

@@ -255,7 +255,9 @@ def run_data(args) -> int:
             what = args.request_id or f"key {args.key_id}"
             text = (f"forgot {what}: {r.rows_removed} rows removed; {len(r.chunks_deleted)} chunks deleted, "
                     f"{len(r.chunks_rewritten)} rewritten without them, {r.stream_entries_deleted} stream entries "
-                    "deleted (drafts already trained on them keep existing)")
+                    "deleted; the workers' speculation memories "
+                    + ("told to drop them" if r.memory_notice else "NOT told (Redis unreachable: the trainer's log)")
+                    + " (drafts already trained on them keep existing)")
         else:
             r = stub.SweepData(trainer_pb2.SweepDataRequest(), timeout=max(args.timeout, 120.0))
             data = MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)

@@ -91,6 +91,34 @@ def test_the_budget_holds_and_the_oldest_documents_go_first():
     assert memory.nbytes == sum(ix.nbytes for ix in memory._scopes.values())
 
 
+def test_forget_drops_a_requests_and_a_keys_documents_and_refuses_them_later():
+    rng = random.Random(3)
+    doc = lambda: [rng.randrange(1000) for _ in range(40)]  # noqa: E731
+    x, y, z = doc(), doc(), doc()
+    memory = SpeculationMemory(budget_bytes=1 << 20, prompt_tokens=0)
+    assert memory.add("", [], x, key_id="alice", request_id="chatcmpl-x-0")
+    assert memory.add("", [], y, key_id="alice", request_id="chatcmpl-y-0")
+    assert memory.add("bob", [], z, key_id="bob", request_id="chatcmpl-z-0")
+    assert memory.query("", x[:20], 8).match == 20
+    with pytest.raises(ValueError):
+        memory.forget()
+    assert memory.forget(request_id="chatcmpl-x") == 1  # the response id names each of its choices
+    assert memory.query("", x[:20], 8).match == 0 and memory.query("", y[:20], 8).match == 20
+    fresh = SpeculationMemory(budget_bytes=1 << 20, prompt_tokens=0)
+    fresh.add("", [], y)
+    fresh.add("bob", [], z)
+    assert memory.nbytes == fresh.nbytes and memory.tokens == fresh.tokens  # nothing of x is left
+    assert not memory.add("", [], x, key_id="alice", request_id="chatcmpl-x-1")  # a choice that ends later
+    assert memory.forget(key_id="bob") == 1 and memory.scopes() == [""]
+    assert not memory.add("bob", [], z, key_id="bob")
+    assert memory.forget(key_id="nobody") == 0 and memory.forgotten == 2
+    for _ in range(400):  # the budget and the eviction order hold after a rebuild
+        memory.add("", [], doc(), key_id="carol", request_id=f"r{rng.random()}")
+        assert memory.nbytes <= memory.budget_bytes
+    assert memory.evicted > 0 and memory.query("", y[:20], 8).match == 0  # y was the oldest
+    assert len(memory._order) == sum(len(ix) for ix in memory._scopes.values()) == len(memory._owners)
+
+
 def test_the_byte_estimate_bounds_what_python_allocates():
     rng = random.Random(1)
     docs = [[rng.randrange(30_000) for _ in range(200)] for _ in range(100)]
@@ -200,6 +228,26 @@ def test_one_scopes_outputs_never_feed_another_scopes_proposals(tiny_model):
     assert engine.memory.scopes() == ["key-a", "key-b"]
 
 
+def test_a_forgotten_key_is_never_recalled_again(tiny_model):
+    engine = LLMEngine(
+        tiny_model,
+        EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
+        drafter=_hybrid(tiny_model, 1),
+        policy=FixedGamma(3),
+    )
+    prompt = _prompts(8, 1)[0]
+    plain = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256)).generate([prompt], PARAMS)[0].output_ids
+    seq = engine.add_request("chatcmpl-a-0", prompt, PARAMS, key_id="alice")
+    while not seq.status.is_finished():
+        engine.step()
+    assert engine.forget(key_id="alice") == 1 and engine.memory.tokens == 0
+    assert "memory" not in _run(engine, prompt, "")  # what alice's request said is gone
+    seq = engine.add_request("chatcmpl-b-0", prompt, PARAMS, key_id="alice")  # and refused from now on
+    while not seq.status.is_finished():
+        engine.step()
+    assert seq.output_ids == plain and engine.memory.added == 2  # the anonymous run's document only
+
+
 def test_a_request_that_opts_out_is_not_remembered(tiny_model):
     engine = LLMEngine(
         tiny_model,
@@ -270,7 +318,7 @@ def test_what_another_engine_served_is_recalled_here_losslessly(tiny_model):
     plain = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256)).generate([prompt], PARAMS)[0].output_ids
     _run(a, prompt, "key-a")
     _run(a, prompt, "key-b", remember=False)  # opted out: never reaches a listener
-    assert [(s, len(p), o) for s, p, o in published] == [("key-a", len(prompt), plain)]
+    assert [(s, len(p), o, k) for s, p, o, k, _ in published] == [("key-a", len(prompt), plain, "")]
     for entry in published:
         assert b.remember(*entry)
     assert b.memory.added == 0  # queued: the memory changes between steps only

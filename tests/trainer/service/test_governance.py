@@ -162,6 +162,11 @@ def test_forget_removes_a_requests_rows(
     wait_for(lambda: svc.manifest.buffered_totals(target)[0] == 2, what="both chunks recorded")
     raw = scan.s3_objects(s3_client, s3_bucket)
     assert not [k for k, b in raw.items() if k.startswith("chunks/") and scan.holds(b, a0[:3])]  # sealed at rest
+    # what the fleet's speculation memory holds of them: entries naming their owners
+    memory, forget = streams.StreamNames(unique_prefix).memory, streams.StreamNames(unique_prefix).forget
+    for rid, scope in (("chatcmpl-a-0", ""), ("chatcmpl-b-0", bob), ("chatcmpl-a-1", ""), ("chatcmpl-b-1", bob)):
+        owner = alice if rid.startswith("chatcmpl-a") else bob
+        streams.add(redis_client, memory, fleet_memory.entry("w1", target, scope, [1, 2], [3, 4], owner, rid, ring))
 
     code = cli.main(
         [
@@ -181,6 +186,12 @@ def test_forget_removes_a_requests_rows(
     assert report["chunks_deleted"] == ["only-a"] and report["chunks_rewritten"] == ["shared"]
     assert int(report["rows_removed"]) == len(a0) + len(a1)
     assert sorted(report["requests_removed"]) == ["chatcmpl-a-0", "chatcmpl-a-1"]
+    assert report["memory_notice"] is True  # the workers' in-RAM memories are told, on the forget stream
+    [(_, fields)] = redis_client.xrange(forget)
+    notice = streams.decode(fields, streams.ForgetNotice)
+    assert (notice.request_id, notice.key_id) == ("chatcmpl-a", "")
+    left = [streams.decode(f, streams.MemoryEntry).request_id for _, f in redis_client.xrange(memory)]
+    assert left == ["chatcmpl-b-0", "chatcmpl-b-1"]  # each of the request's choices went from the fleet's stream
     keys = blobs.list_keys(s3_client, s3_bucket, "chunks/")
     assert all("only-a" not in k for k in keys)
     [entry] = svc.manifest.buffered(target)
@@ -193,12 +204,13 @@ def test_forget_removes_a_requests_rows(
     wait_for(lambda: svc.manifest.is_deleted("late"), what="the late chunk forgotten on arrival")
     # forget by key id: bob's rows, the last ones, and his entries in the fleet's speculation memory
     memory = streams.StreamNames(unique_prefix).memory
-    for scope in (bob, alice, bob):
-        streams.add(redis_client, memory, fleet_memory.entry("w1", target, scope, [1, 2], [3, 4], ring))
+    streams.add(redis_client, memory, fleet_memory.entry("w1", target, bob, [1, 2], [3, 4], "", "", ring))  # by scope
+    streams.add(redis_client, memory, fleet_memory.entry("w1", target, alice, [1, 2], [3, 4], alice, "r", ring))
     assert cli.main(["data", "forget", "--key-id", bob, "--trainer", svc.target, "--token", "test-admin-token"]) == 0
-    assert "rows removed" in capsys.readouterr().out
+    assert "memories told to drop them" in capsys.readouterr().out
     left = [streams.decode(f, streams.MemoryEntry).scope for _, f in redis_client.xrange(memory)]
     assert left == [alice]
+    assert streams.decode(redis_client.xrange(forget)[-1][1], streams.ForgetNotice).key_id == bob
     assert blobs.list_keys(s3_client, s3_bucket, "chunks/") == []
     assert svc.governor.stats.deleted["forget"] == 3
 

@@ -22,13 +22,21 @@ inserting a document is O(len · anchors) dictionary operations.
 Scopes: a memory keeps one index per scope (e.g. an API key's id), so a query reads only its own
 scope's documents: another scope's text can never shape its proposals (nor their timing). One byte
 budget covers all scopes; the oldest document, whatever its scope, is evicted first.
+
+Owners: each document keeps the API key id and the request id it came from, so that a deletion
+request (`tidectl data forget`) reaches the memory as it reaches the stored chunks: `forget` drops
+the matching documents (rebuilding the indexes of the scopes that held them, O(their tokens)) and
+refuses them from then on (a request still running when it was forgotten never joins).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from tide.chunks import request_matches
 
 SEP = -1  # between documents: never a token id, so no match or continuation crosses it
 # Bytes a stored item costs CPython, measured with tracemalloc (tests/inference/engine/
@@ -108,7 +116,8 @@ class SuffixIndex:
         self._tokens = array("i")
         self._base = 0  # global position of _tokens[0] (positions only grow; eviction raises it)
         self._ends: dict[int, dict[int, list[int]]] = {k: {} for k in self.anchors}
-        self._docs: deque[tuple[int, int]] = deque()  # (start, end) global positions, end exclusive
+        # (start, end, serial): global positions, end exclusive, and the memory's id of the document
+        self._docs: deque[tuple[int, int, int]] = deque()
         self.positions = 0  # indexed positions, all anchors
         self.keys = 0
 
@@ -123,12 +132,12 @@ class SuffixIndex:
     def __len__(self) -> int:
         return len(self._docs)
 
-    def add(self, tokens: list[int]) -> None:
+    def add(self, tokens: list[int], serial: int = 0) -> None:
         start = self._base + len(self._tokens)
         self._tokens.extend(tokens)
         self._tokens.append(SEP)
         end = start + len(tokens)
-        self._docs.append((start, end))
+        self._docs.append((start, end, serial))
         for k, ends in self._ends.items():
             for e in range(start + k, end):  # e: the position after the k-gram, a token follows
                 key = self._key(e, k)
@@ -143,7 +152,7 @@ class SuffixIndex:
     def evict_oldest(self) -> int:
         """Drop the oldest document; returns the bytes freed."""
         before = self.nbytes
-        start, end = self._docs.popleft()
+        start, end, _ = self._docs.popleft()
         for k, ends in self._ends.items():
             drop = Counter(self._key(e, k) for e in range(start + k, end))
             for key, n in drop.items():
@@ -157,6 +166,11 @@ class SuffixIndex:
         del self._tokens[:cut]
         self._base += cut
         return before - self.nbytes
+
+    def documents(self) -> Iterator[tuple[int, list[int]]]:
+        """(serial, tokens) of every document, oldest first."""
+        for start, end, serial in self._docs:
+            yield serial, self._tokens[start - self._base:end - self._base].tolist()
 
     def _key(self, e: int, k: int) -> int:
         """The hash of the k-gram ending before global position e (collisions are verified away)."""
@@ -242,6 +256,7 @@ class SpeculationMemory:
     fill the budget with text that prompt lookup already copies within the request."""
 
     holds_tensors = False  # see SuffixIndex
+    FORGOTTEN_KEPT = 4096
 
     def __init__(
         self, budget_bytes: int, anchors: tuple[int, ...] = (4, 16), prompt_tokens: int = 256, max_match: int = 32
@@ -253,8 +268,14 @@ class SpeculationMemory:
         self.generation = 0  # bumped at every change: memoised queries are valid for one generation
         self.added = 0
         self.evicted = 0
+        self.forgotten = 0  # documents dropped by `forget`
         self._scopes: dict[str, SuffixIndex] = {}
-        self._order: deque[str] = deque()  # the scope of every stored document, oldest first
+        self._order: deque[tuple[str, int]] = deque()  # (scope, serial) of every stored document, oldest first
+        self._owners: dict[int, tuple[str, str]] = {}  # serial -> (API key id, request id)
+        self._serial = 0
+        # What `forget` was asked, so that a request finishing later is refused too: (kind, value),
+        # the newest FORGOTTEN_KEPT kept (a request runs minutes at most; keys are few).
+        self._refused: deque[tuple[str, str]] = deque(maxlen=self.FORGOTTEN_KEPT)
         self._nbytes = 0
 
     @property
@@ -269,27 +290,68 @@ class SpeculationMemory:
     def scopes(self) -> list[str]:
         return sorted(self._scopes)
 
-    def add(self, scope: str, prompt: list[int], output: list[int]) -> None:
-        """Remember one finished request: the last `prompt_tokens` of its prompt, then its output."""
-        if not output:
-            return
+    def add(self, scope: str, prompt: list[int], output: list[int], key_id: str = "", request_id: str = "") -> bool:
+        """Remember one finished request: the last `prompt_tokens` of its prompt, then its output.
+        `key_id` / `request_id`: its owners, for `forget`. False: not added (no output, or forgotten)."""
+        if not output or self._is_refused(key_id, request_id):
+            return False
         doc = prompt[-self.prompt_tokens :] + output if self.prompt_tokens else list(output)
         index = self._scopes.get(scope)
         if index is None:
             index = self._scopes[scope] = SuffixIndex(self.anchors)
+        self._serial += 1
         before = index.nbytes
-        index.add(doc)
+        index.add(doc, self._serial)
         self._nbytes += index.nbytes - before
-        self._order.append(scope)
+        self._order.append((scope, self._serial))
+        if key_id or request_id:
+            self._owners[self._serial] = (key_id, request_id)
         self.added += 1
         self.generation += 1
         while self._nbytes > self.budget_bytes and self._order:
-            oldest = self._order.popleft()
+            oldest, serial = self._order.popleft()
             ix = self._scopes[oldest]
             self._nbytes -= ix.evict_oldest()
+            self._owners.pop(serial, None)
             self.evicted += 1
             if not len(ix):
                 del self._scopes[oldest]
+        return True
+
+    def forget(self, key_id: str = "", request_id: str = "") -> int:
+        """Drop every document of an API key id or of a request (the gateway's response id matches
+        each of its choices, as tide.chunks.request_matches says) and refuse them from now on;
+        returns how many documents went. Raises ValueError unless exactly one is given."""
+        if bool(key_id) == bool(request_id):
+            raise ValueError("give exactly one of a key id and a request id")
+        self._refused.append(("key", key_id) if key_id else ("request", request_id))
+        doomed = {serial for serial, (k, r) in self._owners.items()
+                  if (key_id and k == key_id) or (request_id and request_matches(r, request_id))}
+        if not doomed:
+            return 0
+        for scope in {scope for scope, serial in self._order if serial in doomed}:
+            old = self._scopes.pop(scope)
+            self._nbytes -= old.nbytes
+            kept = SuffixIndex(self.anchors)
+            for serial, tokens in old.documents():
+                if serial not in doomed:
+                    kept.add(tokens, serial)
+            if len(kept):
+                self._scopes[scope] = kept
+                self._nbytes += kept.nbytes
+        self._order = deque(item for item in self._order if item[1] not in doomed)
+        for serial in doomed:
+            del self._owners[serial]
+        self.forgotten += len(doomed)
+        self.generation += 1
+        return len(doomed)
+
+    def _is_refused(self, key_id: str, request_id: str) -> bool:
+        for kind, value in self._refused:
+            if (kind == "key" and key_id == value) or (kind == "request" and request_id
+                                                         and request_matches(request_id, value)):
+                return True
+        return False
 
     def query(self, scope: str, context: list[int], depth: int, max_nodes: int = 64,
               min_match: int = 0) -> Continuations:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tide.proto.tide.v1 import common_pb2 as tide_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tide/v1/trainer.proto\x12\x07tide.v1\x1a\x14tide/v1/common.proto\"C\n\x11\x46orgetDataRequest\x12\x14\n\nrequest_id\x18\x01 \x01(\tH\x00\x12\x10\n\x06key_id\x18\x02 \x01(\tH\x00\x42\x06\n\x04what\"\x96\x01\n\x12\x46orgetDataResponse\x12\x16\n\x0e\x63hunks_deleted\x18\x01 \x03(\t\x12\x18\n\x10\x63hunks_rewritten\x18\x02 \x03(\t\x12\x14\n\x0crows_removed\x18\x03 \x01(\x04\x12\x18\n\x10requests_removed\x18\x04 \x03(\t\x12\x1e\n\x16stream_entries_deleted\x18\x05 \x01(\x04\"\x12\n\x10SweepDataRequest\"\xc3\x01\n\x11SweepDataResponse\x12\x45\n\x0e\x63hunks_deleted\x18\x01 \x03(\x0b\x32-.tide.v1.SweepDataResponse.ChunksDeletedEntry\x12\x1a\n\x12\x62ucket_chunk_bytes\x18\x02 \x01(\x04\x12\x15\n\rbucket_chunks\x18\x03 \x01(\x04\x1a\x34\n\x12\x43hunksDeletedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"M\n\x16TriggerTrainingRequest\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"K\n\x17TriggerTrainingResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xa9\x02\n\x0fTrainingOutcome\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x19\n\x11\x63\x61ndidate_version\x18\x03 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\t\x12$\n\x1c\x65val_accept_length_candidate\x18\x05 \x01(\x01\x12\x1f\n\x17\x65val_accept_length_base\x18\x06 \x01(\x01\x12\x10\n\x08promoted\x18\x07 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\x12\x14\n\x0ctrain_tokens\x18\t \x01(\x04\x12\x13\n\x0b\x65val_tokens\x18\n \x01(\x04\x12\x12\n\nduration_s\x18\x0b \x01(\x01\x12\x17\n\x0f\x66inished_unix_s\x18\x0c \x01(\x01\"\x19\n\x17GetTrainerStatusRequest\"\x9d\x05\n\rTrainerStatus\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.tide.v1.TrainerStatus.State\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x14\n\x0ctarget_model\x18\x03 \x01(\t\x12\x17\n\x0f\x62uffered_chunks\x18\x04 \x01(\x04\x12\x17\n\x0f\x62uffered_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x63hunks_consumed\x18\x06 \x01(\x04\x12\x1b\n\x13\x63hunks_deduplicated\x18\x07 \x01(\x04\x12\x1c\n\x14\x63hunks_dead_lettered\x18\x08 \x01(\x04\x12.\n\x0clast_outcome\x18\t \x01(\x0b\x32\x18.tide.v1.TrainingOutcome\x12\x10\n\x08progress\x18\n \x01(\x01\x12\x0c\n\x04loss\x18\x0b \x01(\x01\x12\x41\n\x0e\x63hunks_deleted\x18\x0c \x03(\x0b\x32).tide.v1.TrainerStatus.ChunksDeletedEntry\x12\x1b\n\x13\x63hunk_bytes_deleted\x18\r \x01(\x04\x12\x1a\n\x12\x63hunks_quarantined\x18\x0e \x01(\x04\x12\x1a\n\x12\x62ucket_chunk_bytes\x18\x0f \x01(\x04\x12\x1b\n\x13\x62ucket_budget_bytes\x18\x10 \x01(\x04\x12\x1e\n\x16stream_entries_trimmed\x18\x11 \x01(\x04\x1a\x34\n\x12\x43hunksDeletedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"X\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0e\n\nSTATE_IDLE\x10\x01\x12\x12\n\x0eSTATE_TRAINING\x10\x02\x12\x14\n\x10STATE_EVALUATING\x10\x03\x32\xca\x02\n\x0eTrainerService\x12Z\n\x0fTriggerTraining\x12\x1f.tide.v1.TriggerTrainingRequest\x1a .tide.v1.TriggerTrainingResponse\"\x04\xc8\xf3\x18\x01\x12\x45\n\tGetStatus\x12 .tide.v1.GetTrainerStatusRequest\x1a\x16.tide.v1.TrainerStatus\x12K\n\nForgetData\x12\x1a.tide.v1.ForgetDataRequest\x1a\x1b.tide.v1.ForgetDataResponse\"\x04\xc8\xf3\x18\x01\x12H\n\tSweepData\x12\x19.tide.v1.SweepDataRequest\x1a\x1a.tide.v1.SweepDataResponse\"\x04\xc8\xf3\x18\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tide/v1/trainer.proto\x12\x07tide.v1\x1a\x14tide/v1/common.proto\"C\n\x11\x46orgetDataRequest\x12\x14\n\nrequest_id\x18\x01 \x01(\tH\x00\x12\x10\n\x06key_id\x18\x02 \x01(\tH\x00\x42\x06\n\x04what\"\xad\x01\n\x12\x46orgetDataResponse\x12\x16\n\x0e\x63hunks_deleted\x18\x01 \x03(\t\x12\x18\n\x10\x63hunks_rewritten\x18\x02 \x03(\t\x12\x14\n\x0crows_removed\x18\x03 \x01(\x04\x12\x18\n\x10requests_removed\x18\x04 \x03(\t\x12\x1e\n\x16stream_entries_deleted\x18\x05 \x01(\x04\x12\x15\n\rmemory_notice\x18\x06 \x01(\x08\"\x12\n\x10SweepDataRequest\"\xc3\x01\n\x11SweepDataResponse\x12\x45\n\x0e\x63hunks_deleted\x18\x01 \x03(\x0b\x32-.tide.v1.SweepDataResponse.ChunksDeletedEntry\x12\x1a\n\x12\x62ucket_chunk_bytes\x18\x02 \x01(\x04\x12\x15\n\rbucket_chunks\x18\x03 \x01(\x04\x1a\x34\n\x12\x43hunksDeletedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"M\n\x16TriggerTrainingRequest\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"K\n\x17TriggerTrainingResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xa9\x02\n\x0fTrainingOutcome\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x19\n\x11\x63\x61ndidate_version\x18\x03 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\t\x12$\n\x1c\x65val_accept_length_candidate\x18\x05 \x01(\x01\x12\x1f\n\x17\x65val_accept_length_base\x18\x06 \x01(\x01\x12\x10\n\x08promoted\x18\x07 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\x12\x14\n\x0ctrain_tokens\x18\t \x01(\x04\x12\x13\n\x0b\x65val_tokens\x18\n \x01(\x04\x12\x12\n\nduration_s\x18\x0b \x01(\x01\x12\x17\n\x0f\x66inished_unix_s\x18\x0c \x01(\x01\"\x19\n\x17GetTrainerStatusRequest\"\x9d\x05\n\rTrainerStatus\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.tide.v1.TrainerStatus.State\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x14\n\x0ctarget_model\x18\x03 \x01(\t\x12\x17\n\x0f\x62uffered_chunks\x18\x04 \x01(\x04\x12\x17\n\x0f\x62uffered_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x63hunks_consumed\x18\x06 \x01(\x04\x12\x1b\n\x13\x63hunks_deduplicated\x18\x07 \x01(\x04\x12\x1c\n\x14\x63hunks_dead_lettered\x18\x08 \x01(\x04\x12.\n\x0clast_outcome\x18\t \x01(\x0b\x32\x18.tide.v1.TrainingOutcome\x12\x10\n\x08progress\x18\n \x01(\x01\x12\x0c\n\x04loss\x18\x0b \x01(\x01\x12\x41\n\x0e\x63hunks_deleted\x18\x0c \x03(\x0b\x32).tide.v1.TrainerStatus.ChunksDeletedEntry\x12\x1b\n\x13\x63hunk_bytes_deleted\x18\r \x01(\x04\x12\x1a\n\x12\x63hunks_quarantined\x18\x0e \x01(\x04\x12\x1a\n\x12\x62ucket_chunk_bytes\x18\x0f \x01(\x04\x12\x1b\n\x13\x62ucket_budget_bytes\x18\x10 \x01(\x04\x12\x1e\n\x16stream_entries_trimmed\x18\x11 \x01(\x04\x1a\x34\n\x12\x43hunksDeletedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"X\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0e\n\nSTATE_IDLE\x10\x01\x12\x12\n\x0eSTATE_TRAINING\x10\x02\x12\x14\n\x10STATE_EVALUATING\x10\x03\x32\xca\x02\n\x0eTrainerService\x12Z\n\x0fTriggerTraining\x12\x1f.tide.v1.TriggerTrainingRequest\x1a .tide.v1.TriggerTrainingResponse\"\x04\xc8\xf3\x18\x01\x12\x45\n\tGetStatus\x12 .tide.v1.GetTrainerStatusRequest\x1a\x16.tide.v1.TrainerStatus\x12K\n\nForgetData\x12\x1a.tide.v1.ForgetDataRequest\x1a\x1b.tide.v1.ForgetDataResponse\"\x04\xc8\xf3\x18\x01\x12H\n\tSweepData\x12\x19.tide.v1.SweepDataRequest\x1a\x1a.tide.v1.SweepDataResponse\"\x04\xc8\xf3\x18\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,27 +45,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORGETDATAREQUEST']._serialized_start=56
   _globals['_FORGETDATAREQUEST']._serialized_end=123
   _globals['_FORGETDATARESPONSE']._serialized_start=126
-  _globals['_FORGETDATARESPONSE']._serialized_end=276
-  _globals['_SWEEPDATAREQUEST']._serialized_start=278
-  _globals['_SWEEPDATAREQUEST']._serialized_end=296
-  _globals['_SWEEPDATARESPONSE']._serialized_start=299
-  _globals['_SWEEPDATARESPONSE']._serialized_end=494
-  _globals['_SWEEPDATARESPONSE_CHUNKSDELETEDENTRY']._serialized_start=442
-  _globals['_SWEEPDATARESPONSE_CHUNKSDELETEDENTRY']._serialized_end=494
-  _globals['_TRIGGERTRAININGREQUEST']._serialized_start=496
-  _globals['_TRIGGERTRAININGREQUEST']._serialized_end=573
-  _globals['_TRIGGERTRAININGRESPONSE']._serialized_start=575
-  _globals['_TRIGGERTRAININGRESPONSE']._serialized_end=650
-  _globals['_TRAININGOUTCOME']._serialized_start=653
-  _globals['_TRAININGOUTCOME']._serialized_end=950
-  _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=952
-  _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=977
-  _globals['_TRAINERSTATUS']._serialized_start=980
-  _globals['_TRAINERSTATUS']._serialized_end=1649
-  _globals['_TRAINERSTATUS_CHUNKSDELETEDENTRY']._serialized_start=442
-  _globals['_TRAINERSTATUS_CHUNKSDELETEDENTRY']._serialized_end=494
-  _globals['_TRAINERSTATUS_STATE']._serialized_start=1561
-  _globals['_TRAINERSTATUS_STATE']._serialized_end=1649
-  _globals['_TRAINERSERVICE']._serialized_start=1652
-  _globals['_TRAINERSERVICE']._serialized_end=1982
+  _globals['_FORGETDATARESPONSE']._serialized_end=299
+  _globals['_SWEEPDATAREQUEST']._serialized_start=301
+  _globals['_SWEEPDATAREQUEST']._serialized_end=319
+  _globals['_SWEEPDATARESPONSE']._serialized_start=322
+  _globals['_SWEEPDATARESPONSE']._serialized_end=517
+  _globals['_SWEEPDATARESPONSE_CHUNKSDELETEDENTRY']._serialized_start=465
+  _globals['_SWEEPDATARESPONSE_CHUNKSDELETEDENTRY']._serialized_end=517
+  _globals['_TRIGGERTRAININGREQUEST']._serialized_start=519
+  _globals['_TRIGGERTRAININGREQUEST']._serialized_end=596
+  _globals['_TRIGGERTRAININGRESPONSE']._serialized_start=598
+  _globals['_TRIGGERTRAININGRESPONSE']._serialized_end=673
+  _globals['_TRAININGOUTCOME']._serialized_start=676
+  _globals['_TRAININGOUTCOME']._serialized_end=973
+  _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=975
+  _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=1000
+  _globals['_TRAINERSTATUS']._serialized_start=1003
+  _globals['_TRAINERSTATUS']._serialized_end=1672
+  _globals['_TRAINERSTATUS_CHUNKSDELETEDENTRY']._serialized_start=465
+  _globals['_TRAINERSTATUS_CHUNKSDELETEDENTRY']._serialized_end=517
+  _globals['_TRAINERSTATUS_STATE']._serialized_start=1584
+  _globals['_TRAINERSTATUS_STATE']._serialized_end=1672
+  _globals['_TRAINERSERVICE']._serialized_start=1675
+  _globals['_TRAINERSERVICE']._serialized_end=2005
 # @@protoc_insertion_point(module_scope)

@@ -17,18 +17,20 @@ class ForgetDataRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., key_id: _Optional[str] = ...) -> None: ...
 
 class ForgetDataResponse(_message.Message):
-    __slots__ = ("chunks_deleted", "chunks_rewritten", "rows_removed", "requests_removed", "stream_entries_deleted")
+    __slots__ = ("chunks_deleted", "chunks_rewritten", "rows_removed", "requests_removed", "stream_entries_deleted", "memory_notice")
     CHUNKS_DELETED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_REWRITTEN_FIELD_NUMBER: _ClassVar[int]
     ROWS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     STREAM_ENTRIES_DELETED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_NOTICE_FIELD_NUMBER: _ClassVar[int]
     chunks_deleted: _containers.RepeatedScalarFieldContainer[str]
     chunks_rewritten: _containers.RepeatedScalarFieldContainer[str]
     rows_removed: int
     requests_removed: _containers.RepeatedScalarFieldContainer[str]
     stream_entries_deleted: int
-    def __init__(self, chunks_deleted: _Optional[_Iterable[str]] = ..., chunks_rewritten: _Optional[_Iterable[str]] = ..., rows_removed: _Optional[int] = ..., requests_removed: _Optional[_Iterable[str]] = ..., stream_entries_deleted: _Optional[int] = ...) -> None: ...
+    memory_notice: bool
+    def __init__(self, chunks_deleted: _Optional[_Iterable[str]] = ..., chunks_rewritten: _Optional[_Iterable[str]] = ..., rows_removed: _Optional[int] = ..., requests_removed: _Optional[_Iterable[str]] = ..., stream_entries_deleted: _Optional[int] = ..., memory_notice: _Optional[bool] = ...) -> None: ...
 
 class SweepDataRequest(_message.Message):
     __slots__ = ()
