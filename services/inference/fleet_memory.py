@@ -32,6 +32,7 @@ from collections import Counter as Tally
 import redis
 
 from services.inference.metrics import FLEET_MEMORY
+from services.inference.stream_reader import BACKOFF_S, follow
 from tide import streams
 from tide.datakeys import Keyring, Unauthentic
 
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 PUBLISH_QUEUE = 1024  # finished requests waiting for the publisher (a Redis outage's backlog)
 READ_BATCH = 256  # entries per XREAD
 READ_BLOCK_MS = 1000  # how long an XREAD waits for new entries (and so how fast `stop` returns)
-BACKOFF_S = (0.5, 5.0)  # after a Redis error: the first wait, doubled up to the second
 # What one published request takes in a memory: ~384 tokens (a 256-token prompt tail and the output)
 # at 150-400 B a token indexed (docs/results/speculation-memory): the warm-up reads budget / this.
 WARM_BYTES_PER_ENTRY = 96 << 10
@@ -153,23 +153,8 @@ class FleetMemory:
         return streams._text(newest[0][0]) if newest else "0"
 
     def _read_loop(self) -> None:
-        last, wait = None, BACKOFF_S[0]  # None: warm up first
-        while not self._stop.is_set():
-            try:
-                if last is None:
-                    last = self._warm()
-                got = self.client.xread({self.stream: last}, count=READ_BATCH, block=READ_BLOCK_MS)
-                wait = BACKOFF_S[0]
-            except redis.RedisError as err:
-                self._count("read_errors")
-                log.warning("fleet memory: cannot read %s (%s); retrying in %.1f s", self.stream, err, wait)
-                self._stop.wait(wait)
-                wait = min(2 * wait, BACKOFF_S[1])
-                continue
-            for _, entries in got or []:
-                for entry_id, fields in entries:
-                    last = streams._text(entry_id)
-                    self._take(last, fields)
+        follow(self.client, self.stream, start=self._warm, handle=self._take, stop=self._stop, count=READ_BATCH,
+               block_ms=READ_BLOCK_MS, what="fleet memory", on_error=lambda: self._count("read_errors"))
 
     def _take(self, entry_id: str, fields: dict) -> None:
         try:

@@ -7,11 +7,12 @@ it has queued from the fleet), refusing them from then on (tide.engine.drafters.
 from the stream's end at start: a worker that starts later holds nothing older, and what it warms
 from the fleet's stream the trainer has already deleted there.
 
-Redis down: it logs, backs off and goes on; serving never waits on it.
+Redis down: it logs, backs off and goes on (stream_reader.follow); serving never waits on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import Counter as Tally
@@ -19,12 +20,12 @@ from collections import Counter as Tally
 import redis
 
 from services.inference.metrics import MEMORY_FORGET
+from services.inference.stream_reader import follow
 from tide import streams
 
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000  # how long an XREAD waits for a notice (and so how fast `stop` returns)
-BACKOFF_S = (0.5, 5.0)  # after a Redis error: the first wait, doubled up to the second
 APPLY_TIMEOUT_S = 60.0  # a notice waits this long for the engine thread before it is counted failed
 
 
@@ -44,42 +45,26 @@ class MemoryForgetter:
         MEMORY_FORGET.labels(outcome).inc(n)
 
     def start(self) -> MemoryForgetter:
-        self._last = self._newest()  # before serving: no notice published from here on is missed
+        with contextlib.suppress(redis.RedisError):  # unreachable: the reader asks again
+            self._last = self._newest()  # before serving: no notice published from here on is missed
         self._thread.start()
         return self
-
-    def _newest(self) -> str | None:
-        """The id of the newest notice now ("0": none yet; None: Redis unreachable, ask again later)."""
-        try:
-            newest = self.client.xrevrange(self.stream, count=1)
-        except redis.RedisError:
-            return None
-        return streams._text(newest[0][0]) if newest else "0"
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
 
+    def _newest(self) -> str:
+        """The id of the newest notice now ("0": none yet); raises RedisError."""
+        newest = self.client.xrevrange(self.stream, count=1)
+        return streams._text(newest[0][0]) if newest else "0"
+
+    def _start(self) -> str:
+        return self._last if self._last is not None else self._newest()
+
     def _loop(self) -> None:
-        last, wait = self._last, BACKOFF_S[0]
-        while not self._stop.is_set():
-            try:
-                if last is None:
-                    last = self._newest()
-                    if last is None:
-                        raise redis.ConnectionError("no answer")
-                got = self.client.xread({self.stream: last}, count=64, block=READ_BLOCK_MS)
-                wait = BACKOFF_S[0]
-            except redis.RedisError as err:
-                self._count("read_errors")
-                log.warning("memory forget: cannot read %s (%s); retrying in %.1f s", self.stream, err, wait)
-                self._stop.wait(wait)
-                wait = min(2 * wait, BACKOFF_S[1])
-                continue
-            for _, entries in got or []:
-                for entry_id, fields in entries:
-                    last = streams._text(entry_id)
-                    self.apply(last, fields)
+        follow(self.client, self.stream, start=self._start, handle=self.apply, stop=self._stop, count=64,
+               block_ms=READ_BLOCK_MS, what="memory forget", on_error=lambda: self._count("read_errors"))
 
     def apply(self, entry_id: str, fields: dict) -> int:
         """Apply one notice; the documents it dropped (0 when it could not be applied)."""
