@@ -203,6 +203,12 @@ def test_memory_off_is_todays_hybrid(tiny_model):
     assert drafter.recalled == 0
 
 
+def _memory_engine(model, seed: int) -> LLMEngine:
+    """An engine with a 1 MiB memory and the hybrid drafter at γ = 3."""
+    return LLMEngine(model, EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
+                     drafter=_hybrid(model, seed), policy=FixedGamma(3))
+
+
 def _run(engine: LLMEngine, prompt: list[int], scope: str, remember: bool = True) -> list[str]:
     """One request in `scope`; the sources it drafted from, step by step."""
     sources: list[str] = []
@@ -215,12 +221,7 @@ def _run(engine: LLMEngine, prompt: list[int], scope: str, remember: bool = True
 
 
 def test_one_scopes_outputs_never_feed_another_scopes_proposals(tiny_model):
-    engine = LLMEngine(
-        tiny_model,
-        EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
-        drafter=_hybrid(tiny_model, 1),
-        policy=FixedGamma(3),
-    )
+    engine = _memory_engine(tiny_model, 1)
     prompt = _prompts(5, 1)[0]
     assert "memory" not in _run(engine, prompt, "key-a")
     assert "memory" not in _run(engine, prompt, "key-b")  # key-a's output is not key-b's to recall
@@ -229,12 +230,7 @@ def test_one_scopes_outputs_never_feed_another_scopes_proposals(tiny_model):
 
 
 def test_a_forgotten_key_is_never_recalled_again(tiny_model):
-    engine = LLMEngine(
-        tiny_model,
-        EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
-        drafter=_hybrid(tiny_model, 1),
-        policy=FixedGamma(3),
-    )
+    engine = _memory_engine(tiny_model, 1)
     prompt = _prompts(8, 1)[0]
     plain = LLMEngine(tiny_model, EngineConfig(max_batch=8, max_seq_len=256)).generate([prompt], PARAMS)[0].output_ids
     seq = engine.add_request("chatcmpl-a-0", prompt, PARAMS, key_id="alice")
@@ -249,12 +245,7 @@ def test_a_forgotten_key_is_never_recalled_again(tiny_model):
 
 
 def test_a_request_that_opts_out_is_not_remembered(tiny_model):
-    engine = LLMEngine(
-        tiny_model,
-        EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
-        drafter=_hybrid(tiny_model, 2),
-        policy=FixedGamma(3),
-    )
+    engine = _memory_engine(tiny_model, 2)
     prompt = _prompts(6, 1)[0]
     _run(engine, prompt, "", remember=False)
     assert engine.memory.added == 0
@@ -262,12 +253,7 @@ def test_a_request_that_opts_out_is_not_remembered(tiny_model):
 
 
 def test_the_memory_survives_a_drafter_swap(tiny_model):
-    engine = LLMEngine(
-        tiny_model,
-        EngineConfig(max_batch=8, max_seq_len=256, speculation_memory_mb=1),
-        drafter=_hybrid(tiny_model, 3),
-        policy=FixedGamma(3),
-    )
+    engine = _memory_engine(tiny_model, 3)
     prompt = _prompts(7, 1)[0]
     _run(engine, prompt, "")
     engine.swap_drafter(_hybrid(tiny_model, 4))  # a new draft version: the memory stays the engine's
