@@ -273,9 +273,10 @@ class SpeculationMemory:
         self._order: deque[tuple[str, int]] = deque()  # (scope, serial) of every stored document, oldest first
         self._owners: dict[int, tuple[str, str]] = {}  # serial -> (API key id, request id)
         self._serial = 0
-        # What `forget` was asked, so that a request finishing later is refused too: (kind, value),
-        # the newest FORGOTTEN_KEPT kept (a request runs minutes at most; keys are few).
-        self._refused: deque[tuple[str, str]] = deque(maxlen=self.FORGOTTEN_KEPT)
+        # What `forget` was asked, so that a request finishing later is refused too: (kind, value) in
+        # the order asked, the newest FORGOTTEN_KEPT kept (a request runs minutes at most; keys are
+        # few); a dict, so that the check every finished request pays is a lookup, not a scan.
+        self._refused: dict[tuple[str, str], None] = {}
         self._nbytes = 0
 
     @property
@@ -324,7 +325,9 @@ class SpeculationMemory:
         returns how many documents went. Raises ValueError unless exactly one is given."""
         if bool(key_id) == bool(request_id):
             raise ValueError("give exactly one of a key id and a request id")
-        self._refused.append(("key", key_id) if key_id else ("request", request_id))
+        self._refused["key" if key_id else "request", key_id or request_id] = None
+        while len(self._refused) > self.FORGOTTEN_KEPT:
+            del self._refused[next(iter(self._refused))]
         doomed = {serial for serial, (k, r) in self._owners.items()
                   if (key_id and k == key_id) or (request_id and request_matches(r, request_id))}
         if not doomed:
@@ -347,11 +350,14 @@ class SpeculationMemory:
         return len(doomed)
 
     def _is_refused(self, key_id: str, request_id: str) -> bool:
-        for kind, value in self._refused:
-            if (kind == "key" and key_id == value) or (kind == "request" and request_id
-                                                         and request_matches(request_id, value)):
-                return True
-        return False
+        if not self._refused:
+            return False
+        if key_id and ("key", key_id) in self._refused:
+            return True
+        # a worker's request id is the client's response id, or it with "-<choice>" (request_matches)
+        base, _, choice = request_id.rpartition("-")
+        return bool(request_id) and (("request", request_id) in self._refused
+                                     or (choice.isdigit() and ("request", base) in self._refused))
 
     def query(self, scope: str, context: list[int], depth: int, max_nodes: int = 64,
               min_match: int = 0) -> Continuations:
