@@ -355,7 +355,8 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """tide.kernels when its decode attention takes these operands, else None."""
     kern = use_for(q, k, v)
-    if (kern is not None and kern.has_decode_attention and k.dtype == v.dtype == torch.float32
+    if (kern is not None and kern.has_decode_attention and k.dtype == v.dtype
+            and k.dtype in (torch.float32, torch.bfloat16)
             and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and k.stride(-1) == 1 and v.stride(-1) == 1):
         return kern
     return None

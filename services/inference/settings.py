@@ -74,9 +74,10 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     # Half of what is free by default: the rest of the stack shares the machine (kv_budget.BUDGET_FRACTION).
     kv_cache_mb: OptionalCount = Field(
         None, json_schema_extra=shown_default("50% of the memory available after the weights load"),
-        description="byte budget (MiB) of everything the worker allocates per KV slot: the target's K/V (float32 on "
-        "CPU), and the EAGLE-3 draft's K/V and feature rows; the slots and context not set are derived to fit it, "
-        "and a TIDE_MAX_BATCH × TIDE_MAX_SEQ_LEN that does not fit is refused at start. Available memory = "
+        description="byte budget (MiB) of everything the worker allocates per KV slot: the target's K/V (the "
+        "model's bf16 on the CPU kernels, else float32 on CPU), and the EAGLE-3 draft's K/V and feature rows; the "
+        "slots and context not set are derived to fit it, and a TIDE_MAX_BATCH × TIDE_MAX_SEQ_LEN that does not fit "
+        "is refused at start. Available memory = "
         "MemAvailable, or less under a cgroup memory.max (the GPU's free memory on cuda)")
     max_tokens_per_step: Count = Field(512, description="prefill token budget per step")
     prefix_cache: bool = Field(True, description="a prompt that starts like an earlier request's reuses the KV "

@@ -5,7 +5,8 @@ slot per decoding sequence), so slots × context decide it. `plan` picks them so
 allocated per slot and token row fits a byte budget:
 
 - the target's K and V: layers × kv heads × head dim × 2 (K and V) × the cache's element bytes
-  (float32 on CPU whatever the model dtype, see KVCache; the model dtype elsewhere);
+  (tide.engine.llama.kv_cache_dtype: bf16 for a bf16 model on the CPU kernels, else float32 on
+  CPU; the model dtype elsewhere);
 - the EAGLE-3 draft's one-layer K and V (the same heads and head dim as the target's: a draft is
   shaped like one target layer, tide.eagle3.config.Eagle3Config.for_target; float32 where its step
   runs on tide.kernels, counted as float32 everywhere on CPU) and the target features it reads,
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tide.engine.llama import kv_cache_dtype
 from tide.layers import pad_keys
 
 DEFAULT_SLOTS = 16  # the engine's default max_batch
@@ -168,7 +170,7 @@ def default_budget(available_bytes: int, fraction: float = BUDGET_FRACTION) -> i
 def model_slot_cost(model, max_new_per_step: int, drafting: bool = True) -> SlotCost:
     """`slot_cost` of a loaded LlamaModel; `max_new_per_step`: EngineConfig.max_new_per_step."""
     cfg = model.cfg
-    cache_bytes = 4 if model.device.type == "cpu" else model.dtype.itemsize  # KVCache: float32 on CPU
+    cache_bytes = kv_cache_dtype(model.dtype, model.device, cfg.head_dim).itemsize
     return slot_cost(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                      model_dtype_bytes=model.dtype.itemsize, cache_dtype_bytes=cache_bytes,
                      extra_rows=max_new_per_step + 1, drafting=drafting)

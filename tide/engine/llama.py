@@ -228,24 +228,38 @@ class TreeRows:
     starts: torch.Tensor  # [B] long: each root's cache index (the sequence's cached length)
 
 
+def kv_cache_dtype(model_dtype: torch.dtype, device, head_dim: int) -> torch.dtype:
+    """The KV cache's element type for a model computing in `model_dtype` on `device`.
+
+    On CPU, bf16 where the model computes in bf16 and tide.kernels' attention is built and takes
+    the head size (a multiple of 16, at most 256: tide.layers._kernel_attention): its keys
+    and values are bf16 already (the projections' and RoPE's outputs), so bf16 holds them exactly,
+    and the kernels widen them to float32 in registers, so results are the bits a float32 cache
+    gives, at half the memory (docs/results/model-sizes: the memory beside llama-server's f16
+    cache). Else float32: decode attention on torch ops computes in float32 (tide.layers.
+    grouped_attention), and converting the gathered bf16 keys and values every layer of every step
+    cost more than reading twice the bytes (batch-32 generation on the reference model: 394-398 vs
+    331-373 tok/s, same tokens). Elsewhere (GPU) the model dtype."""
+    if torch.device(device).type != "cpu":
+        return model_dtype
+    kern = kernel_ops()
+    if (model_dtype == torch.bfloat16 and kern is not None and kern.has_decode_attention
+            and head_dim % 16 == 0 and head_dim <= 256):
+        return torch.bfloat16
+    return torch.float32
+
+
 class KVCache:
     """Per-layer K/V tensors [slots, kv_heads, max_len, head_dim]; a sequence owns one slot.
 
     Rolling back rejected tokens is free: the owner just shortens the sequence's length, and
-    later writes overwrite the stale positions.
-
-    On CPU the cache is float32 whatever the model dtype: decode attention computes in float32
-    (tide.layers.grouped_attention), and converting the gathered bf16 keys and values every layer
-    of every step cost more than reading twice the bytes (batch-32 generation on the reference
-    model: 394-398 vs 331-373 tok/s, same tokens). Storing a bf16 value as float32 is exact, so
-    results are bit-identical; the cost is twice the cache memory.
+    later writes overwrite the stale positions. The element type is `kv_cache_dtype`'s.
     """
 
     def __init__(self, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype, device) -> None:
         max_len = pad_keys(max_len)  # decode attention reads keys in whole blocks (tide.layers.pad_keys)
         shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        if torch.device(device).type == "cpu":
-            dtype = torch.float32  # see the class docstring
+        dtype = kv_cache_dtype(dtype, device, cfg.head_dim)
         self.max_len = max_len
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
@@ -628,8 +642,9 @@ class LlamaModel:
             c, s_ = c[fb.positions], s_[fb.positions]
             ropes[name] = (c, s_, c.unsqueeze(1), s_.unsqueeze(1))
         cos_rows, sin_rows, cos, sin = ropes["global"]
-        # RoPE and the cache writes as one kernel (tide.kernels) where the cache is the CPU's float32 one
-        fused = kernel_ops() if self.device.type == "cpu" and cache.k[0].dtype == torch.float32 else None
+        # RoPE and the cache writes as one kernel (tide.kernels) where the cache is the CPU's (kv_cache_dtype)
+        fused = (kernel_ops() if self.device.type == "cpu" and cache.k[0].dtype in (torch.float32, torch.bfloat16)
+                 else None)
         tree = fb.tree
         small = q <= self.SMALL_Q or tree is not None
         # Prompt chunks too take the kernels' attention where it is built (`split_invariant_prefill`).

@@ -37,6 +37,9 @@ struct Lanes {
   using V = __m512;
   static constexpr int64_t W = 16;
   static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {  // exact: a bf16 is a float32's upper half
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
@@ -59,6 +62,9 @@ struct Lanes {
   using V = __m256;
   static constexpr int64_t W = 8;
   static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
@@ -285,8 +291,11 @@ torch::Tensor rope_kv_cache(const torch::Tensor& qkv_in, const torch::Tensor& co
   const auto pos = pos_in.to(at::kLong).contiguous();
   TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "rope_kv_cache: qkv [B, q, W], contiguous caches [S, Hkv, L, D]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "rope_kv_cache: float32 caches (the CPU engine's)");
+  const bool bf16_cache = k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16_cache || k_cache.scalar_type() == at::kFloat) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "rope_kv_cache: float32 or bfloat16 caches, both the same (the CPU engine's)");
+  TORCH_CHECK(!bf16_cache || qkv.scalar_type() == at::kBFloat16, "rope_kv_cache: a bfloat16 cache takes bfloat16 "
+              "keys and values only (it holds them exactly; wider ones would be rounded)");
   const int64_t B = qkv.size(0), Q = qkv.size(1), D = k_cache.size(3), L = k_cache.size(2);
   TORCH_CHECK(qkv.size(2) == (hq + 2 * hkv) * D && k_cache.size(1) == hkv && D % 2 == 0, "rope_kv_cache: shapes");
   TORCH_CHECK(cosr.size(0) == B && cosr.size(1) == Q && cosr.size(2) == D && slots.numel() == B
@@ -300,8 +309,6 @@ torch::Tensor rope_kv_cache(const torch::Tensor& qkv_in, const torch::Tensor& co
     const T* sp = sinr.data_ptr<T>();
     const int64_t* slot_p = slots.data_ptr<int64_t>();
     const int64_t* pos_p = pos.data_ptr<int64_t>();
-    float* kc = k_cache.data_ptr<float>();
-    float* vc = v_cache.data_ptr<float>();
     T* qo = q_out.data_ptr<T>();
     auto rotate = [&](const T* x, const T* c, const T* s, int64_t j) -> T {
       const T xr = j < half ? x[j + half] : x[j - half];
@@ -309,6 +316,8 @@ torch::Tensor rope_kv_cache(const torch::Tensor& qkv_in, const torch::Tensor& co
       const T b = static_cast<T>(static_cast<float>(xr) * static_cast<float>(s[j]));
       return static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
     };
+    auto write = [&](auto* kc, auto* vc) {  // the cache's element type: float, or bf16 for bf16 values (exact)
+    using CT = std::remove_pointer_t<decltype(kc)>;
     for (int64_t b = 0; b < B; ++b) {
       const int64_t slot = slot_p[b];
       TORCH_CHECK(slot >= 0 && slot < k_cache.size(0), "rope_kv_cache: slot out of range");
@@ -323,17 +332,22 @@ torch::Tensor rope_kv_cache(const torch::Tensor& qkv_in, const torch::Tensor& co
           for (int64_t j = 0; j < D; ++j) dst[j] = rotate(row + h * D, c, s, j);
         }
         for (int64_t h = 0; h < hkv; ++h) {
-          float* kd = kc + ((slot * hkv + h) * L + p) * D;
-          float* vd = vc + ((slot * hkv + h) * L + p) * D;
+          CT* kd = kc + ((slot * hkv + h) * L + p) * D;
+          CT* vd = vc + ((slot * hkv + h) * L + p) * D;
           const T* kx = row + (hq + h) * D;
           const T* vx = row + (hq + hkv + h) * D;
           for (int64_t j = 0; j < D; ++j) {
-            kd[j] = static_cast<float>(rotate(kx, c, s, j));
-            vd[j] = static_cast<float>(vx[j]);
+            kd[j] = static_cast<CT>(rotate(kx, c, s, j));
+            vd[j] = static_cast<CT>(vx[j]);
           }
         }
       }
     }
+    };
+    if (bf16_cache)
+      write(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+    else
+      write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   });
   return q_out;
 }
@@ -347,8 +361,8 @@ namespace {
 // bias), so a row's bits never depend on its neighbours. Trailing masked keys (a prompt row's later
 // positions, the padding) score -inf whatever they hold: they are not read, which changes no bit
 // and halves a causal prompt chunk's work. Returns each row's max score and visible length.
-template <int R, int ND>  // ND: D / Lanes::W when known at compile time (accumulators in registers), else 0
-inline void qk_rows(const float* const* q, const float* kb, int64_t ks, const float* const* bias, int64_t L,
+template <int R, int ND, typename KT>  // ND: D / Lanes::W when known at compile time (accumulators in registers), else 0
+inline void qk_rows(const float* const* q, const KT* kb, int64_t ks, const float* const* bias, int64_t L,
                     int64_t D, float* const* scores, float* mx, int64_t* Lv) {
   using V = Lanes::V;
   constexpr int64_t W = Lanes::W;
@@ -364,7 +378,7 @@ inline void qk_rows(const float* const* q, const float* kb, int64_t ks, const fl
     mx[r] = kMasked;
   }
   for (int64_t l = 0; l < Lmax; ++l) {
-    const float* k = kb + l * ks;
+    const KT* k = kb + l * ks;
     V acc[R];
     const V k0 = Lanes::load(k);
 #pragma GCC unroll 4
@@ -387,8 +401,8 @@ inline void qk_rows(const float* const* q, const float* kb, int64_t ks, const fl
 // One row's softmax over its scores and the weighted sum of the values (rows of D floats, `vs`
 // apart) into `out`; `scores` holds L rounded up to 16 floats, the first Lv of them set.
 // `idx` (or nullptr: key l is row l) maps score l to its value row: a compacted row's (compact_visible).
-template <int ND>
-inline void softmax_pv(float* scores, float mx, int64_t Lv, int64_t L, const float* vb, int64_t vs, int64_t D,
+template <int ND, typename VT>
+inline void softmax_pv(float* scores, float mx, int64_t Lv, int64_t L, const VT* vb, int64_t vs, int64_t D,
                        float* out, const int64_t* idx) {
   using V = Lanes::V;
   constexpr int64_t W = Lanes::W;
@@ -410,7 +424,7 @@ inline void softmax_pv(float* scores, float mx, int64_t Lv, int64_t L, const flo
     const float p = scores[l] * inv;
     if (p == 0.f) continue;  // masked and padded keys: adding 0 * v would change no bit
     const V pv = Lanes::set1(p);
-    const float* v = vb + (idx ? idx[l] : l) * vs;
+    const VT* v = vb + (idx ? idx[l] : l) * vs;
     #pragma GCC unroll 16
     for (int64_t c = 0; c < nd; ++c) acc[c] = Lanes::fma(pv, Lanes::load(v + W * c), acc[c]);
   }
@@ -444,15 +458,18 @@ inline int64_t compact_visible(float* scores, int64_t Lv, int64_t* idx) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 constexpr bool kHasDecodeAttention = true;
 
-// decode_attention(q [B, Hq, t, D], k/v [B, Hkv, L, D] float32 (a contiguous last dim; other strides
-// free: the cache's [slots, :, :L] slices), bias [B, t, L] float32 additive or None) -> [B, Hq, t, D]
+// decode_attention(q [B, Hq, t, D], k/v [B, Hkv, L, D] float32 or bfloat16, both the same (a contiguous
+// last dim; other strides free: the cache's [slots, :, :L] slices; a bf16 key or value is widened to
+// float32 in registers, exactly, so either cache of the same values gives the same bits), bias [B, t, L] float32 additive or None) -> [B, Hq, t, D]
 // in q's dtype: tide.layers.grouped_attention's contract (query head h reads KV head h / (Hq/Hkv), q
 // scaled by D^-1/2 in float32). Each (sequence, head, position) is computed on its own by one
 // instruction sequence, so its result depends on its own inputs only, and padding the keys with
 // masked ones changes nothing.
 torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& bias_in) {
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "decode_attention: float32 keys/values");
+  const bool bf16_kv = k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16_kv || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type(),
+              "decode_attention: float32 or bfloat16 keys and values, both the same");
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
               "decode_attention: k/v [B, Hkv, L, D] with a contiguous last dim");
   const auto q = q_in.contiguous();
@@ -470,8 +487,6 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   auto out = torch::empty({B, hq, T, D}, q.options());
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   // Work units are (sequence, head, block of up to kRowBlock query rows); chunks of units worth ~64K
   // multiply-adds: taking a chunk costs an atomic, and at batch 1 with 320 cached keys one layer's
   // 9 heads took 45 us on one thread. A prompt chunk's rows split across threads this way (9 heads
@@ -486,6 +501,10 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
     using T_ = scalar_t;
     const T_* qp = q.data_ptr<T_>();
     T_* op = out.data_ptr<T_>();
+    auto run = [&](auto kv_type) {  // KT: the cache's element type
+    using KT = decltype(kv_type);
+    const KT* kp = k.data_ptr<KT>();
+    const KT* vp = v.data_ptr<KT>();
     tide_pool::parallel(
         (units + grain - 1) / grain,
         [=](int64_t chunk) {
@@ -496,8 +515,8 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
           for (int64_t unit = chunk * grain; unit < std::min(units, (chunk + 1) * grain); ++unit) {
             const int64_t bh = unit / blocks, t0 = unit % blocks * kRowBlock;
             const int64_t b = bh / hq, h = bh % hq, kh = h / g;
-            const float* kb = kp + b * ks0 + kh * ks1;
-            const float* vb = vp + b * vs0 + kh * vs1;
+            const KT* kb = kp + b * ks0 + kh * ks1;
+            const KT* vb = vp + b * vs0 + kh * vs1;
             const int64_t t1 = std::min(T, t0 + kRowBlock);
             for (int64_t t = t0; t < t1;) {
               const int n = t1 - t >= R ? R : 1;
@@ -538,6 +557,11 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
           }
         },
         {q, k, v, out, bias});
+    };
+    if (bf16_kv)
+      run(c10::BFloat16{});
+    else
+      run(float{});
   });
   return out;
 }

@@ -41,7 +41,7 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x) {
 }  // namespace
 
 // decode_layer(x [B, q, H], delta [B, q, H] or None (the previous layer's MLP output, not yet added),
-// ln1, ln2 [H], eps, qkv, o, gate_up, down (Projection), k_cache/v_cache [S, Hkv, Lmax, D] float32,
+// ln1, ln2 [H], eps, qkv, o, gate_up, down (Projection), k_cache/v_cache [S, Hkv, Lmax, D] float32 or bf16,
 // cos/sin [B, q, D], slots [B], positions [B, q], slot_lo, slot_hi (the slots are range(lo, hi); -1:
 // gather rows `slots`), kv_len (keys read, padded), bias [B, q, kv_len] or None, Hq, Hkv)
 // -> (x + delta + attention, MLP output): the residual stream and this layer's `delta`.
