@@ -120,6 +120,21 @@ def test_int8_weights_match_their_dequantized_values_and_keep_rows_invariant(ops
         assert torch.equal(lin(rows[3:3 + m]), alone[3:3 + m]), m
 
 
+def test_int8_prompts_share_the_int8_weights_where_the_kernel_widens_them(ops):
+    """No bf16 copy of the projections for prompts where the int8 GEMM serves them near bf16 speed
+    (tide.engine.llama.prefill_weights_for); int4 keeps its copies where they fit."""
+    from tide.engine.llama import LlamaConfig, prefill_weights_for
+
+    cfg = LlamaConfig.from_hf({"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "architectures": ["LlamaForCausalLM"],
+                               "model_type": "llama"})
+    widened = getattr(ops, "int8_prompts_widened", False)
+    assert widened == (ops.has_int8_gemm and ops.has_bf16_gemm and "avx512_bf16" in open("/proc/cpuinfo").read())
+    assert prefill_weights_for("auto", cfg, torch.bfloat16, "int8") == ("shared" if widened else "float")
+    assert prefill_weights_for("auto", cfg, torch.bfloat16, "int4") == "float"  # a tiny model's copies fit
+    assert prefill_weights_for("float", cfg, torch.bfloat16, "int8") == "float"
+
+
 @pytest.fixture(scope="module", params=["float", "int8"])
 def tiny_bf16_model(ops, tmp_path_factory, request):
     """The tiny target with bf16 activations: bf16 weights, or int8 weights (tide.quant)."""

@@ -27,6 +27,7 @@ from tide.settings import (
     JsonObject,
     ListenHostMixin,
     NonNegative,
+    OptionalCount,
     Port,
     Seconds,
     Secret,
@@ -39,7 +40,6 @@ from tide.settings import (
 DRAFTERS = ("ngram", "none", "eagle3")
 MEMORY_SCOPES = ("key", "stack")
 SAMPLING_SCHEMES = ("coupled", "rejection")  # tide.engine.sampling.SamplingScheme's values (torch-free here)
-OptionalCount = Annotated[int | None, check(lambda v: v is None or v >= 1, ">= 1")]
 PROFILE_AT_START = ("auto", "", "1", "0", "true", "false", "yes", "no", "on", "off")
 
 
@@ -58,8 +58,9 @@ class InferenceSettings(ListenHostMixin, CpuSetMixin, TideSettings):
         "(also the compute dtype); int8 / int4 = weight-only quantized, CPU only (tide/quant.py)")
     prefill_weights: Annotated[str, one_of(("auto", "float", "shared"))] = Field(
         "auto", description="with int8 / int4 weights, what prompts run on: float = bf16 copies of the projections "
-        "(prompts ~6x faster on the CPU kernels, twice the weight memory), shared = the quantized ones; auto = "
-        "the copies where they take at most a quarter of the memory available at load (tide.engine.llama)")
+        "(twice the weight memory or more), shared = the quantized ones; auto = shared for int8 where the CPU "
+        "kernels widen a prompt's weights once (AVX512_BF16: 0.96x the copies' speed), else the copies where they "
+        "take at most a quarter of the memory available at load (tide.engine.llama)")
     device: str = Field("cpu", description="cpu | cuda | cuda:N")
     cpus: CpuSet = Field("", description="CPUs this worker runs on (affinity, and torch threads = their count; keep "
                          "the trainer's TIDE_TRAINER_CPUS apart; `tide up` starts its other services on the remaining "

@@ -356,13 +356,20 @@ def prefill_copy_bytes(cfg: LlamaConfig, dtype: torch.dtype) -> int:
     return (cfg.num_layers * per_layer + cfg.vocab_size * h) * dtype.itemsize
 
 
-def prefill_weights_for(choice: str, cfg: LlamaConfig, dtype: torch.dtype) -> str:
-    """"float" or "shared" for `choice` (see LlamaModel): "auto" is "float" unless the copies would
-    take more than PREFILL_COPY_SHARE of the memory available now (unknown: "float")."""
+def prefill_weights_for(choice: str, cfg: LlamaConfig, dtype: torch.dtype, weight_format: str = "int8") -> str:
+    """"float" or "shared" for `choice` (see LlamaModel). "auto": "shared" for int8 weights where
+    tide.kernels' GEMM widens each weight tile once for a prompt's rows (`int8_prompts_widened`,
+    the AVX512_BF16 path: 512-token prompts at 0.96x the bf16 copies' speed with a third of the
+    weight memory, docs/results/model-sizes); else "float" unless the copies would take more than
+    PREFILL_COPY_SHARE of the memory available now (unknown: "float"). int4 prompts on torch's
+    int4 kernel ran at 0.45x the copies' speed."""
     if choice not in PREFILL_WEIGHTS:
         raise ValueError(f"prefill weights must be one of {PREFILL_WEIGHTS}, got {choice!r}")
     if choice != "auto":
         return choice
+    kern = kernel_ops()
+    if weight_format == "int8" and kern is not None and getattr(kern, "int8_prompts_widened", False):
+        return "shared"
     from tide.memory import available_bytes
 
     found = available_bytes()
@@ -424,7 +431,8 @@ class LlamaModel:
         quantized = weight_format != "float"
         if quantized and self.device.type != "cpu":
             raise ValueError(f"{weight_format} weights run on CPU kernels only, not on {self.device}")
-        self.prefill_weights = prefill_weights_for(prefill_weights, cfg, dtype) if quantized else "shared"
+        self.prefill_weights = (prefill_weights_for(prefill_weights, cfg, dtype, weight_format) if quantized
+                                else "shared")
         copies = self.prefill_weights == "float"
 
         converted: dict[str, torch.Tensor] = {}
@@ -472,12 +480,12 @@ class LlamaModel:
         self.lm_head = getattr(self.head, "weight", None)  # [V, H] in `dtype` when the head is not quantized
         # Per layer (ln1, qkv, o, ln2, gate|up, down): the projections decode and verification use.
         self.layers = []
-        # With quantized weights, prompts (ForwardBatch.prefill) go through float copies of the
-        # projections and head: the CPU kernels widen the weights for every row, so a 500-token
-        # prompt ran ~6x slower than in bf16 (time to first token 2.5 s against 0.5 s at 16 streams),
-        # while decoding, one weight pass a step, gains 1.5-1.9x. A prompt token never takes the
-        # decode path or the reverse, so plain decoding and verification still see the same bits.
-        # Where the copies do not fit (an 8B model's are 16 GB in bf16), prompts share the quantized ones.
+        # With quantized weights, prompts (ForwardBatch.prefill) may go through float copies of the
+        # projections and head (`prefill_weights_for` decides): int4's torch kernel ran 512-token
+        # prompts at 0.45x the copies' speed, while decoding, one weight pass a step, gains 1.5-1.9x.
+        # A prompt token never takes the decode path or the reverse, so plain decoding and
+        # verification still see the same bits. Where the copies do not fit (an 8B model's are 16 GB
+        # in bf16), or the int8 kernel serves prompts near bf16 speed, prompts share the quantized ones.
         self.prefill_linears: list[tuple] = []
         self.prefill_head = linear([head_name], head=True) if copies else self.head
         # Per layer, what the family adds to the Llama layer (q/k norms, post-norms), or None.

@@ -653,6 +653,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           const c10::optional<torch::Tensor>& bias);
 bool has_bf16_gemm();
 bool has_int8_gemm();
+bool int8_prompts_widened();
 bool amx_available();
 // argmax.cpp
 torch::Tensor argmax_rows(const torch::Tensor& logits);
@@ -696,6 +697,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_kv_cache", &rope_kv_cache, "RoPE on q and k, k and v into the cache, rotated q out", nogil);
   m.attr("has_bf16_gemm") = has_bf16_gemm();
   m.attr("has_int8_gemm") = has_int8_gemm();
+  m.attr("int8_prompts_widened") = int8_prompts_widened();  // prompts on int8 weights at ~bf16 speed
   m.attr("has_amx") = amx_available();
   m.attr("has_argmax") = has_argmax();
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) for bf16 / float32 [R, V] (AVX-512)", nogil);
