@@ -34,6 +34,7 @@ from services.inference.settings import InferenceSettings
 from services.inference.telemetry import TelemetryPublisher
 from services.inference.worker import Worker
 from tide import blobs, streams
+from tide.allocator import release_free_memory
 from tide.decisions import PolicySpec
 from tide.engine.engine import EngineConfig, LLMEngine
 from tide.engine.kv_budget import BUDGET_FRACTION, DEFAULT_SLOTS, KVPlan, default_budget, model_slot_cost, plan
@@ -246,6 +247,10 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
     worker; nothing serves yet and the engine loop does not run."""
     if model is None:
         model, tokenizer, model_id = load_target(settings)
+    # The load's transient tensors (each checkpoint tensor as read, float values before packing)
+    # were freed into the heap, which tide.allocator keeps mapped: handed back here, or the worker
+    # would hold its load's peak as RSS (docs/results/model-sizes, "Memory beside llama-server").
+    release_free_memory()
     model_id = model_id or settings.target
     config = EngineConfig(max_tokens_per_step=settings.max_tokens_per_step, max_gamma=settings.max_gamma,
                           forced_gamma=settings.forced_gamma, seed=settings.seed, worker_id=settings.worker_id,
@@ -275,6 +280,7 @@ def prepare(settings: InferenceSettings, *, model=None, tokenizer=None, model_id
                              pin_memory=model.device.type == "cuda", spool_dir=spool_dir(settings),
                              spool_max_bytes=settings.chunk_spool_bytes, keyring=settings.storage.keyring())
     profile = start_profile(settings, model, model_id, config.max_batch)
+    release_free_memory()  # the profile's runners and their caches too
     params = dict(settings.policy_params)
     if profile is not None and settings.policy in PROFILE_POLICIES:
         params.setdefault("profile", profile.to_dict())  # GetStatus shows the table the policy runs on
