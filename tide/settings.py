@@ -139,6 +139,7 @@ Port = Annotated[int, within(0, 65535), Doc("port")]
 Seconds = Annotated[float, above(0), Doc("seconds")]
 Count = Annotated[int, at_least(1)]
 NonNegative = Annotated[int, at_least(0)]
+OptionalCount = Annotated[int | None, check(lambda v: v is None or v >= 1, ">= 1")]  # None: derived
 JsonObject = Annotated[Mapping[str, Any], BeforeValidator(json_object),
                        AfterValidator(lambda m: MappingProxyType(dict(m))), Doc("JSON object")]  # read-only
 LogLevel = Annotated[str, AfterValidator(str.upper), Doc("log level")]

@@ -36,11 +36,13 @@ from minio.error import S3Error
 from services.trainer.drafts import BaseDraft, DraftRegistry, PointerMoved, RegistryError
 from services.trainer.governance import Policy
 from services.trainer.manifest import Manifest, ManifestEntry
+from services.trainer.memory_budget import DEFAULT_BUDGET_SHARE, MiB, RunMemory, run_memory, take_within
 from services.trainer.promotion import NO_DRAFT, decide, served_at, step_costs
 from services.trainer.settings import TrainerSettings
 from services.trainer.training.data import is_heldout
 from tide import blobs
 from tide.datakeys import Keyring, Unauthentic
+from tide.memory import available_bytes
 from tide.outcomes import TrainingOutcome
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,22 @@ class TrainingCycle:
             return finish(FAILED, detail=f"failed: {e}; nothing trained, {stay}")
         log.info("training run %s: %s", run_id, f"fine-tuning {base.version}" if base.version else "from scratch")
 
+        memory = self._run_memory(base)
+        budget, source = self._memory_budget()
+        allowed = memory.max_tokens(budget)
+        if not entries or allowed < entries[0].num_tokens:
+            detail = (f"not started: a run of this target needs {memory.describe()}, more than the memory budget "
+                      f"of {budget / MiB:.0f} MiB ({source}) leaves for its oldest chunk; raise "
+                      f"TIDE_TRAINER_MEMORY_MB; {stay}")
+            log.error("training run %s %s", run_id, detail)
+            return finish(FAILED, base_version=base.version, detail=detail)
+        # the new chunks and their replay share within the budget; the rest stay buffered for the next run
+        taken = take_within(entries, int(allowed / (1 + s.replay)))
+        if len(taken) < len(entries):
+            log.info("training run %s: %d of %d buffered chunks fit the memory budget of %.0f MiB (%s: %s); the "
+                     "rest stay buffered", run_id, len(taken), len(entries), budget / MiB, source, memory.describe())
+        entries = taken
+
         phase("training", 0.1)
         out_dir = Path(s.work_dir) / "runs" / run_id / "draft"
         new_tokens = sum(e.num_tokens for e in entries)
@@ -101,9 +119,10 @@ class TrainingCycle:
         # candidate is judged on more than its own cycle's tenth: 600 tokens of a small cycle judged
         # two better candidates "no gain" (docs/results/horizon, one client)
         replayed = {e.chunk_id for e in replay}
+        history_room = min(s.eval_history_tokens, allowed - new_tokens - sum(e.num_tokens for e in replay))
         history_eval = [e for e in self.manifest.heldout_history(
-            target, s.eval_history_tokens, lambda cid: is_heldout(cid, s.eval_fraction, s.seed))
-            if e.chunk_id not in replayed] if s.eval_history_tokens else []
+            target, history_room, lambda cid: is_heldout(cid, s.eval_fraction, s.seed))
+            if e.chunk_id not in replayed] if history_room > 0 else []
         if history_eval:
             log.info("training run %s: %d earlier held-out chunks (%d tokens) added to the eval set", run_id,
                      len(history_eval), sum(e.num_tokens for e in history_eval))
@@ -171,6 +190,23 @@ class TrainingCycle:
             result = dataclasses.replace(result, outcome=dataclasses.replace(
                 result.outcome, detail=f"{detail} (run record not written: {type(e).__name__}: {e})"))
         return result
+
+    def _run_memory(self, base: BaseDraft) -> RunMemory:
+        """What a run of this target holds (memory_budget.run_memory), from the target's config."""
+        from tide.target import resolve_target
+
+        s = self.settings
+        return run_memory(resolve_target(s.target).config, s.draft_vocab, s.batch_rows, s.max_len)
+
+    def _memory_budget(self) -> tuple[int, str]:
+        """(bytes a run may hold, where the number came from): TIDE_TRAINER_MEMORY_MB, else half of
+        the memory available now (the worker's weights and KV cache are allocated by then)."""
+        if self.settings.memory_mb is not None:
+            return self.settings.memory_mb * MiB, "TIDE_TRAINER_MEMORY_MB"
+        found = available_bytes()
+        if found is None:
+            return 1 << 62, "available memory unknown"
+        return int(found[0] * DEFAULT_BUDGET_SHARE), f"{DEFAULT_BUDGET_SHARE:.0%} of {found[0] / MiB:.0f} MiB available"
 
     def _blobs(self, entries: list[ManifestEntry], replay: list[ManifestEntry] = ()) -> Iterator[bytes]:
         """The chunks' blobs, verified again (one that went bad since intake is skipped, not trained

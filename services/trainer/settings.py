@@ -33,6 +33,7 @@ from tide.settings import (
     LogLevel,
     NonNegative,
     OptionalAddress,
+    OptionalCount,
     Port,
     Secret,
     TideSettings,
@@ -98,6 +99,13 @@ class TrainerSettings(ListenHostMixin, CpuSetMixin, TideSettings):
     work_dir: str = Field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "tide-trainer"),
                           json_schema_extra=shown_default("`<tmp>/tide-trainer`"),
                           description="local directory for run outputs")
+    # A run's data grows with the traffic buffered while it waits; the fixed part with the target's
+    # size (an 8B target's draft and head are ~6 GB to train): services/trainer/memory_budget.py.
+    memory_mb: OptionalCount = Field(
+        None, json_schema_extra=shown_default("50% of the memory available when the run starts"),
+        description="memory budget (MiB) of a training run: the target's head, the draft with its optimizer, a "
+        "batch's activations and the chunks' hidden states; a run takes the oldest buffered chunks that fit (the "
+        "rest stay buffered) and does not start where the fixed part alone does not fit")
     min_tokens: NonNegative = Field(16_384, description="buffered tokens a run needs unless forced")
     min_tokens_growth: Annotated[float, at_least(0)] = Field(
         0.0, description="automatic runs also wait for this multiple of the tokens earlier runs trained on (cycles "
