@@ -53,14 +53,22 @@ def tide_row(path: Path, weights: str, port: int, max_tokens: int, timeout_s: fl
         mem = model_start.memory(base)
         tok_s = {str(n): model_start.decode(base, model, n, max_tokens) for n in (1, 4)}
         after = model_start.memory(base)
-        kv_line = next((line.strip() for line in (data / "up.log").read_text(errors="replace").splitlines()
-                        if "KV cache:" in line), None)
+        kv_line = kv_cache_line(data)
         return {"weights": weights, "ready_s": ready_s, "serving_mb": mem["serving_mb"],
                 "serving_after_decode_mb": after["serving_mb"], "rss_mb": after["rss_mb"],
                 "decode_tok_s": tok_s, "kv_cache": kv_line}
     finally:
         model_start.stop(proc)
         shutil.rmtree(data, ignore_errors=True)
+
+
+def kv_cache_line(data: Path) -> str | None:
+    """The worker's "KV cache: ..." start line (its slots, context and bytes), from the stack's logs."""
+    for log in sorted(data.rglob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "KV cache:" in line:
+                return line.strip()[-200:]
+    return None
 
 
 def verify_costs(path: Path, weights: str, ns: range, reps: int) -> dict[str, float]:
@@ -92,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--verify-max-n", type=int, default=16)
+    ap.add_argument("--verify-max-n", type=int, default=16, help="T(1, n) for n = 1..this; 0 = none [16]")
     ap.add_argument("--verify-reps", type=int, default=3)
     ap.add_argument("--port", type=int, default=8290)
     ap.add_argument("--timeout", type=float, default=1800.0)
@@ -112,9 +120,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{size} {qtype}: llama-server", flush=True)
                 row["llama_server"] = model_start.llama_server(args.llama_server, path, args.port + 1, args.slots,
                                                                args.context, args.max_tokens, args.timeout)
-            t0 = time.monotonic()
-            row["tide"]["verify_ms"] = verify_costs(path, weights, range(1, args.verify_max_n + 1), args.verify_reps)
-            row["verify_profile_s"] = round(time.monotonic() - t0, 1)
+            if args.verify_max_n:  # 0: no verification profile
+                t0 = time.monotonic()
+                row["tide"]["verify_ms"] = verify_costs(path, weights, range(1, args.verify_max_n + 1),
+                                                        args.verify_reps)
+                row["verify_profile_s"] = round(time.monotonic() - t0, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
             if args.json:  # after every row: a long run that stops keeps what it measured
