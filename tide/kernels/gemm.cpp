@@ -335,7 +335,10 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, con
   // Chunks of output features, ~64 KB of weights each (a few microseconds at the guest's ~30 GB/s):
   // small enough that a thread the OS takes away leaves little for the others to redo, large enough
   // that taking one (an atomic on a shared line) costs a few percent of it. See pool.h.
-  int64_t per = std::max<int64_t>(1, (int64_t{1} << 16) / (block * static_cast<int64_t>(sizeof(W))));
+  // At least MAX_BLOCKS blocks a chunk: a tile of fewer blocks has fewer independent accumulators,
+  // and one row's single VDPBF16PS chain is latency-bound (K >= 2048 gave one-block chunks: a 3B
+  // model's int8 step ran at 0.88x OpenMP's static split, docs/results/model-sizes).
+  int64_t per = std::max<int64_t>(MAX_BLOCKS, (int64_t{1} << 16) / (block * static_cast<int64_t>(sizeof(W))));
   const bool on_amx = takes_amx(K);
   if (on_amx) per = (per + MAX_BLOCKS - 1) / MAX_BLOCKS * MAX_BLOCKS;  // whole groups of 4 C tiles
   tide_pool::parallel(
