@@ -67,7 +67,10 @@ def kv_cache_line(data: Path) -> str | None:
     for log in sorted(data.rglob("*.log")):
         for line in log.read_text(errors="replace").splitlines():
             if "KV cache:" in line:
-                return line.strip()[-200:]
+                try:
+                    return str(json.loads(line)["msg"])  # the services log JSON lines
+                except (ValueError, KeyError, TypeError):
+                    return line.strip()
     return None
 
 

@@ -63,8 +63,9 @@ class ModelRunner:
         return kernels.own_threads()
 
     # ---- the prefix cache's host tier ----------------------------------------------------------
-    # The CPU cache is float32 holding values computed in the model's dtype (KVCache), so a copy in
-    # that dtype is exact and half the bytes for bf16.
+    # The cache holds values computed in the model's dtype (KVCache: bf16 on the CPU kernels for a
+    # bf16 model, else float32), so a copy in that dtype is exact, and for a float32 cache of a
+    # bf16 model half its bytes.
 
     def prefix_bytes_per_token(self) -> int:
         cfg = self.model.cfg
