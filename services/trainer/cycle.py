@@ -91,17 +91,17 @@ class TrainingCycle:
             return finish(FAILED, detail=f"failed: {e}; nothing trained, {stay}")
         log.info("training run %s: %s", run_id, f"fine-tuning {base.version}" if base.version else "from scratch")
 
-        memory = self._run_memory(base)
+        memory = self._run_memory()
         budget, source = self._memory_budget()
         allowed = memory.max_tokens(budget)
-        if not entries or allowed < entries[0].num_tokens:
+        # the new chunks and their replay share within the budget; the rest stay buffered for the next run
+        taken = take_within(entries, int(allowed / (1 + s.replay)))
+        if not taken:
             detail = (f"not started: a run of this target needs {memory.describe()}, more than the memory budget "
                       f"of {budget / MiB:.0f} MiB ({source}) leaves for its oldest chunk; raise "
                       f"TIDE_TRAINER_MEMORY_MB; {stay}")
             log.error("training run %s %s", run_id, detail)
             return finish(FAILED, base_version=base.version, detail=detail)
-        # the new chunks and their replay share within the budget; the rest stay buffered for the next run
-        taken = take_within(entries, int(allowed / (1 + s.replay)))
         if len(taken) < len(entries):
             log.info("training run %s: %d of %d buffered chunks fit the memory budget of %.0f MiB (%s: %s); the "
                      "rest stay buffered", run_id, len(taken), len(entries), budget / MiB, source, memory.describe())
@@ -191,7 +191,7 @@ class TrainingCycle:
                 result.outcome, detail=f"{detail} (run record not written: {type(e).__name__}: {e})"))
         return result
 
-    def _run_memory(self, base: BaseDraft) -> RunMemory:
+    def _run_memory(self) -> RunMemory:
         """What a run of this target holds (memory_budget.run_memory), from the target's config."""
         from tide.target import resolve_target
 
