@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,11 +126,12 @@ def test_int8_prompts_share_the_int8_weights_where_the_kernel_widens_them(ops):
     (tide.engine.llama.prefill_weights_for); int4 keeps its copies where they fit."""
     from tide.engine.llama import LlamaConfig, prefill_weights_for
 
-    cfg = LlamaConfig.from_hf({"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                               "num_attention_heads": 4, "num_key_value_heads": 2, "architectures": ["LlamaForCausalLM"],
-                               "model_type": "llama"})
+    cfg = LlamaConfig.from_hf({"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     widened = getattr(ops, "int8_prompts_widened", False)
-    assert widened == (ops.has_int8_gemm and ops.has_bf16_gemm and "avx512_bf16" in open("/proc/cpuinfo").read())
+    cpu_has_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    assert widened == (ops.has_int8_gemm and ops.has_bf16_gemm and cpu_has_bf16)
     assert prefill_weights_for("auto", cfg, torch.bfloat16, "int8") == ("shared" if widened else "float")
     assert prefill_weights_for("auto", cfg, torch.bfloat16, "int4") == "float"  # a tiny model's copies fit
     assert prefill_weights_for("float", cfg, torch.bfloat16, "int8") == "float"
