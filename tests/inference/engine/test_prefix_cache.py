@@ -3,7 +3,8 @@ and its output is bit for bit what a fresh engine gives (tokens and logprobs), p
 
 The bookkeeping (which slot, how many tokens) is tested without a model; exactness on the reference
 model in bf16 (prompts split-invariant on the kernels: reuse at any token, generated tokens
-included), int8 (prompt tokens only: decoding takes other projections) and on a float32 target
+included), int8 (prompt tokens only where prompts take bf16 copies of the projections, every token where they
+share the int8 ones) and on a float32 target
 (reuse in whole prefill chunks).
 """
 
@@ -15,6 +16,7 @@ from support.engine import tiny_eagle3_drafter
 
 from tide.engine.drafters import NgramDrafter
 from tide.engine.engine import EngineConfig, LLMEngine
+from tide.engine.llama import LlamaModel
 from tide.engine.prefix_cache import Admission, PrefixCache, common_prefix
 from tide.engine.scheduler import Scheduler
 from tide.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -169,14 +171,21 @@ def test_speculative_hits_equal_plain_decoding(ref_model_bf16):
 
 
 @pytest.mark.slow
-def test_int8_reuses_prompt_tokens_only(ref_model_int8):
-    assert ref_model_int8.split_invariant_prefill and not ref_model_int8.decode_matches_prefill
-    engine = LLMEngine(ref_model_int8, CONFIG)
+@pytest.mark.parametrize("prefill", ["float", "shared"])
+def test_int8_reuses_what_its_prompt_projections_allow(ref_target, prefill):
+    """Prompts on bf16 copies of the int8 projections: only prompt tokens are reusable (decoding
+    wrote the answer's entries through other projections); prompts on the int8 ones themselves
+    (TIDE_PREFILL_WEIGHTS=shared, auto's choice where the int8 kernel widens prompts): every fed token."""
+    model = LlamaModel.load(ref_target, dtype=torch.bfloat16, weight_format="int8", prefill_weights=prefill)
+    if not model.split_invariant_prefill:
+        pytest.skip("int8 prompts are not split-invariant without the kernels' GEMM")
+    assert model.decode_matches_prefill == (prefill == "shared")
+    engine = LLMEngine(model, CONFIG)
     first = _run(engine, _ask([504, 3821, 2464]))
     turn2 = first.token_ids + [2, 198, 1, 4093, 1466, 28]
     again = _run(engine, turn2)
-    assert again.num_reused == first.num_prompt
-    assert _same(again, _run(LLMEngine(ref_model_int8, NO_CACHE), turn2))
+    assert again.num_reused == (first.num_prompt if prefill == "float" else len(first.token_ids) - 1)
+    assert _same(again, _run(LLMEngine(model, NO_CACHE), turn2))
 
 
 def test_float32_reuses_whole_prefill_chunks(tiny_model):
