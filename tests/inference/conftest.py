@@ -43,5 +43,10 @@ def tiny_model_quantized(request, tiny_target) -> LlamaModel:
 
 
 @pytest.fixture(scope="session")
+def ref_model_int8(ref_target) -> LlamaModel:
+    return LlamaModel.load(ref_target, dtype=torch.bfloat16, weight_format="int8")
+
+
+@pytest.fixture(scope="session")
 def ref_model_int4(ref_target) -> LlamaModel:
     return LlamaModel.load(ref_target, dtype=torch.bfloat16, weight_format="int4")
