@@ -25,10 +25,12 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tide.tensor_mapping import TensorMapping
+
+if TYPE_CHECKING:  # torch only where tensors are read: the gateway resolves targets without loading it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +75,13 @@ class TargetFiles:
             raise FileNotFoundError(f"no *.safetensors in target directory {self.path}")
         return files
 
-    def transformers_model(self, dtype: torch.dtype = torch.float32, **kwargs):
-        """transformers' own model of this target (from the GGUF file where it has one), for checks
-        of the engine against it."""
+    def transformers_model(self, dtype: torch.dtype | None = None, **kwargs):
+        """transformers' own model of this target (from the GGUF file where it has one), in `dtype`
+        (float32 by default), for checks of the engine against it."""
+        import torch
         from transformers import AutoModelForCausalLM
+
+        dtype = dtype or torch.float32
 
         if self.gguf is not None:
             return AutoModelForCausalLM.from_pretrained(self.gguf.parent, gguf_file=self.gguf.name, dtype=dtype,
@@ -259,7 +264,7 @@ def _head_names(names) -> dict[str, str]:
     return out
 
 
-def load_head_tensors(target: TargetFiles, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def load_head_tensors(target: TargetFiles, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Read only the embedding, final norm and lm_head of a target, as a Llama head computes with them:
     the final norm is the weight `rms_norm` multiplies by (Gemma's zero-centred weight + 1), the
     lm_head is the embedding where the config ties them or the checkpoint has none (shared storage),
@@ -267,7 +272,11 @@ def load_head_tensors(target: TargetFiles, dtype: torch.dtype = torch.float32) -
     are returned under EMBED_TENSOR, NORM_TENSOR and LM_HEAD_TENSOR.
 
     Decoder-layer tensors are never read: the trainer must work without the target's body.
+    `dtype`: float32 by default.
     """
+    import torch
+
+    dtype = dtype or torch.float32
     semantics = HeadSemantics.of(target.config)
     tensors = target.tensors()
     found: dict[str, torch.Tensor] = {}
@@ -286,8 +295,19 @@ def load_head_tensors(target: TargetFiles, dtype: torch.dtype = torch.float32) -
     return found
 
 
-def load_tokenizer(target: TargetFiles):
-    """The target's tokenizer (with its chat template) from the local directory."""
-    from transformers import AutoTokenizer
+def load_tokenizer(target: TargetFiles | Path):
+    """The target's tokenizer (with its chat template) from its local directory: the class its
+    tokenizer_config.json names, as AutoTokenizer would pick it, but imported by name. AutoTokenizer's
+    own lookup goes through transformers' model configurations, which import torch: 220 MB the
+    gateway, which never computes with tensors, would hold for nothing. Where no class is named (or
+    transformers has none of that name) AutoTokenizer decides."""
+    import transformers
 
-    return AutoTokenizer.from_pretrained(target.path)
+    path = target.path if isinstance(target, TargetFiles) else Path(target)
+    config = path / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
+    if isinstance(name, str) and name.isidentifier():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
+            return cls.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the annotation only: tide.target's mappings are importable without torch
+    import torch
 
 
-class TensorMapping(Mapping[str, torch.Tensor]):
+class TensorMapping(Mapping[str, "torch.Tensor"]):
     """A name -> tensor mapping whose names are the keys of `self._names` (set by the subclass);
     the subclass reads a tensor in `__getitem__`, when it is asked for."""
 

@@ -128,12 +128,10 @@ class TargetTokenizer:
     def load(cls, target: str, max_model_len: int | None = None) -> TargetTokenizer:
         """Load from a target name (see `tide.target.resolve_target`); the context length defaults
         to the model's `max_position_embeddings`."""
-        from transformers import AutoTokenizer
-
-        from tide.target import resolve_target
+        from tide.target import load_tokenizer, resolve_target
 
         files = resolve_target(target)
-        tokenizer = AutoTokenizer.from_pretrained(str(files.path))
+        tokenizer = load_tokenizer(files)
         if max_model_len is None:
             config = json.loads((files.path / "config.json").read_text())
             max_model_len = int(config.get("max_position_embeddings") or 2048)

@@ -189,3 +189,30 @@ def test_int8_from_q8_0_blocks_is_the_float_paths_int8(tmp_path):
     via_float = LlamaModel(direct.cfg, dict(target.tensors()), torch.bfloat16, "cpu", "int8")
     ids = _ids(VOCAB)
     assert torch.equal(_ours(direct, ids), _ours(via_float, ids))
+
+
+TOKENIZER_TEXTS = ["Hello world", "Zürich, 東京 🙂 مرحبا", "  two spaces\n\ttab", "<|im_start|>user\nhi<|im_end|>"]
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+def test_each_familys_tokenizer_loads_as_autotokenizer_picks_it_without_torch(tmp_path, family):
+    """The gateway loads the class the described tokenizer names (tide.target.load_tokenizer), which
+    is AutoTokenizer's pick, so it encodes and decodes the same; and it does so without importing
+    torch (the gateway process holds no tensors)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from tide.target import load_tokenizer
+
+    files = resolve_target(_gguf_target(tmp_path, family, "F16"))
+    ours, auto = load_tokenizer(files), AutoTokenizer.from_pretrained(files.path)
+    assert type(ours) is type(auto)
+    for text in TOKENIZER_TEXTS:
+        ids = auto(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids and ours.decode(ids) == auto.decode(ids), text
+    probe = ("import sys; from tide.target import load_tokenizer, resolve_target; "
+             f"load_tokenizer(resolve_target({str(files.path)!r})); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
