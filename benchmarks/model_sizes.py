@@ -56,6 +56,7 @@ def tide_row(path: Path, weights: str, port: int, max_tokens: int, timeout_s: fl
         kv_line = kv_cache_line(data)
         return {"weights": weights, "ready_s": ready_s, "serving_mb": mem["serving_mb"],
                 "serving_after_decode_mb": after["serving_mb"], "rss_mb": after["rss_mb"],
+                "serving_full_kv_mb": after["serving_full_kv_mb"],  # as if every slot were full
                 "decode_tok_s": tok_s, "kv_cache": kv_line}
     finally:
         model_start.stop(proc)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 def table(rows: list[dict]) -> str:
     """The README's markdown rows: TIDE / llama-server side by side per size and precision."""
     out = ["| size | file | TIDE | tok/s 1 stream (TIDE / llama / ratio) | 4 streams | ready s (TIDE / llama) "
-           "| serving RSS GB (TIDE / llama / ratio) |", "|---|---|---|---|---|---|---|"]
+           "| serving RSS GB (TIDE / llama / ratio) | every slot full |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t, ls = r["tide"], r.get("llama_server")
 
@@ -150,7 +151,9 @@ def table(rows: list[dict]) -> str:
         four = pair(t["decode_tok_s"]["4"], ls["decode_tok_s"]["4"] if ls else None)
         ready = f"{t['ready_s']} / {ls['ready_s']}" if ls else f"{t['ready_s']}"
         rss = pair(t["serving_after_decode_mb"] / 1024, ls["rss_after_decode_mb"] / 1024 if ls else None)
-        out.append(f"| {r['size']} | {r['type']} | {t['weights']} | {one} | {four} | {ready} | {rss} |")
+        full = pair(t["serving_full_kv_mb"] / 1024, ls["rss_after_decode_mb"] / 1024 if ls else None) \
+            if "serving_full_kv_mb" in t else "-"
+        out.append(f"| {r['size']} | {r['type']} | {t['weights']} | {one} | {four} | {ready} | {rss} | {full} |")
     return "\n".join(out)
 
 

@@ -94,7 +94,13 @@ def memory(base: str, tries: int = 30) -> dict:
             break
         time.sleep(1)
     serving = sum(v for k, v in rss.items() if k == "gateway" or k.startswith("inference"))
-    return {"rss_mb": rss, "serving_mb": serving, "stack_mb": sum(rss.values())}
+    # The KV cache is held as written (tide.allocator.zeros_on_demand): with every slot full the
+    # serving processes would hold the unwritten rest too.
+    kv = sum(w.get("memory", {}).get("kv_cache_bytes") or 0 for w in status.get("workers", []))
+    written = sum(w.get("memory", {}).get("kv_cache_resident_bytes") or 0 for w in status.get("workers", []))
+    return {"rss_mb": rss, "serving_mb": serving, "stack_mb": sum(rss.values()), "kv_cache_mb": round(kv / 2**20),
+            "kv_cache_resident_mb": round(written / 2**20),
+            "serving_full_kv_mb": serving + round((kv - written) / 2**20)}
 
 
 def decode(base: str, model: str, streams: int, max_tokens: int, rounds: int = 2) -> float:

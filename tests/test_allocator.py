@@ -53,3 +53,39 @@ print(json.dumps({"before": before, "released": release_free_memory(), "after": 
                                     timeout=120).stdout)
     assert out["released"] and out["before"] > 400
     assert out["after"] < out["before"] / 4
+
+
+KV_SCRIPT = """
+import json, torch
+from tide.engine.llama import KVCache, LlamaConfig
+def rss():
+    return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) << 10
+cfg = LlamaConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+                           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+                           "vocab_size": 128, "max_position_embeddings": 4096})
+before = rss()
+cache = KVCache(cfg, 16, 4096, torch.float32, "cpu")  # 16 slots x 4096 tokens x 4 layers: 512 MiB
+allocated = rss() - before
+for t in cache.k + cache.v:
+    t[3, :, :1000] = 1.0  # one request of 1000 tokens in slot 3
+used = rss() - before
+from tide.memory import resident_tensor_bytes
+resident = resident_tensor_bytes(cache.k + cache.v)
+zeros = all(float(t.abs().sum()) == 4 * 64 * 1000 for t in cache.k + cache.v)  # the rest reads as zeros
+print(json.dumps({"nbytes": cache.nbytes(), "allocated": allocated, "used": used, "zeros": zeros,
+                  "resident": resident}))
+"""
+
+
+def test_the_kv_cache_holds_memory_for_the_tokens_cached_not_its_size():
+    """A cache sized for every slot's full context holds (RSS) only what was written: one request of
+    1000 tokens in a 16 x 4096 cache takes about its own 1000 rows, and unwritten rows read as zeros;
+    the worker's status reports that resident part (tide.memory.resident_tensor_bytes)."""
+    out = subprocess.run([sys.executable, "-c", KV_SCRIPT], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.splitlines()[-1])
+    one_request = got["nbytes"] / 16 * 1000 / 4096
+    assert got["zeros"]
+    assert got["allocated"] < 0.02 * got["nbytes"], got
+    assert 0.8 * one_request < got["used"] < 1.5 * one_request + (8 << 20), got
+    written = 8 * 4 * 1000 * 64 * 4  # K and V of 4 layers, 4 heads x 1000 rows x 64 float32 each
+    assert written <= got["resident"] <= written + 8 * 4 * 4096, got  # a partly written page per head

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 
 log = logging.getLogger(__name__)
@@ -70,3 +71,27 @@ def _libc_function(name: str):
         return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
+
+
+# Below this a tensor is allocated as usual: a mapping per small tensor is not worth its syscall.
+ON_DEMAND_MIN_BYTES = 1 << 20
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype, device=None):
+    """torch.zeros(shape) whose memory the process holds only as it is written: on CPU, a private
+    anonymous mapping, whose pages the kernel zero-fills at their first write (reads of a page never
+    written map the shared zero page and hold nothing). For caches sized for the worst case (the KV
+    cache's every slot at its full context, the EAGLE-3 feature rows): the worker's RSS follows the
+    tokens actually cached, up to the same total as torch.zeros at full occupancy. Pages once
+    written stay held until the tensor is freed. Elsewhere (CUDA, small tensors): torch.zeros."""
+    import mmap
+
+    import torch
+
+    device = torch.device(device or "cpu")
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < ON_DEMAND_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # torch.frombuffer keeps `region` alive as long as the tensor (or a view of it) is
+    return torch.frombuffer(region, dtype=dtype).view(shape)

@@ -188,6 +188,13 @@ class Linear:
         if weight.device.type == "cpu" and wide_ok and _can_pack(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
+    def dense_weight(self) -> torch.Tensor | None:
+        """The [out, in] weight: the kept tensor, else unpacked from the kernel's layout (a copy)."""
+        if self.weight is not None or self.kernel_packed is None:
+            return self.weight
+        p = self.kernel_packed  # [N/16, K/2, 16, 2]
+        return p.permute(0, 2, 1, 3).reshape(p.shape[0] * 16, p.shape[1] * 2)
+
     @property
     def row_exact(self) -> bool:
         """A row's output is the same bits whatever the number of rows, one row included."""

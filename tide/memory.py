@@ -7,6 +7,8 @@
   that knows a server only by its URL); `listening_socket_inodes(port)` those sockets.
 - `tensor_bytes(*roots)`: the bytes of the distinct tensor storages reachable from `roots`
   (attributes, lists, dicts): what a model's weights or a cache hold, shared storage counted once.
+- `resident_tensor_bytes(tensors)`: how much of those CPU tensors' memory is in RAM now (a cache
+  allocated with tide.allocator.zeros_on_demand holds only the pages written).
 
 Elsewhere than Linux the /proc readers answer None or nothing.
 """
@@ -27,6 +29,33 @@ def rss_bytes(pid: int | str = "self") -> int | None:
             return int(f.read().split()[1]) * PAGE_BYTES  # field 2: resident pages
     except (OSError, ValueError, IndexError):
         return None
+
+
+def resident_tensor_bytes(tensors: Iterable) -> int | None:
+    """Bytes of the CPU tensors' pages that are in RAM (Linux `mincore`; a page shared by two
+    tensors counts for each); None where it cannot be asked. A never-written page of an anonymous
+    mapping that was read counts too (it maps the kernel's shared zero page, which RSS does not
+    count): an upper bound of what the tensors hold."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        mincore = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    total = 0
+    for t in tensors:
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        start = t.data_ptr() // PAGE_BYTES * PAGE_BYTES
+        length = t.data_ptr() + t.numel() * t.element_size() - start
+        pages = -(-length // PAGE_BYTES)
+        vec = ctypes.create_string_buffer(pages)
+        if mincore(start, length, vec) != 0:
+            return None
+        total += (pages - vec.raw[:pages].count(0)) * PAGE_BYTES  # a byte per page, bit 0: resident
+    return total
 
 
 def _parents() -> dict[int, int]:

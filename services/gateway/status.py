@@ -186,7 +186,8 @@ def worker_view(name: str, address: str, healthy: bool, st: inference_pb2.Worker
                         for r in st.draft_refusals],
         uptime_s=_r(st.uptime_s, 1),
         memory={"rss_bytes": st.memory.rss_bytes or None, "weights_bytes": st.memory.weights_bytes,
-                "kv_cache_bytes": st.memory.kv_cache_bytes, "draft_bytes": st.memory.draft_bytes,
+                "kv_cache_bytes": st.memory.kv_cache_bytes,
+                "kv_cache_resident_bytes": st.memory.kv_cache_resident_bytes, "draft_bytes": st.memory.draft_bytes,
                 "speculation_memory_bytes": st.memory.speculation_memory_bytes,
                 "speculation_memory_budget_bytes": st.memory.speculation_memory_budget_bytes,
                 "speculation_memory_tokens": st.memory.speculation_memory_tokens})

@@ -51,7 +51,7 @@ from tide.grpcutil import GrpcServer
 from tide.memory import available_bytes, tensor_bytes
 from tide.policies.profile import LatencyProfile
 from tide.precision import weights_label
-from tide.target import cache_dir, resolve_target
+from tide.target import cache_dir, load_tokenizer, resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,7 @@ def load_target(settings: InferenceSettings):
                             weight_format=fmt, prefill_weights=settings.prefill_weights)
     tokenizer = None
     if (target.path / "tokenizer.json").exists() or (target.path / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(target.path)
+        tokenizer = load_tokenizer(target)
     else:
         log.warning("target %s has no tokenizer: prompt_text and stop strings will be refused", target.path)
     log.info("loaded target %s (%s%s, %s) from %s in %.1f s", target.model_id,

@@ -53,8 +53,9 @@ class WorkerStatus:
 
 @dataclass(frozen=True)
 class WorkerMemory:
-    """Bytes: the process's resident set (0 where unknown), the target's weights, its KV cache, the
-    draft in service beyond what it shares with the target, and the speculation memory's bytes,
+    """Bytes: the process's resident set (0 where unknown), the target's weights, its KV cache (and
+    the part of it written so far, which is what the process holds of it: tide.allocator.zeros_on_demand),
+    the draft in service beyond what it shares with the target, and the speculation memory's bytes,
     budget and tokens (0: no memory)."""
 
     rss_bytes: int
@@ -64,6 +65,7 @@ class WorkerMemory:
     speculation_memory_bytes: int = 0
     speculation_memory_budget_bytes: int = 0
     speculation_memory_tokens: int = 0
+    kv_cache_resident_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from tide.engine.drafters import Drafter
 from tide.engine.drafters.hybrid import HybridDrafter
 from tide.engine.engine import LLMEngine, RequestOutput
 from tide.engine.sequence import FinishReason, SamplingParams
-from tide.memory import rss_bytes, tensor_bytes
+from tide.memory import resident_tensor_bytes, rss_bytes, tensor_bytes
 from tide.policies import Introspectable
 from tide.policies.profile import LatencyProfile
 from tide.telemetry import StepRecord
@@ -224,7 +224,10 @@ class Worker:
         drafter = self.engine.drafter
         draft = tensor_bytes(drafter, seen=set(seen)) if drafter is not None else 0
         sm = self.engine.memory  # read unlocked: ints the engine thread replaces, a sample may lag a step
+        cache = self.engine.runner.cache
+        resident = resident_tensor_bytes(cache.k + cache.v)
         return WorkerMemory(rss_bytes=rss_bytes() or 0, weights_bytes=weights, kv_cache_bytes=kv, draft_bytes=draft,
+                            kv_cache_resident_bytes=kv if resident is None else resident,
                             speculation_memory_bytes=sm.nbytes if sm is not None else 0,
                             speculation_memory_budget_bytes=sm.budget_bytes if sm is not None else 0,
                             speculation_memory_tokens=sm.tokens if sm is not None else 0)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from tide.allocator import zeros_on_demand
+
 
 class FeatureStore:
     def __init__(self, num_slots: int, max_len: int, width: int, dtype: torch.dtype, device) -> None:
-        self.rows = torch.zeros((num_slots, max_len, width), dtype=dtype, device=device)
+        self.rows = zeros_on_demand((num_slots, max_len, width), dtype, device)  # held as written
 
     def write(self, slot: int, start: int, aux: torch.Tensor) -> None:
         self.rows[slot, start:start + aux.shape[0]] = aux

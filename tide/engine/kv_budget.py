@@ -1,8 +1,9 @@
 """The KV cache sized from a memory budget: how many slots, how long a context.
 
 The engine's per-slot memory is contiguous and allocated at start (tide.engine.llama.KVCache, one
-slot per decoding sequence), so slots × context decide it. `plan` picks them so that everything
-allocated per slot and token row fits a byte budget:
+slot per decoding sequence), so slots × context decide it. On CPU the process holds its pages only
+as they are written (tide.allocator.zeros_on_demand): the budget bounds what every slot full takes.
+`plan` picks them so that everything allocated per slot and token row fits a byte budget:
 
 - the target's K and V: layers × kv heads × head dim × 2 (K and V) × the cache's element bytes
   (tide.engine.llama.kv_cache_dtype: bf16 for a bf16 model on the CPU kernels, else float32 on

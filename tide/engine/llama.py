@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from tide.allocator import zeros_on_demand
 from tide.engine.families import LLAMA, Family, UnsupportedModel, family_for, layer_types
 from tide.kernels import ops as kernel_ops
 from tide.layers import (
@@ -261,8 +262,10 @@ class KVCache:
         shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         dtype = kv_cache_dtype(dtype, device, cfg.head_dim)
         self.max_len = max_len
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        # Held as written (tide.allocator.zeros_on_demand): a cache sized for every slot's full context
+        # takes memory for the tokens cached, as llama.cpp's does not (docs/results/model-sizes).
+        self.k = [zeros_on_demand(shape, dtype, device) for _ in range(cfg.num_layers)]
+        self.v = [zeros_on_demand(shape, dtype, device) for _ in range(cfg.num_layers)]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -296,7 +299,9 @@ def _faster_head(weight: torch.Tensor) -> Linear:
     taken only if it gives F.linear's bits for 2 to LOGITS_BLOCK_ROWS rows of a probe, so the
     choice never changes a token. ~20 head passes once per model load. Where tide.kernels' bf16
     GEMM serves (Linear's first choice), it serves the head too: no choice to make."""
-    plain = Linear(weight)
+    # Where the kernel serves, only its packed copy is kept: an untied head's [V, H] tensor would
+    # be a second copy (88 MB at 0.5B, 400 MB at 8B in bf16); a tied one stays the embedding's.
+    plain = Linear(weight, keep_weight=False)
     if plain.row_exact:
         return plain
     packed = Linear(weight, pack_wide=True)
@@ -477,7 +482,6 @@ class LlamaModel:
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
             else "lm_head.weight"
         self.head = linear([head_name], head=True, fmt=weight_format)
-        self.lm_head = getattr(self.head, "weight", None)  # [V, H] in `dtype` when the head is not quantized
         # Per layer (ln1, qkv, o, ln2, gate|up, down): the projections decode and verification use.
         self.layers = []
         # With quantized weights, prompts (ForwardBatch.prefill) may go through float copies of the
@@ -593,6 +597,13 @@ class LlamaModel:
         attention (Gemma 2) has no kernel: its prompts take `eager_attention`."""
         return (fused is not None and fused.has_decode_attention and self._prefill_layer_args is not None
                 and self.cfg.attn_softcap is None)
+
+    @property
+    def lm_head(self) -> torch.Tensor | None:
+        """[V, H] in `dtype` when the head is not quantized (unpacked where only the kernel's layout is
+        kept: a copy, for checks and the trainer's head, never on the serving path); else None."""
+        dense = getattr(self.head, "dense_weight", None)
+        return dense() if dense is not None else None
 
     @property
     def split_invariant_prefill(self) -> bool:

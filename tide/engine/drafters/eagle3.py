@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tide.allocator import zeros_on_demand
 from tide.eagle3 import Eagle3Draft, load_checkpoint
 from tide.eagle3.model import fused_step_kernels
 from tide.engine.drafters.base import DraftAlgorithm, Proposal
@@ -69,8 +70,8 @@ class Eagle3Drafter:
         # Rows past max_len: scratch for tree steps of sequences near the end of the context.
         shape = (max_batch, cfg.num_key_value_heads, max_len + TREE_SCRATCH, cfg.head_dim)
         cache_dtype = torch.float32 if self._fused is not None else p.dtype
-        self.k = torch.zeros(shape, dtype=cache_dtype, device=p.device)
-        self.v = torch.zeros(shape, dtype=cache_dtype, device=p.device)
+        self.k = zeros_on_demand(shape, cache_dtype, p.device)  # held as written (tide.allocator)
+        self.v = zeros_on_demand(shape, cache_dtype, p.device)
         self.max_len = max_len
         self._consumed: dict[str, int] = {}
         # Draft id -> target id as a plain tensor; target ids for sampled q rows.

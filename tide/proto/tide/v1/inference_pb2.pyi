@@ -245,7 +245,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., draft_version: _Optional[str] = ..., drafter: _Optional[str] = ..., gamma_policy: _Optional[_Union[GammaPolicy, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSchedule, _Mapping]] = ..., collection_enabled: _Optional[bool] = ..., last_decision_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_model_len: _Optional[int] = ..., registry_draft_version: _Optional[str] = ..., wanted_draft_version: _Optional[str] = ..., draft_refusals: _Optional[_Iterable[_Union[DraftRefusal, _Mapping]]] = ..., live: _Optional[_Union[WorkerLive, _Mapping]] = ..., memory: _Optional[_Union[WorkerMemory, _Mapping]] = ...) -> None: ...
 
 class WorkerMemory(_message.Message):
-    __slots__ = ("rss_bytes", "weights_bytes", "kv_cache_bytes", "draft_bytes", "speculation_memory_bytes", "speculation_memory_budget_bytes", "speculation_memory_tokens")
+    __slots__ = ("rss_bytes", "weights_bytes", "kv_cache_bytes", "draft_bytes", "speculation_memory_bytes", "speculation_memory_budget_bytes", "speculation_memory_tokens", "kv_cache_resident_bytes")
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,7 @@ class WorkerMemory(_message.Message):
     SPECULATION_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     rss_bytes: int
     weights_bytes: int
     kv_cache_bytes: int
@@ -260,7 +261,8 @@ class WorkerMemory(_message.Message):
     speculation_memory_bytes: int
     speculation_memory_budget_bytes: int
     speculation_memory_tokens: int
-    def __init__(self, rss_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., draft_bytes: _Optional[int] = ..., speculation_memory_bytes: _Optional[int] = ..., speculation_memory_budget_bytes: _Optional[int] = ..., speculation_memory_tokens: _Optional[int] = ...) -> None: ...
+    kv_cache_resident_bytes: int
+    def __init__(self, rss_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., draft_bytes: _Optional[int] = ..., speculation_memory_bytes: _Optional[int] = ..., speculation_memory_budget_bytes: _Optional[int] = ..., speculation_memory_tokens: _Optional[int] = ..., kv_cache_resident_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerLive(_message.Message):
     __slots__ = ("tokens_per_s", "window_s", "tokens_total", "steps_total", "drafts", "gamma")
