@@ -21,6 +21,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -183,7 +185,12 @@ def _from_gguf(gguf: Path, model_id: str) -> TargetFiles:
     # half-written cache.
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_id}-", dir=out.parent))
     try:
-        _describe_gguf(gguf, key, tmp)
+        if "torch" in sys.modules:
+            _describe_gguf(gguf, key, tmp)
+        else:  # transformers' GGUF reading imports torch: in a child, so this process (the gateway) never holds it
+            subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; import tide.target as t; "
+                            "t._describe_gguf(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))",
+                            str(gguf), key, str(tmp)], check=True)
         if out.exists() and not (out / GGUF_INDEX).exists():  # an older layout: a float32 copy
             shutil.rmtree(out, ignore_errors=True)
         try:

@@ -6,6 +6,7 @@ cached description makes a second start parse nothing; the loader holds one floa
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -213,6 +214,10 @@ def test_each_familys_tokenizer_loads_as_autotokenizer_picks_it_without_torch(tm
         ids = auto(text)["input_ids"]
         assert ours(text)["input_ids"] == ids and ours.decode(ids) == auto.decode(ids), text
     probe = ("import sys; from tide.target import load_tokenizer, resolve_target; "
-             f"load_tokenizer(resolve_target({str(files.path)!r})); print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False", out.stderr[-2000:]
+             "load_tokenizer(resolve_target(sys.argv[1])); print('torch' in sys.modules)")
+    for target, cache in ((files.path, files.path.parent), (files.gguf, tmp_path / "fresh-cache")):
+        # the described directory; and the GGUF file itself on a first start (described in a child process)
+        out = subprocess.run([sys.executable, "-c", probe, str(target)], capture_output=True, text=True, check=True,
+                             env={**os.environ, "TIDE_CACHE_DIR": str(cache)})
+        assert out.stdout.strip() == "False", out.stderr[-2000:]
+    assert list((tmp_path / "fresh-cache" / "targets").glob(f"*/{GGUF_INDEX}"))
