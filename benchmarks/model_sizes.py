@@ -6,7 +6,8 @@
 For each random-weight Llama-shaped GGUF file (`python -m benchmarks.gguf_models`, written into
 DIR when missing) TIDE serves it in the matching precision class (BF16 / F16 -> bf16, Q8_0 ->
 int8, Q4_0 / Q4_1 -> int4) through `tide up --target FILE --drafter none`, then llama.cpp's
-server serves the same file, one after the other, both with the same slots × context (`--slots`,
+server serves the same file, one after the other (`--interleave ROUNDS`: both up at once, their
+decode runs alternating, medians), both with the same slots × context (`--slots`,
 `--context`: TIDE_MAX_BATCH / TIDE_MAX_SEQ_LEN, llama-server's -np / -c) and 2 threads; each
 reports seconds to ready, the serving processes' RSS (TIDE: gateway + worker; the trainer and
 the stack's storage apart) and plain decode tok/s at 1 and 4 streams (`ignore_eos`, fixed
@@ -63,6 +64,47 @@ def tide_row(path: Path, weights: str, port: int, max_tokens: int, timeout_s: fl
         shutil.rmtree(data, ignore_errors=True)
 
 
+def interleaved_rows(path: Path, weights: str, binary: str, port: int, slots: int, context: int, max_tokens: int,
+                     rounds: int, timeout_s: float) -> tuple[dict, dict]:
+    """(TIDE's row, llama-server's) with both servers up at once and their decode runs alternating,
+    which one goes first alternating too: `rounds` single runs each at 1 and at 4 streams, the
+    median reported (the runs under "decode_runs"). On these VMs memory bandwidth moves by 10-40 %
+    within a minute (3B bf16 one stream, the same server: 6.1 to 9.9 tok/s across 20 runs), so
+    one server's runs followed by the other's compare two moments as much as two servers."""
+    import statistics
+
+    data = Path(tempfile.mkdtemp(prefix="tide-size-"))
+    base, ls_base = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
+    proc, ready_s = model_start.start(str(path), port, weights, data, timeout_s, "none")
+    ls_proc = None
+    try:
+        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        mem = model_start.memory(base)
+        ls_proc, ls_ready, ls_cmd = model_start.start_llama_server(binary, path, port + 1, slots, context, timeout_s)
+        ls_rss = model_start.process_rss_mb(ls_proc)
+        runs: dict[str, dict[str, list[float]]] = {"tide": {}, "llama": {}}
+        for n in (1, 4):
+            ours, theirs = runs["tide"].setdefault(str(n), []), runs["llama"].setdefault(str(n), [])
+            for i in range(rounds):
+                pair = [(ours, base, model), (theirs, ls_base, "model")]
+                for out, url, name in pair if i % 2 == 0 else pair[::-1]:
+                    out.append(model_start.decode(url, name, n, max_tokens, rounds=1))
+        after = model_start.memory(base)
+        median = {k: {n: round(statistics.median(v), 2) for n, v in r.items()} for k, r in runs.items()}
+        tide = {"weights": weights, "ready_s": ready_s, "serving_mb": mem["serving_mb"],
+                "serving_after_decode_mb": after["serving_mb"], "rss_mb": after["rss_mb"],
+                "serving_full_kv_mb": after["serving_full_kv_mb"], "decode_tok_s": median["tide"],
+                "decode_runs": runs["tide"], "kv_cache": kv_cache_line(data)}
+        llama = {"ready_s": ls_ready, "rss_mb": ls_rss, "rss_after_decode_mb": model_start.process_rss_mb(ls_proc),
+                 "decode_tok_s": median["llama"], "decode_runs": runs["llama"], "command": ls_cmd}
+        return tide, llama
+    finally:
+        if ls_proc is not None:
+            model_start.stop(ls_proc)
+        model_start.stop(proc)
+        shutil.rmtree(data, ignore_errors=True)
+
+
 def kv_cache_line(data: Path) -> str | None:
     """The worker's "KV cache: ..." start line (its slots, context and bytes), from the stack's logs."""
     for log in sorted(data.rglob("*.log")):
@@ -104,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="both servers up at once, ROUNDS alternating decode runs each (medians); 0 = one "
+                         "server after the other, best of 2 [0]")
     ap.add_argument("--verify-max-n", type=int, default=16, help="T(1, n) for n = 1..this; 0 = none [16]")
     ap.add_argument("--verify-reps", type=int, default=3)
     ap.add_argument("--port", type=int, default=8290)
@@ -118,9 +163,15 @@ def main(argv: list[str] | None = None) -> None:
             weights = TIDE_WEIGHTS[qtype]
             row: dict = {"size": size, "type": qtype, "file_gib": round(path.stat().st_size / 2**30, 2),
                          "read_warm_s": model_start.read_seconds(path, cold=False)}
-            print(f"{size} {qtype}: TIDE {weights}", flush=True)
-            row["tide"] = tide_row(path, weights, args.port, args.max_tokens, args.timeout)
-            if args.llama_server:
+            if args.llama_server and args.interleave:
+                print(f"{size} {qtype}: TIDE {weights} and llama-server, interleaved", flush=True)
+                row["tide"], row["llama_server"] = interleaved_rows(
+                    path, weights, args.llama_server, args.port, args.slots, args.context, args.max_tokens,
+                    args.interleave, args.timeout)
+            else:
+                print(f"{size} {qtype}: TIDE {weights}", flush=True)
+                row["tide"] = tide_row(path, weights, args.port, args.max_tokens, args.timeout)
+            if args.llama_server and not args.interleave:
                 print(f"{size} {qtype}: llama-server", flush=True)
                 row["llama_server"] = model_start.llama_server(args.llama_server, path, args.port + 1, args.slots,
                                                                args.context, args.max_tokens, args.timeout)

@@ -122,33 +122,43 @@ def decode(base: str, model: str, streams: int, max_tokens: int, rounds: int = 2
     return round(best, 2)
 
 
-def llama_server(binary: str, target: Path, port: int, slots: int, context: int, max_tokens: int,
-                 timeout_s: float) -> dict:
+def start_llama_server(binary: str, target: Path, port: int, slots: int, context: int,
+                       timeout_s: float) -> tuple[subprocess.Popen, float, str]:
     """llama.cpp's server on the same file, as TIDE's worker runs it: 2 threads, `slots` slots of
-    `context` tokens each (its -c is the total): seconds to ready, RSS, decode tok/s at 1 and 4."""
-    from tide.memory import tree_rss_bytes
-
+    `context` tokens each (its -c is the total); (process, seconds to ready, command line)."""
     cmd = [binary, "-m", str(target), "--port", str(port), "-t", "2", "-tb", "2", "-np", str(slots),
            "-c", str(slots * context), "--no-webui"]
     base = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return proc, round(time.monotonic() - t0, 1), " ".join(cmd)
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited {proc.returncode}: {' '.join(cmd)}")
+        time.sleep(0.5)
+    stop(proc)
+    raise TimeoutError(f"llama-server not ready in {timeout_s} s: {' '.join(cmd)}")
+
+
+def process_rss_mb(proc: subprocess.Popen) -> int:
+    from tide.memory import tree_rss_bytes
+
+    return round(sum(tree_rss_bytes(proc.pid).values()) / 2**20)
+
+
+def llama_server(binary: str, target: Path, port: int, slots: int, context: int, max_tokens: int,
+                 timeout_s: float) -> dict:
+    """`start_llama_server`, then its seconds to ready, RSS, decode tok/s at 1 and 4 streams."""
+    proc, ready, cmd = start_llama_server(binary, target, port, slots, context, timeout_s)
     try:
-        while time.monotonic() - t0 < timeout_s:
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {proc.returncode}: {' '.join(cmd)}")
-            time.sleep(0.5)
-        ready = round(time.monotonic() - t0, 1)
-        rss = round(sum(tree_rss_bytes(proc.pid).values()) / 2**20)
-        tok_s = {str(n): decode(base, "model", n, max_tokens) for n in (1, 4)}
-        after = round(sum(tree_rss_bytes(proc.pid).values()) / 2**20)
-        return {"ready_s": ready, "rss_mb": rss, "rss_after_decode_mb": after, "decode_tok_s": tok_s,
-                "command": " ".join(cmd)}
+        rss = process_rss_mb(proc)
+        tok_s = {str(n): decode(f"http://127.0.0.1:{port}", "model", n, max_tokens) for n in (1, 4)}
+        return {"ready_s": ready, "rss_mb": rss, "rss_after_decode_mb": process_rss_mb(proc), "decode_tok_s": tok_s,
+                "command": cmd}
     finally:
         stop(proc)
 
