@@ -43,6 +43,7 @@ from tide.engine.profiling import (
     LiveProfile,
     cached_profile,
     random_draft,
+    start_cost,
     start_grid,
     wants_profile,
 )
@@ -139,12 +140,13 @@ def start_profile(settings: InferenceSettings, model, model_id: str,
         drafter = make_drafter(settings.drafter)
     # With a speculation memory, recalls verify up to EngineConfig.max_recall_gamma + 1 rows: profile them.
     recall_gamma = EngineConfig.max_recall_gamma if settings.speculation_memory_mb > 0 else 0
-    batches, ns, lags, reps = start_grid(max_batch, settings.max_gamma, tensor_bytes(model), recall_gamma)
+    weight_bytes = tensor_bytes(model)
+    batches, ns, lags, reps = start_grid(max_batch, settings.max_gamma, weight_bytes, recall_gamma)
     cache = Path(settings.profile_cache_dir) if settings.profile_cache_dir else None
 
     def measure(refresh: bool) -> LatencyProfile:
         prof, path, hit = cached_profile(model, drafter, model_id=model_id, batches=batches, ns=ns, lags=lags,
-                                         reps=reps, directory=cache, refresh=refresh)
+                                         reps=reps, directory=cache, refresh=refresh, cost=start_cost(weight_bytes))
         log.info("latency profile %s (%s): %s", path, "cached" if hit else f"measured in {prof.meta['profile_s']} s",
                  json.dumps({k: v for k, v in prof.to_dict().items() if k != "meta"}, sort_keys=True))
         return prof

@@ -13,6 +13,8 @@ returns a `tide.policies.profile.LatencyProfile` (every value in milliseconds):
   only; the n-gram drafter never lags);
 * prefill_ms_per_token: one 128-token prompt chunk of one sequence, per token.
 
+A large model's start profile runs less of its grid (`start_grid`, `start_cost`: `ProfileCost`).
+
 `cached_profile(...)` keeps one JSON file per (target, dtype, device, torch threads, drafter
 shape, grid) under `$TIDE_PROFILE_CACHE_DIR` (default `$TIDE_CACHE_DIR/profiles`), so workers do not
 re-profile every start. `LiveProfile` is a profile that can re-measure itself in place (`refresh`),
@@ -29,7 +31,7 @@ import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import fields
+from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
 
@@ -103,17 +105,23 @@ def fake_seqs(batch: int, length: int, vocab: int | None = None, seed: int = 0) 
 
 
 @torch.inference_mode()
-def profile_target(model: LlamaModel, batches: Seq[int], ns: Seq[int], reps: int) -> dict[int, dict[int, float]]:
-    """T(b, n) in ms: one forward of n new tokens for each of b sequences at CONTEXT cached tokens."""
+def profile_target(model: LlamaModel, batches: Seq[int], ns: Seq[int], reps: int, warmup: int = 2,
+                   max_rows: int | None = None) -> dict[int, dict[int, float]]:
+    """T(b, n) in ms: one forward of n new tokens for each of b sequences at CONTEXT cached tokens.
+    `max_rows`: skip the points of more than this many rows (b × n) past n = 2; a batch's row then
+    ends at the largest n within it, and LatencyProfile extrapolates its last slope (linear in the
+    rows: where a forward of that many rows is compute-bound, as a large model's is)."""
     runner = ModelRunner(model, max(batches), CONTEXT + max(ns) + 8, max(ns) + 1)
     points, fwds = [], []
     for b in batches:
         seqs = fake_seqs(b, CONTEXT)
         for n in ns:
+            if max_rows is not None and n > 2 and b * n > max_rows:
+                continue
             points.append((b, n))
             fwds.append(partial(runner.run, seqs, [[7] * n for _ in range(b)], [CONTEXT] * b, [0] * b, False))
     table: dict[int, dict[int, float]] = {b: {} for b in batches}
-    for (b, n), ms in zip(points, interleaved_min_ms(fwds, reps), strict=True):
+    for (b, n), ms in zip(points, interleaved_min_ms(fwds, reps, warmup), strict=True):
         table[b][n] = round(ms, 3)
     return table
 
@@ -149,12 +157,12 @@ def profile_tree(model: LlamaModel, batches: Seq[int], sizes: Seq[int], reps: in
 
 
 @torch.inference_mode()
-def profile_prefill(model: LlamaModel, reps: int) -> float:
-    """ms per prompt token: one PREFILL_CHUNK-token prefill forward of one sequence (last row's logits)."""
-    runner = ModelRunner(model, 1, PREFILL_CHUNK + 8, PREFILL_CHUNK)
-    seq = fake_seqs(1, PREFILL_CHUNK)
-    fwd = partial(runner.run, seq, [[7] * PREFILL_CHUNK], [0], [PREFILL_CHUNK - 1], False, prefill=True)
-    return round(interleaved_min_ms([fwd], reps)[0] / PREFILL_CHUNK, 4)
+def profile_prefill(model: LlamaModel, reps: int, warmup: int = 2, tokens: int = PREFILL_CHUNK) -> float:
+    """ms per prompt token: one `tokens`-token prefill forward of one sequence (last row's logits)."""
+    runner = ModelRunner(model, 1, tokens + 8, tokens)
+    seq = fake_seqs(1, tokens)
+    fwd = partial(runner.run, seq, [[7] * tokens], [0], [tokens - 1], False, prefill=True)
+    return round(interleaved_min_ms([fwd], reps, warmup)[0] / tokens, 4)
 
 
 def target_config(cfg) -> dict:
@@ -239,13 +247,14 @@ def _for_profiling(drafter: Eagle3Drafter, batches: Seq[int], lags: Seq[int]) ->
 
 
 def profile_latency(model: LlamaModel, drafter, batches: Seq[int], ns: Seq[int], lags: Seq[int] = (1, 4, 16, 64),
-                    reps: int = 5, tree_sizes: Seq[int] = ()) -> LatencyProfile:
+                    reps: int = 5, tree_sizes: Seq[int] = (), cost: ProfileCost | None = None) -> LatencyProfile:
     """Measure a LatencyProfile for `model` + `drafter` (None, an n-gram or an EAGLE-3 drafter);
-    `tree_sizes`: also T_tree(b, N) for these tree sizes N."""
+    `tree_sizes`: also T_tree(b, N) for these tree sizes N; `cost`: how much of the grid is run."""
     t0 = time.perf_counter()
+    cost = cost or ProfileCost()
     drafter = _timed_drafter(drafter)
     batches, ns, lags = sorted(set(batches)), sorted(set(ns)), sorted(set(lags))
-    t_ms = profile_target(model, batches, ns, reps)
+    t_ms = profile_target(model, batches, ns, reps, cost.warmup, cost.max_rows)
     tree_ms = profile_tree(model, batches, sorted(set(tree_sizes)), reps) if tree_sizes else {}
     c_ms: dict[int, dict[int, float]] = {}
     if drafter is None:
@@ -263,7 +272,8 @@ def profile_latency(model: LlamaModel, drafter, batches: Seq[int], ns: Seq[int],
             # T(b, 1 + max γ), not T(b, 1 + mean γ) (tide.policies.adaptive reads this)
             "verify_padding": True}
     prof = LatencyProfile(T_ms=t_ms, D0_ms=d_ms[batches[0]], D_ms=d_ms, C_ms=c_ms,
-                          prefill_ms_per_token=profile_prefill(model, reps), meta=meta, tree_ms=tree_ms)
+                          prefill_ms_per_token=profile_prefill(model, reps, cost.warmup, cost.prefill_tokens),
+                          meta=meta, tree_ms=tree_ms)
     prof.meta["profile_s"] = round(time.perf_counter() - t0, 1)
     return prof
 
@@ -282,6 +292,32 @@ def default_grid(max_batch: int, max_gamma: int) -> tuple[list[int], list[int], 
 # guest and the full grid (5 batches x 7 ns, 5 rounds) took 429 s of its first start.
 LARGE_MODEL_BYTES = 2 << 30
 LARGE_MODEL_REPS = 2  # rounds of the thinner grid (the default: 5)
+
+
+@dataclass(frozen=True)
+class ProfileCost:
+    """How much of a grid a profile runs: warm-up runs per point, the most rows (b × n) a T(b, n)
+    point may have past n = 2 (None: all; `profile_target`), the timed prompt's tokens."""
+
+    warmup: int = 2
+    max_rows: int | None = None
+    prefill_tokens: int = PREFILL_CHUNK
+
+    def key(self) -> dict:
+        """Its part of a cache key: nothing for the default (the keys of profiles cached before stay)."""
+        return {} if self == ProfileCost() else {"cost": asdict(self)}
+
+
+# A large model's start profile also runs less of that grid (`start_cost`): its forwards of many rows
+# are compute-bound, linear in the rows, so T(b, n) past LARGE_MODEL_MAX_ROWS rows is extrapolated
+# from T(b, 1) and T(b, 2); one warm-up; a 32-token timed prompt (a 128-token one took ~10 s a run
+# at 8B int8 on 2 vCPUs; per token, a compute-bound prompt costs the same at either length).
+LARGE_MODEL_COST = ProfileCost(warmup=1, max_rows=16, prefill_tokens=32)
+
+
+def start_cost(weight_bytes: int) -> ProfileCost:
+    """The ProfileCost of a worker's start profile for a model of `weight_bytes` (see start_grid)."""
+    return LARGE_MODEL_COST if weight_bytes > LARGE_MODEL_BYTES else ProfileCost()
 
 
 def start_grid(max_batch: int, max_gamma: int, weight_bytes: int,
@@ -310,9 +346,10 @@ def cache_dir() -> Path:
     return profile_cache_dir()
 
 
-def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags) -> dict:
+def cache_key(model_id: str, model: LlamaModel, drafter, batches, ns, lags, cost: ProfileCost | None = None) -> dict:
     """Everything a profile depends on; its SHA-256 names the cache file."""
-    return {"format": PROFILE_FORMAT, "target": model_id, "dtype": str(model.dtype), "device": str(model.device),
+    return {**(cost or ProfileCost()).key(), "format": PROFILE_FORMAT, "target": model_id, "dtype": str(model.dtype),
+            "device": str(model.device),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "context": CONTEXT,
             "clock": "wall" if _TIMER[-1] is time.perf_counter else "cpu",
             "drafter": drafter_shape(drafter), "batches": sorted(set(batches)), "ns": sorted(set(ns)),
@@ -332,9 +369,10 @@ def cache_path(key: dict, directory: Path | None = None) -> Path:
 
 
 def cached_profile(model: LlamaModel, drafter, *, model_id: str, batches, ns, lags=(1, 4, 16, 64), reps: int = 5,
-                   directory: Path | None = None, refresh: bool = False) -> tuple[LatencyProfile, Path, bool]:
+                   directory: Path | None = None, refresh: bool = False,
+                   cost: ProfileCost | None = None) -> tuple[LatencyProfile, Path, bool]:
     """(profile, its cache file, True when it came from the cache). `refresh` re-measures and rewrites."""
-    key = cache_key(model_id, model, drafter, batches, ns, lags)
+    key = cache_key(model_id, model, drafter, batches, ns, lags, cost)
     path = cache_path(key, directory)
     if not refresh and path.exists():
         try:
@@ -343,7 +381,7 @@ def cached_profile(model: LlamaModel, drafter, *, model_id: str, batches, ns, la
                 return prof, path, True
         except (ValueError, KeyError, TypeError, OSError) as e:
             log.warning("ignoring unreadable profile cache %s: %s", path, e)
-    prof = profile_latency(model, drafter, batches, ns, lags, reps)
+    prof = profile_latency(model, drafter, batches, ns, lags, reps, cost=cost)
     prof.meta["cache_key"] = key
     prof.meta["target"] = model_id
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -151,6 +151,27 @@ def test_large_models_profile_a_thinner_grid_at_start():
     assert reps == LARGE_MODEL_REPS < 5
 
 
+def test_a_large_models_start_profile_skips_the_rows_it_extrapolates(tiny_model, tmp_path):
+    """A large model's start cost: T(b, n) past max_rows rows is not run (n = 1, 2 always are) and
+    the profile extrapolates it from the batch's last slope, never below the measured points; the
+    cache keys of default-cost profiles are unchanged, a light profile has a key of its own."""
+    from tide.engine.profiling import LARGE_MODEL_BYTES, LARGE_MODEL_COST, ProfileCost, cache_key, start_cost
+
+    assert start_cost(LARGE_MODEL_BYTES) == ProfileCost() and start_cost(LARGE_MODEL_BYTES + 1) == LARGE_MODEL_COST
+    cost = ProfileCost(warmup=1, max_rows=4, prefill_tokens=16)
+    prof = profile_latency(tiny_model, None, [1, 4], [1, 2, 3, 5], reps=1, cost=cost)
+    assert sorted(prof.T_ms[1]) == [1, 2, 3] and sorted(prof.T_ms[4]) == [1, 2]
+    assert prof.target_ms(4, 5) >= prof.target_ms(4, 2) > 0 and prof.prefill_ms_per_token > 0
+    default_key = cache_key("m", tiny_model, None, [1], [1], [1])
+    assert "cost" not in default_key and default_key == cache_key("m", tiny_model, None, [1], [1], [1], ProfileCost())
+    assert cache_key("m", tiny_model, None, [1], [1], [1], cost)["cost"]["max_rows"] == 4
+    light, _, hit = cached_profile(tiny_model, None, model_id="m", batches=[1, 4], ns=[1, 2, 3, 5], reps=1,
+                                   directory=tmp_path, cost=cost)
+    assert not hit and sorted(light.T_ms[4]) == [1, 2]
+    assert cached_profile(tiny_model, None, model_id="m", batches=[1, 4], ns=[1, 2, 3, 5], reps=1,
+                          directory=tmp_path, cost=cost)[2]
+
+
 def test_a_speculation_memory_profiles_the_deep_verifies_its_recalls_make():
     """Recalls draft up to max_recall_gamma: their verify rows are measured, not extrapolated."""
     from tide.engine.profiling import LARGE_MODEL_BYTES, start_grid
