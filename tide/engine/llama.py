@@ -300,7 +300,7 @@ def _faster_head(weight: torch.Tensor) -> Linear:
     choice never changes a token. ~20 head passes once per model load. Where tide.kernels' bf16
     GEMM serves (Linear's first choice), it serves the head too: no choice to make."""
     # Where the kernel serves, only its packed copy is kept: an untied head's [V, H] tensor would
-    # be a second copy (88 MB at 0.5B, 400 MB at 8B in bf16); a tied one stays the embedding's.
+    # be a second copy (101 MB at the 0.5B Llama shape, 403 MB at 8B in bf16); a tied one stays the embedding's.
     plain = Linear(weight, keep_weight=False)
     if plain.row_exact:
         return plain
