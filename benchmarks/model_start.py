@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -64,14 +65,22 @@ def start(target: str, port: int, weights: str | None, data_dir: Path, timeout_s
     log = (data_dir / "up.log").open("w")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_ready(proc, lambda: bool(READY.search((data_dir / "up.log").read_text(errors="replace"))), timeout_s,
+               f"tide up (see {data_dir / 'up.log'})")
+    return proc, round(time.monotonic() - t0, 1)
+
+
+def wait_ready(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `ready` until it holds; raise (stopping `proc`) when `proc` exits or `timeout_s` passes."""
+    t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        if READY.search((data_dir / "up.log").read_text(errors="replace")):
-            return proc, round(time.monotonic() - t0, 1)
+        if ready():
+            return
         if proc.poll() is not None:
-            raise RuntimeError(f"tide up exited {proc.returncode}: see {data_dir / 'up.log'}")
+            raise RuntimeError(f"{what} exited {proc.returncode}")
         time.sleep(0.5)
     stop(proc)
-    raise TimeoutError(f"not ready in {timeout_s} s: see {data_dir / 'up.log'}")
+    raise TimeoutError(f"{what} not ready in {timeout_s} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -128,20 +137,17 @@ def start_llama_server(binary: str, target: Path, port: int, slots: int, context
     `context` tokens each (its -c is the total); (process, seconds to ready, command line)."""
     cmd = [binary, "-m", str(target), "--port", str(port), "-t", "2", "-tb", "2", "-np", str(slots),
            "-c", str(slots * context), "--no-webui"]
-    base = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    while time.monotonic() - t0 < timeout_s:
+
+    def healthy() -> bool:
         try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return proc, round(time.monotonic() - t0, 1), " ".join(cmd)
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
         except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited {proc.returncode}: {' '.join(cmd)}")
-        time.sleep(0.5)
-    stop(proc)
-    raise TimeoutError(f"llama-server not ready in {timeout_s} s: {' '.join(cmd)}")
+            return False
+
+    wait_ready(proc, healthy, timeout_s, f"llama-server ({' '.join(cmd)})")
+    return proc, round(time.monotonic() - t0, 1), " ".join(cmd)
 
 
 def process_rss_mb(proc: subprocess.Popen) -> int:
