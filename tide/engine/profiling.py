@@ -311,8 +311,8 @@ class ProfileCost:
 # A large model's start profile also runs less of that grid (`start_cost`): its forwards of many rows
 # are compute-bound, linear in the rows, so T(b, n) past 16 rows (b × n) is extrapolated from T(b, 1)
 # and T(b, 2); one warm-up; a 32-token timed prompt (compute-bound, a prompt costs the same per token
-# at 32 as at 128 tokens). At 8B int8 on 2 vCPUs the thinner grid with the default cost took 111 s,
-# with this one 24.6 s (docs/results/model-sizes).
+# at 32 as at 128 tokens). At 8B int8 on 2 vCPUs the thinner grid with the default cost took 111 s
+# (Zen 4, 10 slots), with this one 24.6 s (Zen 5, 16 slots): docs/results/model-sizes.
 LARGE_MODEL_COST = ProfileCost(warmup=1, max_rows=16, prefill_tokens=32)
 
 
