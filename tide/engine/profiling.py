@@ -309,11 +309,12 @@ class ProfileCost:
 
 
 # A large model's start profile also runs less of that grid (`start_cost`): its forwards of many rows
-# are compute-bound, linear in the rows, so T(b, n) past 16 rows (b × n) is extrapolated from T(b, 1)
-# and T(b, 2); one warm-up; a 32-token timed prompt (compute-bound, a prompt costs the same per token
-# at 32 as at 128 tokens). At 8B int8 on 2 vCPUs the thinner grid with the default cost took 111 s
-# (Zen 4, 10 slots), with this one 24.6 s (Zen 5, 16 slots): docs/results/model-sizes.
-LARGE_MODEL_COST = ProfileCost(warmup=1, max_rows=16, prefill_tokens=32)
+# are compute-bound, near linear in the rows, so T(b, n) past 36 rows (b × n: batch 4 up to γ 8) is
+# extrapolated from the batch's last two points; one warm-up; a 64-token timed prompt. At 8B int8 on
+# the Zen 5 guest, one after the other: 58.2 s with the default cost, 29.8 s with this one (its
+# prompt 1.08x the 128-token one's per token); 24.5 / 26.5 s with 16 rows and 32 tokens, but then
+# T(4, 9) came out 21 % below the measured one and the prompt 1.33x (docs/results/model-sizes).
+LARGE_MODEL_COST = ProfileCost(warmup=1, max_rows=36, prefill_tokens=64)
 
 
 def start_cost(weight_bytes: int) -> ProfileCost:
