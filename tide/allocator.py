@@ -42,7 +42,7 @@ def keep_freed_memory(trim_threshold: int = 1 << 30, top_pad: int = 256 << 20) -
         return True
     if os.environ.get("TIDE_MALLOC_TUNING", "1") == "0":
         return False
-    mallopt = _libc_function("mallopt")
+    mallopt = libc_function("mallopt")
     if mallopt is None:  # not glibc (musl, macOS): nothing to tune
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
@@ -57,7 +57,7 @@ def keep_freed_memory(trim_threshold: int = 1 << 30, top_pad: int = 256 << 20) -
 def release_free_memory() -> bool:
     """Hand the heap's free pages back to the kernel (glibc's `malloc_trim(0)`, about 35 ms per
     500 MB released); False where the C library has no such call. See the module doc."""
-    trim = _libc_function("malloc_trim")
+    trim = libc_function("malloc_trim")
     if trim is None:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
@@ -65,7 +65,7 @@ def release_free_memory() -> bool:
     return True
 
 
-def _libc_function(name: str):
+def libc_function(name: str):
     """`name` from the C library, or None where it has no such function (or cannot be loaded)."""
     try:
         return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)

@@ -37,11 +37,11 @@ def resident_tensor_bytes(tensors: Iterable) -> int | None:
     mapping that was read counts too (it maps the kernel's shared zero page, which RSS does not
     count): an upper bound of what the tensors hold."""
     import ctypes
-    import ctypes.util
 
-    try:
-        mincore = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).mincore
-    except (OSError, AttributeError):
+    from tide.allocator import libc_function
+
+    mincore = libc_function("mincore")
+    if mincore is None:
         return None
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     total = 0

@@ -263,7 +263,7 @@ class KVCache:
         dtype = kv_cache_dtype(dtype, device, cfg.head_dim)
         self.max_len = max_len
         # Held as written (tide.allocator.zeros_on_demand): a cache sized for every slot's full context
-        # takes memory for the tokens cached, as llama.cpp's does not (docs/results/model-sizes).
+        # takes memory for the tokens cached (docs/results/model-sizes, "every slot full").
         self.k = [zeros_on_demand(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.v = [zeros_on_demand(shape, dtype, device) for _ in range(cfg.num_layers)]
 
